@@ -1,0 +1,1 @@
+"""The prep stage: raw text and media into training shards (`mmtrain-prep`, `python -m dataprep`)."""

@@ -1,0 +1,3 @@
+from dataprep.cli import main
+
+raise SystemExit(main())

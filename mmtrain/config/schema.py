@@ -1,0 +1,139 @@
+"""The run configuration: nested dataclasses, one documented default per field.
+
+YAML files under ``configs/`` only overlay these defaults and dotted ``key=value`` overrides win last
+(see ``mmtrain.config.loader``). Every field carries its help text in ``metadata["help"]``; the
+configuration reference in ``docs/`` is generated from it, so the text here is the documentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def doc(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a default and its help text (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the decoder-only language model (Llama family by default)."""
+
+    name: str = doc("tiny", "Free-form name of the shape, shown in logs (e.g. llama3.2-1b).")
+    num_layers: int = doc(2, "Number of transformer blocks.")
+    hidden_size: int = doc(64, "Width of the residual stream.")
+    ffn_hidden_size: int = doc(176, "Inner width of the MLP (per gate for SwiGLU).")
+    num_attention_heads: int = doc(4, "Number of query heads.")
+    num_query_groups: int = doc(0, "Number of key/value heads for GQA/MQA; 0 means one per query head (MHA).")
+    vocab_size: int = doc(512, "Rows of the embedding table; must exceed every token id in the data.")
+    norm: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer kind.")
+    norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.")
+    activation: Literal["swiglu", "gelu"] = doc("swiglu", "MLP activation: gated SiLU (Llama) or GELU.")
+    rope_theta: float = doc(10000.0, "Base of the rotary position embedding frequencies.")
+    rope_scaling_factor: float = doc(1.0, "Llama-3 style RoPE frequency scaling factor; 1.0 disables scaling.")
+    tie_embeddings: bool = doc(False, "Share the input embedding and the output projection.")
+    add_bias: bool = doc(False, "Add biases to all attention and MLP linears.")
+    qkv_bias: bool = doc(False, "Add biases to the query/key/value projections only (Qwen2 style).")
+    qk_norm: bool = doc(False, "Normalize queries and keys per head before attention (Qwen3/OLMo2 style).")
+    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks are laid out; the product tp*pp*cp*dp must equal the world size."""
+
+    tp: int = doc(1, "Tensor-parallel size (splits heads and MLP columns).")
+    pp: int = doc(1, "Pipeline-parallel size (splits the layers into stages).")
+    cp: int = doc(1, "Context-parallel size (splits each sequence).")
+    dp: int = doc(0, "Data-parallel size; 0 infers it as world_size / (tp*pp*cp).")
+    ep: int = doc(1, "Expert-parallel size; experts are sharded over the dp*cp ranks, so ep must divide dp*cp.")
+    sequence_parallel: bool = doc(False, "Shard norms and residuals along the sequence over the TP group.")
+    virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.")
+    distributed_optimizer: bool = doc(True, "Shard optimizer state and fp32 master weights over data-parallel ranks.")
+    backend: Literal["auto", "nccl", "gloo"] = doc("auto", "torch.distributed backend; auto picks nccl on GPU, gloo on CPU.")
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from."""
+
+    mock: bool = doc(False, "Use random tokens instead of a dataset (benchmarks and smoke tests).")
+    prefixes: list[str] = doc([], "Indexed dataset prefixes (path without .bin/.idx); used when no blend is given.")
+    blend: str = doc("", "Path of a blend-spec YAML file (docs/blend-spec.md); wins over `prefixes`.")
+    seq_length: int = doc(128, "Tokens per training sample.")
+    split: str = doc("969,30,1", "Train/valid/test split of the documents, as relative weights.")
+    seed: int = doc(1234, "Seed of the document and sample shuffling.")
+    cache_dir: str = doc("", "Folder for the cached sample indices; empty means next to the first dataset.")
+    num_workers: int = doc(0, "Loader worker processes per rank.")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = doc(3e-4, "Peak learning rate.")
+    min_lr: float = doc(3e-5, "Learning rate at the end of the decay.")
+    weight_decay: float = doc(0.1, "Decoupled weight decay; never applied to norms, biases or embeddings' rows of ones.")
+    beta1: float = doc(0.9, "AdamW beta1.")
+    beta2: float = doc(0.95, "AdamW beta2.")
+    eps: float = doc(1e-8, "AdamW epsilon.")
+    grad_clip: float = doc(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    schedule: Literal["cosine", "wsd", "constant"] = doc("cosine", "Learning-rate schedule after warmup.")
+    warmup_steps: int = doc(10, "Linear warmup steps from 0 to `lr`.")
+    decay_fraction: float = doc(0.2, "WSD only: fraction of the steps spent in the final decay.")
+
+
+@dataclass
+class TrainConfig:
+    """The step loop."""
+
+    steps: int = doc(20, "Optimizer steps to run.")
+    micro_batch_size: int = doc(2, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: int = doc(0, "Samples per optimizer step over all ranks; 0 means micro_batch_size * dp.")
+    precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32.")
+    activation_checkpointing: Literal["none", "selective", "full"] = doc("none", "Recompute activations in backward.")
+    compile: bool = doc(False, "torch.compile each transformer block.")
+    seed: int = doc(42, "Seed of the weight initialization and dropout.")
+    eval_every: int = doc(0, "Evaluate on the valid split every N steps; 0 disables.")
+    eval_steps: int = doc(4, "Micro-batches per evaluation.")
+    device: Literal["auto", "cpu", "cuda"] = doc("auto", "Where to run; auto picks cuda when available.")
+
+
+@dataclass
+class LoggingConfig:
+    """What is printed and written during a run."""
+
+    run_dir: str = doc("runs/default", "Folder of this run: resolved config, metrics, checkpoints.")
+    log_every: int = doc(1, "Print one metrics line every N steps (rank 0).")
+    tensorboard: bool = doc(False, "Also write TensorBoard event files to run_dir/tb (needs the tensorboard package).")
+    peak_tflops: float = doc(0.0, "Per-device peak TFLOP/s for MFU; 0 hides MFU.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save_every: int = doc(0, "Save a checkpoint every N steps; 0 saves only at the end if `save_final`.")
+    save_final: bool = doc(True, "Save a checkpoint after the last step.")
+    keep_last: int = doc(2, "Keep only the newest N checkpoints; 0 keeps all.")
+    load: str = doc("", "Checkpoint folder to resume from; empty resumes from run_dir/checkpoints/latest if present.")
+
+
+@dataclass
+class GPTRunConfig:
+    """Everything `python -m mmtrain.pretrain_gpt` needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model shape."})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Parallel layout."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training data."})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "Optimizer and schedule."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Step loop."})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Logging."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})

@@ -1,0 +1,68 @@
+"""Cross-field checks that must fail before any process group is made.
+
+Each check names the keys involved and the values, so the fix is obvious from the message alone.
+"""
+
+from __future__ import annotations
+
+from mmtrain.config.loader import ConfigError
+from mmtrain.config.schema import GPTRunConfig
+
+
+def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> None:
+    """Raise ``ConfigError`` on impossible combinations. With ``world_size`` also checks the layout."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    positive = {
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+        "model.ffn_hidden_size": m.ffn_hidden_size, "model.num_attention_heads": m.num_attention_heads,
+        "model.vocab_size": m.vocab_size, "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp,
+        "parallel.ep": p.ep, "parallel.virtual_pp": p.virtual_pp, "train.micro_batch_size": t.micro_batch_size,
+        "data.seq_length": d.seq_length,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    for key, value in {"model.num_query_groups": m.num_query_groups, "parallel.dp": p.dp,
+                       "train.global_batch_size": t.global_batch_size, "train.steps": t.steps}.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by "
+                          f"model.num_attention_heads ({m.num_attention_heads})")
+    if m.num_attention_heads % m.kv_heads:
+        raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+                          f"model.num_query_groups ({m.kv_heads})")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError(f"head dim hidden_size/num_attention_heads = {m.hidden_size // m.num_attention_heads} "
+                          "must be even for rotary embeddings")
+    if m.num_attention_heads % p.tp:
+        raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp ({p.tp})")
+    if m.kv_heads % p.tp:
+        raise ConfigError(f"model.num_query_groups ({m.kv_heads}) must be divisible by parallel.tp ({p.tp}); "
+                          "lower tp or use more key/value heads")
+    if m.ffn_hidden_size % p.tp:
+        raise ConfigError(f"model.ffn_hidden_size ({m.ffn_hidden_size}) must be divisible by parallel.tp ({p.tp})")
+    if m.vocab_size % p.tp:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}); pad the vocabulary")
+    if m.num_layers < p.pp * p.virtual_pp:
+        raise ConfigError(f"model.num_layers ({m.num_layers}) must be >= parallel.pp * parallel.virtual_pp "
+                          f"({p.pp} * {p.virtual_pp})")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+    if p.cp > 1 and d.seq_length % (2 * p.cp):
+        raise ConfigError(f"data.seq_length ({d.seq_length}) must be divisible by 2 * parallel.cp ({2 * p.cp}) "
+                          "for load-balanced context parallelism")
+    if p.sequence_parallel and (d.seq_length // p.cp) % p.tp:
+        raise ConfigError(f"data.seq_length / parallel.cp ({d.seq_length // p.cp}) must be divisible by parallel.tp "
+                          f"({p.tp}) with sequence parallelism")
+    if not d.mock and not d.prefixes and not d.blend:
+        raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
+    if t.precision == "fp8" and t.device == "cpu":
+        raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
+    if world_size is not None:
+        from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
+
+        dims = ParallelDims.from_config(p, world_size)
+        if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dims.dp):
+            raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                              f"train.micro_batch_size * dp ({t.micro_batch_size} * {dims.dp})")

@@ -1,0 +1,44 @@
+"""GPT pre-training entry point: parse config -> validate -> processes and groups -> build -> train.
+
+    torchrun --nproc_per_node N -m mmtrain.pretrain_gpt --config configs/gpt/F.yaml key=value ...
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mmtrain.cli_args import parse_run_config
+from mmtrain.config import ConfigError, GPTRunConfig, save_config, validate_gpt_config
+from mmtrain.parallel import LayoutError, ParallelDims, init_distributed, pick_device, shutdown_distributed
+from mmtrain.utils.log import setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_run_config(GPTRunConfig, argv, "mmtrain.pretrain_gpt")
+    import os
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        validate_gpt_config(cfg, world_size=world_size)
+    except (ConfigError, LayoutError) as exc:
+        print(f"mmtrain.pretrain_gpt: config error: {exc}", file=sys.stderr)
+        return 2
+    device = pick_device(cfg.train.device)
+    rank, world_size = init_distributed(cfg.parallel.backend, device)
+    log = setup_logging(rank)
+    try:
+        mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+        if rank == 0:
+            save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
+        log.info(f"layout: {mesh.dims.describe()} on {device}; resolved config in {cfg.logging.run_dir}/config.yaml")
+        from mmtrain.train.loop import train_gpt
+
+        train_gpt(cfg, mesh, device)
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

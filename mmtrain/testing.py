@@ -1,0 +1,111 @@
+"""Run a function in N spawned processes over gloo: the harness of every CPU distributed test.
+
+    def check(rank, world_size, scale):       # module-level, so spawn can import it
+        ...
+    results = run_distributed(check, 4, 2.0)   # one return value per rank
+
+A rank that raises makes the whole call raise ``DistributedTestFailure`` carrying that rank's traceback
+(the first failure in time, which is the root cause; peers that then die on broken collectives are listed
+after it). Ranks still alive are killed after a short grace period, so a failure never hangs the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class DistributedTestFailure(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, backend: str, results: Any,
+            env: dict[str, str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(1)  # N ranks on a 2-core machine: oversubscription makes gloo tests crawl
+    try:
+        import datetime
+
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 300.0,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, backend, results, env or {}),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    errors: list[tuple[int, str]] = []
+    deadline = time.monotonic() + timeout_s
+    grace_deadline = None
+    try:
+        while len(values) + len(errors) < world_size:
+            now = time.monotonic()
+            limit = min(deadline, grace_deadline) if grace_deadline else deadline
+            if now >= limit:
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(1.0, limit - now))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in values and r not in [e[0] for e in errors]]
+                for r in dead:  # crashed without reporting (segfault, os._exit, killed)
+                    errors.append((r, f"process exited with code {procs[r].exitcode} without reporting"))
+                if errors and grace_deadline is None:
+                    grace_deadline = time.monotonic() + 10.0
+                continue
+            if status == "ok":
+                values[rank] = payload
+            else:
+                errors.append((rank, payload))
+                if grace_deadline is None:
+                    grace_deadline = time.monotonic() + 10.0
+    finally:
+        for p in procs:
+            p.join(timeout=0.1 if errors else 5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        first_rank, first_tb = errors[0]
+        others = ", ".join(str(r) for r, _ in errors[1:])
+        more = f"\n(ranks {others} failed after it)" if others else ""
+        raise DistributedTestFailure(f"rank {first_rank} of {world_size} failed:\n{first_tb}{more}")
+    missing = [r for r in range(world_size) if r not in values]
+    if missing:
+        raise DistributedTestFailure(f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f}s "
+                                     "(a hang in a collective?)")
+    return [values[r] for r in range(world_size)]

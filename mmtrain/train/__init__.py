@@ -1,0 +1,1 @@
+"""The training step loop, optimizer, schedules, checkpoints and metrics."""

@@ -1,0 +1,87 @@
+"""Per-step metrics: one console line per logged step on rank 0, a JSONL file, optional TensorBoard.
+
+The line format is fixed and greppable::
+
+    step 12/100 | loss 3.2104 | lr 3.00e-04 | grad_norm 1.234 | tok/s 12.3k | tflops 45.1 | mfu 6.1% | mem 3.2GiB
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from mmtrain.utils.log import get_logger
+
+_ORDER = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "mem_gib", "step_time_s")
+
+
+def _fmt_value(key: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{key} {value}"
+    if math.isnan(value) or math.isinf(value):
+        return f"{key} {value}"
+    if key == "lr":
+        return f"lr {value:.2e}"
+    if key == "tokens_per_s":
+        return f"tok/s {value / 1000:.1f}k" if value >= 1000 else f"tok/s {value:.0f}"
+    if key == "mfu":
+        return f"mfu {100 * value:.1f}%"
+    if key == "mem_gib":
+        return f"mem {value:.1f}GiB"
+    if key == "step_time_s":
+        return f"{1000 * value:.0f}ms"
+    if key == "tflops":
+        return f"tflops {value:.1f}"
+    if isinstance(value, int):
+        return f"{key} {value}"
+    return f"{key} {value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{key} {value:.3e}"
+
+
+def format_step_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
+    keys = [k for k in _ORDER if k in metrics] + sorted(k for k in metrics if k not in _ORDER)
+    return " | ".join([f"step {step}/{total_steps}"] + [_fmt_value(k, metrics[k]) for k in keys])
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0 only; other ranks get a no-op object with the same methods."""
+
+    def __init__(self, run_dir: str | Path, rank: int = 0, total_steps: int = 0, log_every: int = 1,
+                 tensorboard: bool = False) -> None:
+        self.enabled = rank == 0
+        self.total_steps = total_steps
+        self.log_every = max(1, log_every)
+        self._log = get_logger("metrics")
+        self._jsonl = None
+        self._tb = None
+        if not self.enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:  # pragma: no cover - depends on the install
+                raise RuntimeError("logging.tensorboard=true needs the tensorboard package: "
+                                   "pip install 'mmtrain[tensorboard]'") from exc
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def log_step(self, step: int, metrics: dict[str, Any], force: bool = False) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"train/{key}", value, step)
+        if force or step % self.log_every == 0 or step == self.total_steps:
+            self._log.info(format_step_line(step, self.total_steps, metrics))
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,1 @@
+"""Small shared helpers (atomic files, logging) used by both mmtrain and dataprep."""
