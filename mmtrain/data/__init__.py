@@ -1,0 +1,1 @@
+"""Datasets and loaders: indexed token files, GPT samples, blends, multimodal (energon) loading."""

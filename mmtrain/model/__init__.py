@@ -1,0 +1,1 @@
+"""Models, written for one device; parallel plans wrap them (mmtrain.parallel)."""
