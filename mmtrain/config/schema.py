@@ -55,6 +55,7 @@ class ParallelConfig:
     dp: int = doc(0, "Data-parallel size; 0 infers it as world_size / (tp*pp*cp).")
     ep: int = doc(1, "Expert-parallel size; experts are sharded over the dp*cp ranks, so ep must divide dp*cp.")
     sequence_parallel: bool = doc(False, "Shard norms and residuals along the sequence over the TP group.")
+    pipeline_layers: list[int] = doc([], "Layers per pipeline stage, e.g. [3, 5, 5, 3]; empty splits evenly.")
     virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.")
     distributed_optimizer: bool = doc(True, "Shard optimizer state and fp32 master weights over data-parallel ranks.")
     backend: Literal["auto", "nccl", "gloo"] = doc("auto", "torch.distributed backend; auto picks nccl on GPU, gloo on CPU.")

@@ -37,7 +37,11 @@ class GPTModel(nn.Module):
         # A tied last stage that does not hold the embedding keeps its own copy, kept equal by the trainer.
         own_output = post_process and not (cfg.tie_embeddings and pre_process)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
+        # Hooks a parallel plan may set (mmtrain.parallel.tensor): the loss over (sharded) logits, what the head
+        # does to its input (copy/gather over TP), and how full logits are assembled when asked for.
         self.loss_fn = token_cross_entropy
+        self.head_input_fn = None
+        self.logits_gather_fn = None
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
                              persistent=False)
@@ -71,9 +75,10 @@ class GPTModel(nn.Module):
         Returns per-token losses (B, S) on the last stage when ``labels_BS`` is given, else logits (last stage)
         or hidden states (other stages)."""
         x = self.embed(inputs) if self.pre_process else inputs
-        B = x.shape[0]
-        S = inputs.shape[1] if self.pre_process else (labels_BS.shape[1] if labels_BS is not None else x.shape[1])
         if position_ids_BS is None:
+            if not self.pre_process:
+                raise ValueError("a pipeline stage without the embedding needs position_ids_BS")
+            B, S = inputs.shape
             position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
         cos, sin = rope_cos_sin(position_ids_BS, self.inv_freq, x.dtype)
         for layer in self.layers.values():
@@ -81,9 +86,11 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.norm(x)
+        if self.head_input_fn is not None:
+            x = self.head_input_fn(x)
         logits = F.linear(x, self.output_weight())
         if labels_BS is None:
-            return logits
+            return self.logits_gather_fn(logits) if self.logits_gather_fn is not None else logits
         return self.loss_fn(logits, labels_BS)
 
 

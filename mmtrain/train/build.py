@@ -1,0 +1,21 @@
+"""Build this rank's piece of the GPT: its pipeline stage, initialized as the whole model would be, then
+sharded over tensor parallelism and moved to the device."""
+
+from __future__ import annotations
+
+import torch
+
+from mmtrain.config.schema import GPTRunConfig
+from mmtrain.model.gpt import GPTModel
+from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.pipeline import stage_layer_ranges
+from mmtrain.parallel.tensor import apply_tensor_parallel
+
+
+def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> GPTModel:
+    pp, stage = mesh.dims.pp, mesh.coord.pp
+    ranges = stage_layer_ranges(cfg.model.num_layers, pp, cfg.parallel.pipeline_layers)
+    model = GPTModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
+    model.init_weights(cfg.train.seed)
+    apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
+    return model.to(device)
