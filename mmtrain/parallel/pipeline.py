@@ -98,8 +98,19 @@ def _backward(inp, out, grad_out):
 
 
 def one_f_one_b(forward_step: Callable[[int, torch.Tensor | None], torch.Tensor], num_micro: int,
-                comm: PipelineComm, stage: int, num_stages: int) -> None:
-    """Run forward_step(i, received_input) for every micro-batch i with its backward, in 1F1B order."""
+                comm: PipelineComm, stage: int, num_stages: int,
+                before_last_backward: Callable[[], None] = lambda: None) -> None:
+    """Run forward_step(i, received_input) for every micro-batch i with its backward, in 1F1B order.
+    ``before_last_backward`` runs right before the last micro-batch's backward (gradient reduction may start)."""
+    backwards_left = num_micro
+
+    def backward(inp, out, grad_out):
+        nonlocal backwards_left
+        backwards_left -= 1
+        if backwards_left == 0:
+            before_last_backward()
+        return _backward(inp, out, grad_out)
+
     warmup = min(num_stages - stage - 1, num_micro)
     remaining = num_micro - warmup
     inputs, outputs = [], []
@@ -115,12 +126,12 @@ def one_f_one_b(forward_step: Callable[[int, torch.Tensor | None], torch.Tensor]
         grad_out = comm.send_forward_recv_backward(out)
         inputs.append(x)
         outputs.append(out)
-        grad_in = _backward(inputs.pop(0), outputs.pop(0), grad_out)
+        grad_in = backward(inputs.pop(0), outputs.pop(0), grad_out)
         if i == remaining - 1:
             comm.send_backward(grad_in)
         else:
             x = comm.send_backward_recv_forward(grad_in)
     for _ in range(warmup):
         grad_out = comm.recv_backward()
-        grad_in = _backward(inputs.pop(0), outputs.pop(0), grad_out)
+        grad_in = backward(inputs.pop(0), outputs.pop(0), grad_out)
         comm.send_backward(grad_in)

@@ -7,7 +7,6 @@ layout (TP, PP, DP, gradient accumulation, masks) computes the same update as on
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -17,13 +16,13 @@ import torch.distributed as dist
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.data.loader import MicroBatches
 from mmtrain.model.gpt import GPTModel, flops_per_token
+from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.pipeline import PipelineComm, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
-from mmtrain.train.grads import clip_grad_norm, finalize_grads
+from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
 from mmtrain.train.lr import lr_at
 from mmtrain.train.metrics import MetricsLogger
-from mmtrain.train.optim import build_adamw
 from mmtrain.utils.log import get_logger
 
 
@@ -37,10 +36,9 @@ def build_train_samples(cfg: GPTRunConfig):
     return build_gpt_samples_from_config(cfg, split="train")
 
 
-def autocast_for(precision: str, device: torch.device):
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def param_dtype_for(precision: str) -> torch.dtype:
+    """Model weights (and activations) are bf16 for bf16/fp8 runs; fp32 master copies live in the optimizer."""
+    return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
 def global_batch_size(cfg: GPTRunConfig, dp: int) -> int:
@@ -55,7 +53,7 @@ class TrainResult:
 
 
 def forward_backward(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                     device: torch.device, buckets: GradBuckets) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over this step's micro-batches; returns (sum of token losses, loss tokens) as seen
     by this rank (non-zero on the last pipeline stage only)."""
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -67,8 +65,7 @@ def forward_backward(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: P
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         B, S = inputs.shape
         positions = torch.arange(S, device=device).expand(B, S)
-        with autocast_for(cfg.train.precision, device):
-            out = stage(inputs if stage.pre_process else received, labels if stage.post_process else None, positions)
+        out = stage(inputs if stage.pre_process else received, labels if stage.post_process else None, positions)
         if not stage.post_process:
             return out
         total = out.sum()
@@ -78,17 +75,19 @@ def forward_backward(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: P
 
     if mesh.dims.pp == 1:
         for i in range(len(micro_batches)):
-            forward_step(i, None).backward()
+            loss = forward_step(i, None)
+            if i == len(micro_batches) - 1:
+                buckets.last_backward()
+            loss.backward()
         return loss_sum, num_tokens
     pp_ranks = mesh.ranks("pp")
     s = mesh.coord.pp
     mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
     seq = S // mesh.dims.tp if cfg.parallel.sequence_parallel else S
-    act_dtype = torch.float32  # the residual stream stays fp32 under autocast (fp32 params)
     comm = PipelineComm(mesh.pp_group, pp_ranks[s - 1] if s > 0 else None,
                         pp_ranks[s + 1] if s < len(pp_ranks) - 1 else None,
-                        (mbs, seq, cfg.model.hidden_size), act_dtype, device)
-    one_f_one_b(forward_step, len(micro_batches), comm, s, mesh.dims.pp)
+                        (mbs, seq, cfg.model.hidden_size), param_dtype_for(cfg.train.precision), device)
+    one_f_one_b(forward_step, len(micro_batches), comm, s, mesh.dims.pp, before_last_backward=buckets.last_backward)
     return loss_sum, num_tokens
 
 
@@ -100,7 +99,11 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         raise NotImplementedError("context and expert parallelism arrive with the long-context/MoE issue")
     torch.manual_seed(cfg.train.seed)
     stage = build_gpt_stage(cfg, mesh, device)
-    optimizer = build_adamw(stage, cfg.optim)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    buckets = GradBuckets(params, mesh.dp_cp_group, cfg.parallel.distributed_optimizer,
+                          param_dtype_for(cfg.train.precision), late_params=tied_embedding_params(stage))
+    o = cfg.optim
+    optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
     gbs = global_batch_size(cfg, dims.dp)
     num_micro = gbs // (cfg.train.micro_batch_size * dims.dp)
     batches = MicroBatches(build_train_samples(cfg), cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
@@ -117,16 +120,16 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [batches.next() for _ in range(num_micro)]
-        loss_sum, num_tokens = forward_backward(stage, micro_batches, mesh, cfg, device)
+        buckets.reset()
+        loss_sum, num_tokens = forward_backward(stage, micro_batches, mesh, cfg, device, buckets)
         stats = torch.stack([loss_sum, num_tokens])
         if dims.dp * dims.cp > 1:
             dist.all_reduce(stats, group=mesh.dp_cp_group)
         if dims.pp > 1:  # only the last stage holds losses: share them with the other stages
             dist.all_reduce(stats, group=mesh.pp_group)
-        finalize_grads(stage, mesh, stats[1].item())
-        grad_norm = clip_grad_norm(stage, mesh, cfg.optim.grad_clip)
+        finalize_grads(stage, mesh, buckets, optimizer, stats[1].item())
+        grad_norm = clip_grad_norm(stage, mesh, buckets, optimizer, cfg.optim.grad_clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         loss = (stats[0] / stats[1]).item()
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
