@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
 
@@ -113,13 +114,20 @@ class MLP(nn.Module):
             self.up.part_sizes = (cfg.ffn_hidden_size, cfg.ffn_hidden_size)  # [gate | up]
         self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
+        self.recompute_activation = False  # selective recomputation: keep `up`'s output, not the activation's
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.recompute_activation and torch.is_grad_enabled():
+            h = checkpoint(self._activation, h, use_reentrant=False)
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = self._activation(h)
         return self.down(h)
 
 
@@ -130,8 +138,15 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
+        self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, attn_mask, use_reentrant=False)
+        return self._forward(x, cos, sin, attn_mask)

@@ -18,4 +18,10 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
     model = GPTModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
+    mode = cfg.train.activation_checkpointing
+    for block in model.layers.values():
+        block.recompute = mode
+        block.mlp.recompute_activation = mode == "selective"
+        if cfg.train.compile:
+            block.compile()
     return model.to(device)

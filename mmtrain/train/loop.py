@@ -49,6 +49,7 @@ def global_batch_size(cfg: GPTRunConfig, dp: int) -> int:
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
     model: GPTModel | None = None
 
 
@@ -133,7 +134,8 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         loss = (stats[0] / stats[1]).item()
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0  # .item() calls above synchronize with the device
+        result.step_times.append(dt)
         tokens_per_s = gbs * cfg.data.seq_length / dt / dims.world_size  # per device
         row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                "tflops": tokens_per_s * flops_tok / 1e12, "step_time_s": dt}

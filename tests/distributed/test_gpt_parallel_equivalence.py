@@ -68,3 +68,10 @@ def test_layout_matches_single_process(tmp_path, reference, world_size, layout, 
             # elements by ~1e-6 absolute, so element-wise relative error is not a meaningful measure
             rel = (value - expected).norm() / expected.norm().clamp_min(1e-12)
             assert rel < 1e-5, f"{name}: relative difference {rel:.2e} (rank coord {coord})"
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_changes_nothing(tmp_path, reference, mode):
+    ref_losses, _ = reference(())
+    losses, _, _, _ = run_distributed(_train, 1, str(tmp_path), [f"train.activation_checkpointing={mode}"])[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
