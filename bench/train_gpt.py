@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--label", default="mmtrain")
+    ap.add_argument("--print-losses", action="store_true", help="also print every step's loss (parity checks)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -62,7 +63,8 @@ def main() -> None:
         print(json.dumps({"system": a.label, "layout": mesh.dims.describe(), "overrides": a.overrides,
                           "tokens_per_s": round(tps), "step_ms": round(1000 * dt, 1), "model_tflops": round(tflops, 1),
                           "mfu": round(tflops / BF16_CEILING_TFLOPS, 3), "peak_mem_gib": round(mem, 1),
-                          "loss": round(result.losses[-1], 4)}), flush=True)
+                          "loss": round(result.losses[-1], 4),
+                          **({"losses": result.losses} if a.print_losses else {})}), flush=True)
     shutdown_distributed()
 
 

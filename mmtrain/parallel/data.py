@@ -37,7 +37,8 @@ class Bucket:
 
 class GradBuckets:
     def __init__(self, params: list[nn.Parameter], group, distributed_optimizer: bool, param_dtype: torch.dtype,
-                 bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True) -> None:
+                 bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
         self.group = group
         self.dp = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
@@ -65,7 +66,7 @@ class GradBuckets:
             self.buckets.append(Bucket(plist, offset, offset + padded, is_late))
             offset += padded
         device = params[0].device
-        self.grad_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
         self.param_buffer = torch.zeros(offset, dtype=param_dtype, device=device)
         self.bucket_of: dict[int, Bucket] = {}
         for b in self.buckets:
@@ -79,7 +80,7 @@ class GradBuckets:
                 self.bucket_of[id(p)] = b
                 pos += n
             if self.sharded:
-                b.shard_grad = torch.zeros((b.end - b.start) // self.dp, dtype=torch.float32, device=device)
+                b.shard_grad = torch.zeros((b.end - b.start) // self.dp, dtype=grad_dtype, device=device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.sync_now = False
         self.reset()
@@ -177,19 +178,22 @@ class MixedPrecisionAdamW:
     """AdamW over fp32 master copies of the parameter pieces this rank owns; model params may be bf16.
 
     Without the distributed optimizer a rank owns everything; with it, only its 1/dp shard of every bucket, so
-    master weights and both Adam moments take 12/dp bytes per parameter instead of 12.
+    master weights and both Adam moments take 12/dp bytes per parameter instead of 12. With
+    ``master_weights=False`` AdamW updates the parameter buffer in place in its own dtype (no copies).
     """
 
     def __init__(self, buckets: GradBuckets, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float) -> None:
+                 weight_decay: float, master_weights: bool = True) -> None:
         self.buckets = buckets
+        self.master_weights = master_weights
         self.pieces: list[_Piece] = []
         for b in buckets.buckets:
             own_start, own_end = buckets.owned_range(b)
             for p in b.params:
                 s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
                 if s < e:
-                    master = buckets.param_buffer[s:e].detach().float().clone()
+                    view = buckets.param_buffer[s:e]
+                    master = view.detach().float().clone() if master_weights else view
                     self.pieces.append(_Piece(p, b, s, e, master))
         decay = [pc.master for pc in self.pieces if pc.param.ndim >= 2]
         no_decay = [pc.master for pc in self.pieces if pc.param.ndim < 2]
@@ -212,7 +216,8 @@ class MixedPrecisionAdamW:
         self.optimizer.step()
         for pc in self.pieces:
             pc.master.grad = None
-            self.buckets.param_buffer[pc.start:pc.end].copy_(pc.master)
+            if self.master_weights:
+                self.buckets.param_buffer[pc.start:pc.end].copy_(pc.master)
         self.buckets.gather_params()
 
     def state_dict(self) -> dict:

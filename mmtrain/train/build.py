@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mmtrain.config.schema import GPTRunConfig
-from mmtrain.model.gpt import GPTModel
+from mmtrain.model.gpt import GPTModel, token_cross_entropy
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import apply_tensor_parallel
@@ -24,4 +24,12 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
         block.mlp.recompute_activation = mode == "selective"
         if cfg.train.compile:
             block.compile()
+    if cfg.train.compile and mesh.dims.tp == 1:  # fuses the fp32 upcast, log-softmax and its backward
+        model.loss_fn = torch.compile(token_cross_entropy)
+    if device.type == "cuda" and cfg.train.attention_backend != "auto":
+        chosen = cfg.train.attention_backend
+        torch.backends.cuda.enable_flash_sdp(chosen == "flash")
+        torch.backends.cuda.enable_cudnn_sdp(chosen == "cudnn")
+        torch.backends.cuda.enable_mem_efficient_sdp(chosen == "efficient")
+        torch.backends.cuda.enable_math_sdp(chosen == "math")
     return model.to(device)

@@ -54,7 +54,7 @@ def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, buckets: GradBuckets, o
     device = buckets.grad_buffer.device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if counted:
-        sq = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in counted]).sum()
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
     if buckets.sharded:
         dist.all_reduce(sq, group=buckets.group)
     if mesh.size("mp") > 1:

@@ -101,10 +101,12 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     torch.manual_seed(cfg.train.seed)
     stage = build_gpt_stage(cfg, mesh, device)
     params = [p for p in stage.parameters() if p.requires_grad]
-    buckets = GradBuckets(params, mesh.dp_cp_group, cfg.parallel.distributed_optimizer,
-                          param_dtype_for(cfg.train.precision), late_params=tied_embedding_params(stage))
     o = cfg.optim
-    optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
+    pdtype = param_dtype_for(cfg.train.precision)
+    buckets = GradBuckets(params, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,
+                          late_params=tied_embedding_params(stage),
+                          grad_dtype=torch.float32 if o.master_weights else pdtype)
+    optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.master_weights)
     gbs = global_batch_size(cfg, dims.dp)
     num_micro = gbs // (cfg.train.micro_batch_size * dims.dp)
     batches = MicroBatches(build_train_samples(cfg), cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)

@@ -46,6 +46,7 @@ LAYOUTS = [
     (2, ["parallel.pp=2", "parallel.pipeline_layers=[1,3]"], []),
     (2, ["parallel.dp=2"], []),
     (2, ["parallel.dp=2", "parallel.distributed_optimizer=false"], []),
+    (2, ["parallel.dp=2", "optim.master_weights=false"], []),
     (4, ["parallel.tp=2", "parallel.dp=2"], []),
     (4, ["parallel.tp=2", "parallel.pp=2"], []),
     (4, ["parallel.pp=2", "parallel.dp=2", "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
