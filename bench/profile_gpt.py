@@ -29,7 +29,7 @@ def main() -> None:
     a = ap.parse_args()
     cfg = load_config(GPTRunConfig, a.model, [
         "data.mock=true", f"data.seq_length={a.seq}", f"train.micro_batch_size={a.batch}", "train.steps=6",
-        "train.precision=bf16", "logging.run_dir=/tmp/mmtrain-prof", "logging.log_every=1000000", *a.overrides])
+        "train.precision=bf16", "logging.run_dir=/tmp/mmtrain-prof", "logging.log_every=1000000", "checkpoint.save_final=false", *a.overrides])
     device = pick_device(cfg.train.device)
     init_distributed(cfg.parallel.backend, device)
     mesh = ParallelDims.from_config(cfg.parallel, 1).build()

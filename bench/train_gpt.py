@@ -46,7 +46,7 @@ def main() -> None:
     cfg = load_config(GPTRunConfig, a.model, [
         "data.mock=true", f"data.seq_length={a.seq}", f"train.micro_batch_size={a.batch}",
         f"train.steps={a.steps + a.warmup}", "train.precision=bf16", "optim.warmup_steps=1", "optim.lr=1e-4",
-        "logging.run_dir=/tmp/mmtrain-bench", "logging.log_every=1000000", *a.overrides])
+        "logging.run_dir=/tmp/mmtrain-bench", "logging.log_every=1000000", "checkpoint.save_final=false", *a.overrides])
     validate_gpt_config(cfg, world)
     device = pick_device(cfg.train.device)
     rank, world = init_distributed(cfg.parallel.backend, device)

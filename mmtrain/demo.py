@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import subprocess
 import sys
 import time
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("=== (mmtrain-prep text is not built yet: training on mock tokens)", flush=True)
 
+    shutil.rmtree(out / "train", ignore_errors=True)  # a fresh run each time (a kept run dir would resume)
     _step("train a tiny GPT on the CPU", [py, "-m", "mmtrain.pretrain_gpt",
                                           "--config", str(REPO / "configs" / "gpt" / "tiny_cpu.yaml"),
                                           f"train.steps={args.steps}", f"logging.run_dir={out / 'train'}",

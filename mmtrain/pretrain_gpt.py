@@ -32,9 +32,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
         log.info(f"layout: {mesh.dims.describe()} on {device}; resolved config in {cfg.logging.run_dir}/config.yaml")
+        from mmtrain.train.checkpoint import CheckpointError
         from mmtrain.train.loop import train_gpt
 
-        train_gpt(cfg, mesh, device)
+        try:
+            train_gpt(cfg, mesh, device)
+        except (CheckpointError, ConfigError) as exc:
+            log.error(f"error: {exc}")
+            return 2
     finally:
         shutdown_distributed()
     return 0

@@ -47,6 +47,10 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
     if m.num_layers < p.pp * p.virtual_pp:
         raise ConfigError(f"model.num_layers ({m.num_layers}) must be >= parallel.pp * parallel.virtual_pp "
                           f"({p.pp} * {p.virtual_pp})")
+    if p.virtual_pp > 1:
+        raise ConfigError("parallel.virtual_pp > 1 (interleaved pipeline stages) is not implemented yet; use 1")
+    if t.eval_every and t.eval_steps < 1:
+        raise ConfigError(f"train.eval_steps must be >= 1 when train.eval_every is set, got {t.eval_steps}")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
     if p.cp > 1 and d.seq_length % (2 * p.cp):

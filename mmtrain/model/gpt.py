@@ -18,6 +18,15 @@ from mmtrain.config.schema import ModelConfig
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
 
 
+def document_causal_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, 1, S, S) mask, True where query i may attend key j: j <= i and both in the same document
+    (packed sequences: attention never crosses a document boundary)."""
+    S = doc_ids_BS.shape[1]
+    same_doc = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
+    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids_BS.device).tril()
+    return (same_doc & causal)[:, None]
+
+
 def token_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """Per-token loss (B, S) in fp32."""
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none").view_as(labels_BS)
@@ -70,10 +79,13 @@ class GPTModel(nn.Module):
         return self.output.weight if self.output is not None else self.embed.weight
 
     def forward(self, inputs: torch.Tensor, labels_BS: torch.Tensor | None = None,
-                position_ids_BS: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """``inputs``: token ids (B, S) on the first stage, hidden states (B, S, D) otherwise.
+        ``doc_ids_BS``: document index of each token of packed sequences; attention then stays inside documents
+        (pair it with position ids that restart at each document).
         Returns per-token losses (B, S) on the last stage when ``labels_BS`` is given, else logits (last stage)
         or hidden states (other stages)."""
+        attn_mask = document_causal_mask(doc_ids_BS) if doc_ids_BS is not None else None
         x = self.embed(inputs) if self.pre_process else inputs
         if position_ids_BS is None:
             if not self.pre_process:

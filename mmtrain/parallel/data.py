@@ -222,3 +222,6 @@ class MixedPrecisionAdamW:
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -135,3 +135,12 @@ def one_f_one_b(forward_step: Callable[[int, torch.Tensor | None], torch.Tensor]
         grad_out = comm.recv_backward()
         grad_in = backward(inputs.pop(0), outputs.pop(0), grad_out)
         comm.send_backward(grad_in)
+
+
+def forward_only(forward_step: Callable[[int, torch.Tensor | None], torch.Tensor], num_micro: int,
+                 comm: PipelineComm) -> None:
+    """Evaluation: each micro-batch flows through the stages; no backward, nothing kept."""
+    for i in range(num_micro):
+        x = comm.recv_forward()
+        out = forward_step(i, None if x is None else x.detach())
+        comm.send_forward(out)

@@ -1,5 +1,5 @@
 """The GPT training step loop: micro-batches -> forward/backward (1F1B across stages) -> gradient
-finalization -> clip -> AdamW, with one metrics line per step.
+finalization -> clip -> AdamW, with one metrics line per step, periodic evaluation and checkpoints.
 
 Losses are summed per token and gradients divided by the global count of loss tokens after reduction, so any
 layout (TP, PP, DP, gradient accumulation, masks) computes the same update as one process on the whole batch.
@@ -7,8 +7,10 @@ layout (TP, PP, DP, gradient accumulation, masks) computes the same update as on
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,22 +20,24 @@ from mmtrain.data.loader import MicroBatches
 from mmtrain.model.gpt import GPTModel, flops_per_token
 from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
-from mmtrain.parallel.pipeline import PipelineComm, one_f_one_b
+from mmtrain.parallel.pipeline import PipelineComm, forward_only, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
+from mmtrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
 from mmtrain.train.lr import lr_at
 from mmtrain.train.metrics import MetricsLogger
 from mmtrain.utils.log import get_logger
 
 
-def build_train_samples(cfg: GPTRunConfig):
+def build_samples(cfg: GPTRunConfig, split: str, dp_size: int):
     if cfg.data.mock:
         from mmtrain.data.mock import MockGPTSamples
 
-        return MockGPTSamples(cfg.model.vocab_size, cfg.data.seq_length, cfg.data.seed)
+        seed = cfg.data.seed + {"train": 0, "valid": 1, "test": 2}[split]
+        return MockGPTSamples(cfg.model.vocab_size, cfg.data.seq_length, seed)
     from mmtrain.data.gpt_dataset import build_gpt_samples_from_config
 
-    return build_gpt_samples_from_config(cfg, split="train")
+    return build_gpt_samples_from_config(cfg, split=split, dp_size=dp_size)
 
 
 def param_dtype_for(precision: str) -> torch.dtype:
@@ -50,18 +54,17 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
     model: GPTModel | None = None
 
 
-def forward_backward(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
-                     device: torch.device, buckets: GradBuckets) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward over this step's micro-batches; returns (sum of token losses, loss tokens) as seen
-    by this rank (non-zero on the last pipeline stage only)."""
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    num_tokens = torch.zeros((), device=device, dtype=torch.float64)
+def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
+                      device: torch.device, buckets: GradBuckets | None) -> torch.Tensor:
+    """Forward (and backward when ``buckets`` is given) over micro-batches; returns [sum of token losses, loss
+    tokens] as seen by this rank (non-zero on the last pipeline stage only)."""
+    stats = torch.zeros(2, device=device, dtype=torch.float64)
 
     def forward_step(i: int, received: torch.Tensor | None) -> torch.Tensor:
-        nonlocal loss_sum, num_tokens
         tokens = micro_batches[i].to(device, non_blocking=True)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         B, S = inputs.shape
@@ -70,26 +73,48 @@ def forward_backward(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: P
         if not stage.post_process:
             return out
         total = out.sum()
-        loss_sum += total.detach().double()
-        num_tokens += labels.numel()
+        stats[0] += total.detach().double()
+        stats[1] += labels.numel()
         return total
 
-    if mesh.dims.pp == 1:
+    pp, s = mesh.dims.pp, mesh.coord.pp
+    if pp == 1:
         for i in range(len(micro_batches)):
             loss = forward_step(i, None)
-            if i == len(micro_batches) - 1:
-                buckets.last_backward()
-            loss.backward()
-        return loss_sum, num_tokens
-    pp_ranks = mesh.ranks("pp")
-    s = mesh.coord.pp
+            if buckets is not None:
+                if i == len(micro_batches) - 1:
+                    buckets.last_backward()
+                loss.backward()
+        return stats
+    ranks = mesh.ranks("pp")
     mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
     seq = S // mesh.dims.tp if cfg.parallel.sequence_parallel else S
-    comm = PipelineComm(mesh.pp_group, pp_ranks[s - 1] if s > 0 else None,
-                        pp_ranks[s + 1] if s < len(pp_ranks) - 1 else None,
+    comm = PipelineComm(mesh.pp_group, ranks[s - 1] if s > 0 else None, ranks[s + 1] if s < pp - 1 else None,
                         (mbs, seq, cfg.model.hidden_size), param_dtype_for(cfg.train.precision), device)
-    one_f_one_b(forward_step, len(micro_batches), comm, s, mesh.dims.pp, before_last_backward=buckets.last_backward)
-    return loss_sum, num_tokens
+    if buckets is None:
+        forward_only(forward_step, len(micro_batches), comm)
+    else:
+        one_f_one_b(forward_step, len(micro_batches), comm, s, pp, before_last_backward=buckets.last_backward)
+    return stats
+
+
+def reduce_loss_stats(stats: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """Sum (loss, tokens) over data/context ranks, then share the last stage's numbers with every stage."""
+    if mesh.dims.dp * mesh.dims.cp > 1:
+        dist.all_reduce(stats, group=mesh.dp_cp_group)
+    if mesh.dims.pp > 1:
+        dist.all_reduce(stats, group=mesh.pp_group)
+    return stats
+
+
+@torch.no_grad()
+def evaluate(stage: GPTModel, batches: MicroBatches, mesh: ParallelMesh, cfg: GPTRunConfig,
+             device: torch.device) -> float:
+    stage.eval()
+    micro = [batches.next() for _ in range(cfg.train.eval_steps)]
+    stats = reduce_loss_stats(run_micro_batches(stage, micro, mesh, cfg, device, None), mesh)
+    stage.train()
+    return (stats[0] / stats[1]).item()
 
 
 def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> TrainResult:
@@ -109,7 +134,18 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.master_weights)
     gbs = global_batch_size(cfg, dims.dp)
     num_micro = gbs // (cfg.train.micro_batch_size * dims.dp)
-    batches = MicroBatches(build_train_samples(cfg), cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
+    batches = MicroBatches(build_samples(cfg, "train", dims.dp), cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
+    val_batches = None
+    if cfg.train.eval_every:
+        val_batches = MicroBatches(build_samples(cfg, "valid", dims.dp), cfg.train.micro_batch_size,
+                                   mesh.coord.dp, dims.dp)
+    start_step = 0
+    ckpt_root = Path(cfg.logging.run_dir) / "checkpoints"
+    found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
+    if found is not None:
+        restored = load_checkpoint(found, mesh, stage, optimizer, device)
+        start_step = restored["step"]
+        batches.load_state_dict(restored["loader"])
     metrics = MetricsLogger(cfg.logging.run_dir, mesh.rank, cfg.train.steps, cfg.logging.log_every,
                             cfg.logging.tensorboard)
     n_params = sum(p.numel() for p in stage.parameters())
@@ -117,26 +153,21 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
              f"{cfg.data.seq_length} tokens = {num_micro} micro-batch(es) of {cfg.train.micro_batch_size} per DP rank")
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
     result = TrainResult(model=stage)
-    for step in range(1, cfg.train.steps + 1):
+    for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [batches.next() for _ in range(num_micro)]
         buckets.reset()
-        loss_sum, num_tokens = forward_backward(stage, micro_batches, mesh, cfg, device, buckets)
-        stats = torch.stack([loss_sum, num_tokens])
-        if dims.dp * dims.cp > 1:
-            dist.all_reduce(stats, group=mesh.dp_cp_group)
-        if dims.pp > 1:  # only the last stage holds losses: share them with the other stages
-            dist.all_reduce(stats, group=mesh.pp_group)
+        stats = reduce_loss_stats(run_micro_batches(stage, micro_batches, mesh, cfg, device, buckets), mesh)
         finalize_grads(stage, mesh, buckets, optimizer, stats[1].item())
         grad_norm = clip_grad_norm(stage, mesh, buckets, optimizer, cfg.optim.grad_clip)
         optimizer.step()
         loss = (stats[0] / stats[1]).item()
+        dt = time.perf_counter() - t0  # the .item() calls above synchronize with the device
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
-        dt = time.perf_counter() - t0  # .item() calls above synchronize with the device
         result.step_times.append(dt)
         tokens_per_s = gbs * cfg.data.seq_length / dt / dims.world_size  # per device
         row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
@@ -145,6 +176,12 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             row["mfu"] = row["tflops"] / cfg.logging.peak_tflops
         if device.type == "cuda":
             row["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if val_batches is not None and step % cfg.train.eval_every == 0:
+            row["val_loss"] = result.val_losses[step] = evaluate(stage, val_batches, mesh, cfg, device)
         metrics.log_step(step, row)
+        c = cfg.checkpoint
+        if (c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps):
+            save_checkpoint(ckpt_root, step, mesh, stage, optimizer, batches.state_dict(), device, c.keep_last,
+                            dataclasses.asdict(cfg))
     metrics.close()
     return result

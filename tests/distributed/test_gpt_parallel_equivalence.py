@@ -76,3 +76,18 @@ def test_activation_checkpointing_changes_nothing(tmp_path, reference, mode):
     ref_losses, _ = reference(())
     losses, _, _, _ = run_distributed(_train, 1, str(tmp_path), [f"train.activation_checkpointing={mode}"])[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+
+
+def _val_losses(rank: int, world_size: int, run_dir: str, extra: list[str]):
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "train.eval_every=5",
+                                           "train.eval_steps=2", *extra])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+    return train_gpt(cfg, mesh, torch.device("cpu")).val_losses
+
+
+def test_evaluation_matches_across_pipeline_and_tensor_parallel(tmp_path):
+    ref = run_distributed(_val_losses, 1, str(tmp_path / "a"), [])[0]
+    assert sorted(ref) == [5, 10]
+    for got in run_distributed(_val_losses, 4, str(tmp_path / "b"), ["parallel.pp=2", "parallel.tp=2"]):
+        for step, value in ref.items():
+            assert abs(got[step] - value) / value < 1e-5
