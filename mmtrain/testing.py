@@ -11,6 +11,7 @@ after it). Ranks still alive are killed after a short grace period, so a failure
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -18,6 +19,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -45,7 +47,11 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, ba
 
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
         value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        # Serialize to bytes: torch's queue pickling shares tensor storage through file descriptors, which
+        # vanish when this process exits before the parent has read them.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -87,7 +93,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
                     grace_deadline = time.monotonic() + 10.0
                 continue
             if status == "ok":
-                values[rank] = payload
+                values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append((rank, payload))
                 if grace_deadline is None:

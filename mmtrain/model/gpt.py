@@ -51,6 +51,7 @@ class GPTModel(nn.Module):
         self.loss_fn = token_cross_entropy
         self.head_input_fn = None
         self.logits_gather_fn = None
+        self.build_attention_mask = document_causal_mask  # context parallelism builds per-chunk masks instead
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
                              persistent=False)
@@ -85,7 +86,7 @@ class GPTModel(nn.Module):
         (pair it with position ids that restart at each document).
         Returns per-token losses (B, S) on the last stage when ``labels_BS`` is given, else logits (last stage)
         or hidden states (other stages)."""
-        attn_mask = document_causal_mask(doc_ids_BS) if doc_ids_BS is not None else None
+        attn_mask = self.build_attention_mask(doc_ids_BS) if doc_ids_BS is not None else None
         x = self.embed(inputs) if self.pre_process else inputs
         if position_ids_BS is None:
             if not self.pre_process:

@@ -68,6 +68,14 @@ def apply_rope(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 # ------------------------------------------------------------------------------------------ attention
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention on (B, H, S, D) tensors; ``attn_mask`` (bool, True = attend) replaces plain causality."""
+    gqa = q.shape[1] != k.shape[1]
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -79,6 +87,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.add_bias)
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.core_attention = sdpa_attention  # the context-parallel plan swaps in its K/V-gathering version
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,11 +105,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        gqa = q.shape[1] != k.shape[1]
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        out = self.core_attention(q, k, v, attn_mask)
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
 
 

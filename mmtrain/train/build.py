@@ -7,6 +7,7 @@ import torch
 
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.model.gpt import GPTModel, token_cross_entropy
+from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import apply_tensor_parallel
@@ -18,6 +19,7 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
     model = GPTModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
+    apply_context_parallel(model, mesh.cp_group)
     mode = cfg.train.activation_checkpointing
     for block in model.layers.values():
         block.recompute = mode

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.data.loader import MicroBatches
 from mmtrain.model.gpt import GPTModel, flops_per_token
+from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, one_f_one_b
@@ -63,12 +64,15 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
     """Forward (and backward when ``buckets`` is given) over micro-batches; returns [sum of token losses, loss
     tokens] as seen by this rank (non-zero on the last pipeline stage only)."""
     stats = torch.zeros(2, device=device, dtype=torch.float64)
+    cp, cp_rank = mesh.dims.cp, mesh.coord.cp
 
     def forward_step(i: int, received: torch.Tensor | None) -> torch.Tensor:
         tokens = micro_batches[i].to(device, non_blocking=True)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         B, S = inputs.shape
         positions = torch.arange(S, device=device).expand(B, S)
+        # context parallelism: this rank's two zig-zag chunks of every per-token tensor
+        inputs, labels, positions = (shard_sequence(t, cp, cp_rank) for t in (inputs, labels, positions))
         out = stage(inputs if stage.pre_process else received, labels if stage.post_process else None, positions)
         if not stage.post_process:
             return out
@@ -88,7 +92,7 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
         return stats
     ranks = mesh.ranks("pp")
     mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
-    seq = S // mesh.dims.tp if cfg.parallel.sequence_parallel else S
+    seq = S // mesh.dims.cp // (mesh.dims.tp if cfg.parallel.sequence_parallel else 1)
     comm = PipelineComm(mesh.pp_group, ranks[s - 1] if s > 0 else None, ranks[s + 1] if s < pp - 1 else None,
                         (mbs, seq, cfg.model.hidden_size), param_dtype_for(cfg.train.precision), device)
     if buckets is None:
@@ -121,8 +125,8 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     """Run ``cfg.train.steps`` optimizer steps on this rank's stage/shard of the model."""
     log = get_logger("train")
     dims = mesh.dims
-    if dims.cp > 1 or dims.ep > 1:
-        raise NotImplementedError("context and expert parallelism arrive with the long-context/MoE issue")
+    if dims.ep > 1:
+        raise NotImplementedError("expert parallelism arrives with the mixture-of-experts work")
     torch.manual_seed(cfg.train.seed)
     stage = build_gpt_stage(cfg, mesh, device)
     params = [p for p in stage.parameters() if p.requires_grad]

@@ -53,6 +53,11 @@ LAYOUTS = [
     (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "model.qk_norm=true",
          "model.qkv_bias=true"], ["model.qk_norm=true", "model.qkv_bias=true"]),
     (8, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], []),
+    (2, ["parallel.cp=2"], []),
+    (4, ["parallel.cp=4"], []),
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], []),
+    (4, ["parallel.cp=2", "parallel.pp=2"], []),
+    (4, ["parallel.cp=2", "parallel.dp=2"], []),
 ]
 
 
