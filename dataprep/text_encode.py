@@ -128,6 +128,12 @@ class BlockEncoder:
         for j in range(len(where)):
             for k, v in texts.items():
                 try:
+                    v[j].encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    bad[j] = (f"key {k!r} holds a lone surrogate (\\u{ord(v[j][exc.start]):04x} escape) at "
+                              f"character {exc.start}: not valid Unicode; fix the JSON escape")
+                    break
+                try:
                     self.tokenizer.encode_batch([v[j]])
                 except Exception as exc:  # noqa: BLE001
                     bad[j] = f"tokenizer refused key {k!r}: {type(exc).__name__}: {exc}"[:300]
