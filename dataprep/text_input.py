@@ -111,15 +111,15 @@ class _HashingReader:
         self._f.close()
 
 
-def _plain_pieces(raw: _HashingReader) -> Iterator[bytes]:
-    while piece := raw.read(1 << 20):
+def _plain_pieces(raw: _HashingReader, size: int) -> Iterator[bytes]:
+    while piece := raw.read(size):
         yield piece
 
 
-def _gzip_pieces(raw: _HashingReader) -> Iterator[bytes]:
+def _gzip_pieces(raw: _HashingReader, size: int) -> Iterator[bytes]:
     gz = gzip.GzipFile(fileobj=raw, mode="rb")
     # read1: one decompression step per call, so an error never swallows bytes already decoded
-    while piece := gz.read1(1 << 20):
+    while piece := gz.read1(size):
         yield piece
 
 
@@ -142,13 +142,13 @@ def _zstd_pieces(raw: _HashingReader) -> Iterator[bytes]:
         raise EOFError("zstd stream ended in the middle of a frame")
 
 
-def _pieces_for(path: Path, raw: _HashingReader) -> Iterator[bytes]:
+def _pieces_for(path: Path, raw: _HashingReader, size: int) -> Iterator[bytes]:
     name = path.name
     if name.endswith(".gz"):
-        return _gzip_pieces(raw)
+        return _gzip_pieces(raw, size)
     if name.endswith((".zst", ".zstd")):
         return _zstd_pieces(raw)
-    return _plain_pieces(raw)
+    return _plain_pieces(raw, size)
 
 
 def _decode_errors() -> tuple[type[BaseException], ...]:
@@ -176,12 +176,12 @@ def stream_blocks(files: list[InputFile], block_bytes: int = 1 << 20,
             raise PrepError(f"{entry.path}: cannot open ({exc.strerror})") from None
         raw = _HashingReader(f)
         line = 1
-        carry = b""
+        carry: list[bytes] = []  # pieces of a line not yet ended (a list: long lines stay linear)
         pending: list[bytes] = []
         pending_size = 0
         reported = 0
         try:
-            pieces = _pieces_for(entry.path, raw)
+            pieces = _pieces_for(entry.path, raw, min(block_bytes, 1 << 20))
             while True:
                 try:
                     piece = next(pieces, None)
@@ -191,25 +191,25 @@ def stream_blocks(files: list[InputFile], block_bytes: int = 1 << 20,
                         yield Block(index, line, data)
                         line += data.count(b"\n")
                     yield Truncated(index, line, f"file cut short or corrupt ({type(exc).__name__}: {exc}); "
-                                    "nothing after this line could be read", carry)
+                                    "nothing after this line could be read", b"".join(carry))
                     break
                 if on_progress is not None and raw.position != reported:
                     on_progress(raw.position - reported)
                     reported = raw.position
                 if piece is None:
                     if carry:
-                        pending.append(carry)
+                        pending.append(b"".join(carry))
                     if pending:
                         yield Block(index, line, b"".join(pending))
                     break
                 entry.bytes_read += len(piece)
                 cut = piece.rfind(b"\n")
                 if cut < 0:
-                    carry += piece  # one very long line: keep gathering
+                    carry.append(piece)  # one very long line: keep gathering
                     continue
-                pending.append(carry + piece[:cut + 1])
+                pending.append(b"".join(carry) + piece[:cut + 1])
                 pending_size += len(pending[-1])
-                carry = piece[cut + 1:]
+                carry = [piece[cut + 1:]] if cut + 1 < len(piece) else []
                 if pending_size >= block_bytes:
                     data = b"".join(pending)
                     yield Block(index, line, data)
