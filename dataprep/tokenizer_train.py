@@ -1,8 +1,9 @@
 """`mmtrain-prep train-tokenizer`: a SentencePiece BPE or unigram model from JSONL, with byte fallback.
 
 Documents are streamed from the inputs and reservoir-sampled (seeded, so the same inputs give the same
-sample), then handed to SentencePiece line by line. Byte fallback is on by default, so any text -- emoji,
-rare scripts, binary junk -- encodes without ``<unk>``. ``PREFIX.model`` and ``PREFIX.vocab`` appear
+sample), then handed to SentencePiece line by line. Defaults make the model lossless for pretraining data:
+byte fallback (any text -- emoji, rare scripts, control bytes -- encodes without ``<unk>``), identity
+normalization and kept whitespace (indentation survives), so ``decode(encode(text)) == text``. ``PREFIX.model`` and ``PREFIX.vocab`` appear
 atomically, with ``PREFIX.manifest.json`` recording what made them.
 """
 
@@ -36,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--character-coverage", type=float, default=0.9995)
     p.add_argument("--no-byte-fallback", action="store_true", help="disable byte fallback (unknown -> <unk>)")
+    p.add_argument("--normalization", default="identity",
+                   help="SentencePiece normalization rule (default identity: decode(encode(text)) == text; "
+                        "nmt_nfkc is SentencePiece's own default)")
+    p.add_argument("--collapse-whitespace", action="store_true",
+                   help="let SentencePiece drop leading/trailing and repeated spaces (lossy; off by default)")
     p.add_argument("--max-sentence-length", type=int, default=16384, help="bytes; longer lines are cut")
     p.add_argument("--threads", type=int, default=None, help="trainer threads (default: all CPUs)")
 
@@ -94,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
                 model_type=args.model_type, byte_fallback=not args.no_byte_fallback,
                 character_coverage=args.character_coverage, max_sentence_length=args.max_sentence_length,
                 hard_vocab_limit=False, num_threads=threads, minloglevel=2,
+                normalization_rule_name=args.normalization,
+                remove_extra_whitespaces=args.collapse_whitespace,
+                allow_whitespace_only_pieces=True, split_digits=True,
                 unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
         except RuntimeError as exc:
             raise PrepError(f"SentencePiece training failed: {exc}") from None
@@ -109,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         "inputs": [{"path": str(f.path), "size": f.size, "sha256": f.sha256} for f in files],
         "model": {"path": str(model), "sha256": file_sha256(model), "vocab_size": sp.get_piece_size(),
                   "model_type": args.model_type, "byte_fallback": not args.no_byte_fallback,
+                  "normalization": args.normalization, "collapse_whitespace": args.collapse_whitespace,
                   "eos_id": sp.eos_id(), "bos_id": sp.bos_id(), "unk_id": sp.unk_id()},
         "documents": {"read": counts["read"], "bad": counts["bad"], "sampled": len(sample)},
         "lines_trained": len(lines), "seed": args.seed, "elapsed_s": round(time.monotonic() - start, 3)})

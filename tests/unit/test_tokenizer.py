@@ -133,3 +133,21 @@ def test_wide_vocab_max_id(tmp_path):
     tok = load_tokenizer(build_hf_wide(tmp_path / "wide"))
     assert tok.max_id == 69_999 and tok.eod_id == 1
     assert tok.encode("w69999 w5") == [69_999, 5]
+
+
+def test_train_tokenizer_is_lossless_and_sampled(tmp_path):
+    from dataprep.cli import main as prep
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"text": t + f" {i}"}) + "\n" for i, t in enumerate(TRAINING_TEXT))
+                    + "not json\n")
+    prefix = tmp_path / "tok" / "sp"
+    assert prep(["train-tokenizer", "--input", str(data), "--output-prefix", str(prefix), "--vocab-size", "400",
+                 "--sample-docs", "50"]) == 0
+    tok = load_tokenizer(f"{prefix}.model")
+    assert tok.eod_id == 2 and tok.vocab_size <= 400
+    for text in TRICKY_DOCS + ["    indented\n\tcode  with  double  spaces  "]:
+        assert tok.decode(tok.encode(text)) == text
+    m = json.loads((tmp_path / "tok" / "sp.manifest.json").read_text())
+    assert m["documents"] == {"read": len(TRAINING_TEXT), "bad": 1, "sampled": 50}
+    assert m["model"]["sha256"] == tok.checksum()
