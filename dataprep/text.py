@@ -14,11 +14,12 @@ import multiprocessing
 import os
 import sys
 import time
-from pathlib import Path
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from dataprep.errors import PrepError
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
-from dataprep.text_input import Block, Truncated, expand_inputs, stream_blocks
+from dataprep.text_input import Truncated, expand_inputs, stream_blocks
 from dataprep.text_output import (RejectLog, human_rate, key_prefixes, print_summary, remove_old_outputs,
                                   write_manifest)
 from dataprep.tokenizer import TOKENIZER_TYPES, load_tokenizer
@@ -134,21 +135,31 @@ def _pipeline(blocks, options: EncodeOptions, workers: int):
             yield item if isinstance(item, Truncated) else encoder.encode(item)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = multiprocessing.get_context(method).Pool(workers, initializer=init_worker, initargs=(options,))
+    # concurrent.futures rather than multiprocessing.Pool: a worker that dies (e.g. out of memory) raises
+    # BrokenProcessPool here instead of leaving the run waiting forever.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
+                               initializer=init_worker, initargs=(options,))
     try:
         pending: collections.deque = collections.deque()
-        for item in blocks:
-            pending.append(item if isinstance(item, Truncated) else pool.apply_async(encode_in_worker, (item,)))
-            while len(pending) > 4 * workers:
-                head = pending.popleft()
-                yield head if isinstance(head, Truncated) else head.get()
-        while pending:
+
+        def next_result():
             head = pending.popleft()
-            yield head if isinstance(head, Truncated) else head.get()
-        pool.close()
+            if isinstance(head, Truncated):
+                return head
+            try:
+                return head.result()
+            except BrokenProcessPool:
+                raise PrepError("a tokenizer worker process died (out of memory? killed?); "
+                                "try fewer --workers or a smaller --block-mb") from None
+
+        for item in blocks:
+            pending.append(item if isinstance(item, Truncated) else pool.submit(encode_in_worker, item))
+            while len(pending) > 4 * workers:
+                yield next_result()
+        while pending:
+            yield next_result()
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run(args: argparse.Namespace) -> int:

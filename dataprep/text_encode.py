@@ -183,6 +183,9 @@ _ENCODER: BlockEncoder | None = None
 
 def init_worker(options: EncodeOptions) -> None:
     global _ENCODER
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled once, by the writing process
     _ENCODER = BlockEncoder(options)
 
 

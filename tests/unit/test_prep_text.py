@@ -57,7 +57,7 @@ def test_round_trip_sentencepiece_workers(tmp_path, sp_model, capsys):
     for workers in ("0", "2"):
         prefix = tmp_path / f"out{workers}"
         assert prep(["text", "--input", str(data), "--output-prefix", str(prefix), "--tokenizer", str(sp_model),
-                     "--append-eod", "--workers", workers, "--block-mb", "0.01"]) == 0
+                     "--append-eod", "--workers", workers, "--block-mb", "0.01", "--progress", "always"]) == 0
         ds = IndexedDataset(prefix)
         results[workers] = [ds[i].tolist() for i in range(len(ds))]
         m = manifest(prefix)
@@ -92,7 +92,9 @@ def test_huggingface_gz_zst_keep_empty(tmp_path, hf_dir):
     write_jsonl(tmp_path / "a.jsonl.gz", DOCS[:100], opener=gzip.open)
     raw = (tmp_path / "b.tmp")
     write_jsonl(raw, DOCS[100:])
-    (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw.read_bytes()))
+    lines = raw.read_bytes().splitlines(keepends=True)
+    zc = zstandard.ZstdCompressor()  # two frames back to back, as parallel compressors write them
+    (tmp_path / "b.jsonl.zst").write_bytes(zc.compress(b"".join(lines[:50])) + zc.compress(b"".join(lines[50:])))
     raw.unlink()
     prefix = tmp_path / "hf"
     assert prep(["text", "--input", str(tmp_path), "--output-prefix", str(prefix), "--tokenizer", str(hf_dir),
