@@ -78,6 +78,8 @@ def parse_records(lines: list[bytes], first_line: int, keys: tuple[str, ...], ou
             out.blank += 1
             continue
         out.records += 1
+        if i == 0 and first_line == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # a UTF-8 byte-order mark at the start of a file is not part of the record
         try:
             obj = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:

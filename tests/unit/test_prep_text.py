@@ -108,6 +108,18 @@ def test_huggingface_gz_zst_keep_empty(tmp_path, hf_dir):
     assert m["tokenizer"]["type"] == "huggingface" and m["tokenizer"]["max_id"] == ref.token_to_id("<|extra|>")
 
 
+def test_bom_crlf_and_glob_inputs(tmp_path, sp_model):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    (tmp_path / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "third"}')  # no final newline
+    assert prep(["text", "--input", str(tmp_path / "*.jsonl"), "--output-prefix", str(tmp_path / "out" / "o"),
+                 "--tokenizer", str(sp_model), "--workers", "0"]) == 0
+    ds = IndexedDataset(tmp_path / "out" / "o")
+    assert [ds[i].tolist() for i in range(len(ds))] == [sp.encode(t) for t in ("first", "second", "third")]
+
+
 def test_wide_vocab_uses_int32(tmp_path):
     tok = build_hf_wide(tmp_path / "wide")
     data = write_jsonl(tmp_path / "in.jsonl", ["w69999 w2", "w65535 w65536 w3"])
