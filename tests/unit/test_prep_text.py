@@ -202,3 +202,26 @@ def test_readme_demo_commands(tmp_path):
                              str(tmp_path / "tok" / "sp.model"), "--append-eod", "--workers", "2"], **kw)
     res = subprocess.run(env_py + ["verify", str(prefix)], **kw)
     assert res.stdout.startswith("OK ") and "300 documents" in res.stdout
+
+
+def test_round_trip_property(tmp_path_factory, sp_model):
+    """Any Unicode text (control characters, NUL, line/paragraph separators, emoji) comes back exactly."""
+    import sentencepiece as spm
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.text(max_size=200), min_size=1, max_size=12))
+    def check(docs):
+        folder = tmp_path_factory.mktemp("prop")
+        data = write_jsonl(folder / "in.jsonl", docs)
+        assert prep(["text", "--input", str(data), "--output-prefix", str(folder / "o"), "--tokenizer",
+                     str(sp_model), "--append-eod", "--workers", "0"]) == 0
+        ds = IndexedDataset(folder / "o")
+        assert [ds[i].tolist() for i in range(len(ds))] == expected(sp, docs, sp.eos_id())
+        counts = manifest(folder / "o")["documents"]
+        assert counts["read"] == len(docs) == counts["written"] + counts["empty"]
+
+    check()
