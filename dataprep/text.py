@@ -1,0 +1,247 @@
+"""`mmtrain-prep text`: JSONL (.jsonl, .gz, .zst) -> tokens -> Megatron-compatible ``PREFIX.bin/.idx``.
+
+Pipeline: this process streams the inputs as ~1 MB blocks of whole lines (``text_input``), worker
+processes parse and batch-encode each block (``text_encode``), and this process writes the results in
+input order (``mmtrain.data.indexed``). At most a few blocks per worker are in flight, so memory stays
+flat on inputs of any size. Outputs appear only when complete (``text_output`` has the protocol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from dataprep.errors import PrepError
+from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
+from dataprep.text_input import Truncated, expand_inputs, stream_blocks
+from dataprep.text_output import (RejectLog, human_rate, key_prefixes, print_summary, remove_old_outputs,
+                                  write_manifest)
+from dataprep.tokenizer import TOKENIZER_TYPES, load_tokenizer
+from mmtrain.data.indexed import IndexedDatasetWriter, token_dtype_for
+
+# Test hook: sleep this long after writing N blocks ("N:SECONDS"), so a test can kill a run mid-write.
+_PAUSE_ENV = "MMTRAIN_PREP_TEXT_PAUSE_AFTER_BLOCKS"
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), globs, or folders of them")
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                   help="writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json (PREFIX_<key>.* for several keys)")
+    p.add_argument("--tokenizer", required=True,
+                   help="SentencePiece .model, Hugging Face tokenizer.json, or a folder holding tokenizer.json")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="override the type detected from --tokenizer")
+    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                   help="JSON keys to tokenize; several keys give one .bin/.idx pair per key (default: text)")
+    p.add_argument("--append-eod", action="store_true",
+                   help="append the tokenizer's end-of-sequence id to every document")
+    p.add_argument("--eod-token", default=None, metavar="TOKEN",
+                   help="use this token as end-of-document instead of the tokenizer's eos")
+    p.add_argument("--add-special-tokens", action="store_true",
+                   help="Hugging Face: let the tokenizer's post-processor add its special tokens (BOS, ...)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="tokenizing worker processes (default: all CPUs; 0 = encode in this process)")
+    p.add_argument("--threads-per-worker", type=int, default=None, metavar="T",
+                   help="tokenizer threads inside each worker (default: CPUs / workers)")
+    p.add_argument("--block-mb", type=float, default=1.0, help="MB of JSONL per work unit (default 1)")
+    p.add_argument("--keep-empty", action="store_true",
+                   help="write documents with no tokens too (default: count and skip them)")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of rejecting it")
+    p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
+                   help="progress bar (default: only on a terminal)")
+
+
+def _progress_bar(total_bytes: int, mode: str):
+    if mode == "never" or (mode == "auto" and not sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prep text",
+                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+class _Run:
+    """Counters and writers of one run; ``consume`` takes results in input order."""
+
+    def __init__(self, args, files, writers: dict[str, IndexedDatasetWriter], rejects: RejectLog) -> None:
+        self.args, self.files, self.writers, self.rejects = args, files, writers, rejects
+        self.read = self.written = self.empty = self.rejected = self.blank = 0
+        self.tokens = self.text_bytes = 0
+        self.blocks = 0
+        self.start = time.monotonic()
+        pause = os.environ.get(_PAUSE_ENV)
+        self._pause = tuple(float(x) for x in pause.split(":")) if pause else None
+
+    def _reject(self, file_index: int, line: int, reason: str, excerpt: str) -> None:
+        path = str(self.files[file_index].path)
+        if self.args.strict:
+            raise PrepError(f"{path}:{line}: {reason} (--strict stops at the first bad record; "
+                            "drop --strict to collect them in PREFIX.rejects.jsonl)")
+        self.rejects.add(path, line, reason, excerpt)
+        self.rejected += 1
+
+    def consume(self, item: EncodedBlock | Truncated) -> None:
+        if isinstance(item, Truncated):
+            self.read += 1
+            self.files[item.file_index].records += 1
+            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial))
+            return
+        for r in item.rejects:
+            self._reject(item.file_index, r.line, r.reason, r.excerpt)
+        for key, writer in self.writers.items():
+            writer.add(item.tokens[key], item.lengths[key])
+        self.read += item.records
+        self.files[item.file_index].records += item.records
+        self.written += item.written
+        self.empty += item.empty
+        self.blank += item.blank
+        self.tokens += item.token_count
+        self.text_bytes += item.text_bytes
+        self.blocks += 1
+        if self._pause and self.blocks == int(self._pause[0]):
+            for w in self.writers.values():  # make the partial temporaries really hit the disk
+                w._bin.flush()
+            time.sleep(self._pause[1])
+
+    def rates(self) -> str:
+        s = max(time.monotonic() - self.start, 1e-9)
+        return (f"{human_rate(self.read, s, ' docs')}, {human_rate(self.text_bytes, s, 'B')}, "
+                f"{human_rate(self.tokens, s, ' tok')}")
+
+    def counts(self) -> dict:
+        return {"read": self.read, "written": self.written, "empty": self.empty, "rejected": self.rejected,
+                "blank_lines": self.blank}
+
+
+def _pipeline(blocks, options: EncodeOptions, workers: int):
+    """Encoded results in input order. ``workers`` processes, each with at most 4 blocks queued."""
+    if workers == 0:
+        encoder = BlockEncoder(options)
+        for item in blocks:
+            yield item if isinstance(item, Truncated) else encoder.encode(item)
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # concurrent.futures rather than multiprocessing.Pool: a worker that dies (e.g. out of memory) raises
+    # BrokenProcessPool here instead of leaving the run waiting forever.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
+                               initializer=init_worker, initargs=(options,))
+    try:
+        pending: collections.deque = collections.deque()
+
+        def next_result():
+            head = pending.popleft()
+            if isinstance(head, Truncated):
+                return head
+            try:
+                return head.result()
+            except BrokenProcessPool:
+                raise PrepError("a tokenizer worker process died (out of memory? killed?); "
+                                "try fewer --workers or a smaller --block-mb") from None
+
+        for item in blocks:
+            pending.append(item if isinstance(item, Truncated) else pool.submit(encode_in_worker, item))
+            while len(pending) > 4 * workers:
+                yield next_result()
+        while pending:
+            yield next_result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    keys = tuple(args.json_keys)
+    if len(set(keys)) != len(keys):
+        raise PrepError(f"--json-keys lists a key twice: {' '.join(keys)}")
+    if args.workers is not None and args.workers < 0:
+        raise PrepError("--workers must be 0 or more")
+    files = expand_inputs(args.input)
+    tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
+                               add_special_tokens=args.add_special_tokens)
+    if args.append_eod and tokenizer.eod_id is None:
+        raise PrepError(f"--append-eod: tokenizer {args.tokenizer} defines no end-of-sequence token; "
+                        "name one with --eod-token")
+    dtype = token_dtype_for(tokenizer.max_id)
+    cpus = available_cpus()
+    workers = cpus if args.workers is None else args.workers
+    threads = args.threads_per_worker or max(1, cpus // max(workers, 1))
+    options = EncodeOptions(str(tokenizer.path if tokenizer.type == "sentencepiece" else args.tokenizer),
+                            tokenizer.type, args.eod_token, args.add_special_tokens, keys, args.append_eod,
+                            tokenizer.eod_id, args.keep_empty, dtype.name, threads)
+    prefix = os.fspath(args.output_prefix)
+    prefixes = key_prefixes(prefix, keys)
+    remove_old_outputs(prefix, list(prefixes.values()))
+
+    writers: dict[str, IndexedDatasetWriter] = {}
+    rejects = RejectLog(prefix)
+    bar = _progress_bar(sum(f.size for f in files), args.progress)
+    results = None
+    try:
+        for key, p in prefixes.items():
+            writers[key] = IndexedDatasetWriter(p, dtype)
+        state = _Run(args, files, writers, rejects)
+        blocks = stream_blocks(files, int(args.block_mb * (1 << 20)),
+                               on_progress=bar.update if bar is not None else None)
+        results = _pipeline(blocks, options, workers)
+        for result in results:
+            state.consume(result)
+            if bar is not None:
+                bar.set_postfix_str(state.rates(), refresh=False)
+        for w in writers.values():
+            w.finish()
+        for w in writers.values():
+            w.commit()
+        rejects_file = rejects.commit()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        rejects.abort()
+        raise
+    finally:
+        if results is not None:
+            results.close()  # stops the worker pool now, also on error
+        if bar is not None:
+            bar.close()
+
+    elapsed = time.monotonic() - started
+    counts = state.counts()
+    assert counts["read"] == counts["written"] + counts["empty"] + counts["rejected"], counts
+    outputs = {key: w.summary() for key, w in writers.items()}
+    write_manifest(prefix, {
+        "command": "mmtrain-prep text",
+        "argv": sys.argv[1:],
+        "inputs": [{"path": str(f.path), "size": f.size, "sha256": f.sha256, "records": f.records,
+                    "text_bytes": f.bytes_read} for f in files],
+        "tokenizer": tokenizer.describe(),
+        "dtype": dtype.name,
+        "json_keys": list(keys),
+        "append_eod": args.append_eod,
+        "eod_id": tokenizer.eod_id if args.append_eod else None,
+        "keep_empty": args.keep_empty,
+        "outputs": outputs,
+        "documents": counts,
+        "tokens": state.tokens,
+        "bytes": state.text_bytes,
+        "rejects_file": rejects_file.name if rejects_file else None,
+        "workers": workers,
+        "threads_per_worker": threads,
+        "elapsed_s": round(elapsed, 3),
+    })
+    print_summary("mmtrain-prep text", counts, state.tokens, state.text_bytes, elapsed,
+                  [f"{p}.bin/.idx ({outputs[k]['documents']:,} docs, {dtype.name})" for k, p in prefixes.items()]
+                  + [f"{prefix}.manifest.json"], rejects_file)
+    return 0

@@ -1,0 +1,233 @@
+"""Finding JSONL inputs and streaming them as blocks of whole lines (plain, ``.gz``, ``.zst``).
+
+The reader never holds a whole file: it decompresses in small pieces and hands out ~``block_bytes`` of
+complete lines at a time, each block tagged with its file and first line number, so workers can report
+``file:line`` for any record. The raw on-disk bytes are hashed as they stream past (SHA-256 for the
+manifest, no second pass). A compressed file that ends early (cut-short gzip/zstd) is not silently
+shortened: the reader yields what decoded cleanly and then a :class:`Truncated` marker naming the line.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from dataprep.errors import PrepError
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl.zstd")
+_PIECE = 1 << 17  # compressed bytes fed to a decompressor at a time: keeps each output piece small
+
+
+@dataclass
+class InputFile:
+    path: Path
+    size: int
+    sha256: str = ""
+    records: int = 0  # non-blank lines (records), counted by the caller
+    bytes_read: int = 0  # uncompressed bytes
+
+
+@dataclass
+class Block:
+    """``data`` holds complete lines (the last one may lack its newline at end of file)."""
+
+    file_index: int
+    first_line: int  # 1-based line number of the first line in data
+    data: bytes
+
+
+@dataclass
+class Truncated:
+    """The file could not be read past ``line``; ``partial`` holds the bytes of the cut line, if any."""
+
+    file_index: int
+    line: int
+    reason: str
+    partial: bytes = field(default=b"")
+
+
+def _is_jsonl(name: str) -> bool:
+    return name.endswith(JSONL_SUFFIXES)
+
+
+def expand_inputs(patterns: list[str]) -> list[InputFile]:
+    """Files, globs and folders (searched recursively for JSONL files) -> a sorted, de-duplicated list."""
+    found: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise PrepError(f"--input {pattern!r} matches no file")
+        for match in matches:
+            path = Path(match)
+            if path.is_dir():
+                inner = sorted(p for p in path.rglob("*") if p.is_file() and _is_jsonl(p.name))
+                if not inner:
+                    raise PrepError(f"--input folder {path} holds no .jsonl/.jsonl.gz/.jsonl.zst file")
+                found.extend(inner)
+            elif path.is_file():
+                found.append(path)
+            else:
+                raise PrepError(f"--input {path} not found")
+    seen: set[Path] = set()
+    files = []
+    for path in found:
+        key = path.resolve()
+        if key not in seen:
+            seen.add(key)
+            files.append(InputFile(path=path, size=path.stat().st_size))
+    return files
+
+
+class _HashingReader:
+    """File object wrapper that hashes and counts every byte read from disk."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.position = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self.sha256.update(data)
+        self.position += len(data)
+        return data
+
+    def readinto(self, b) -> int:  # used by gzip's buffered reads
+        n = self._f.readinto(b)
+        self.sha256.update(memoryview(b)[:n])
+        self.position += n
+        return n
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _plain_pieces(raw: _HashingReader, size: int) -> Iterator[bytes]:
+    while piece := raw.read(size):
+        yield piece
+
+
+def _gzip_pieces(raw: _HashingReader, size: int) -> Iterator[bytes]:
+    gz = gzip.GzipFile(fileobj=raw, mode="rb")
+    # read1: one decompression step per call, so an error never swallows bytes already decoded
+    while piece := gz.read1(size):
+        yield piece
+
+
+def _zstd_pieces(raw: _HashingReader) -> Iterator[bytes]:
+    import zstandard
+
+    dctx = zstandard.ZstdDecompressor()
+    dobj, mid_frame = dctx.decompressobj(), False
+    while chunk := raw.read(_PIECE):
+        while chunk:
+            mid_frame = True
+            out = dobj.decompress(chunk)
+            if out:
+                yield out
+            if dobj.eof:  # a frame ended; more frames may follow in the same file
+                chunk, dobj, mid_frame = dobj.unused_data, dctx.decompressobj(), False
+            else:
+                chunk = b""
+    if mid_frame:
+        raise EOFError("zstd stream ended in the middle of a frame")
+
+
+def _pieces_for(path: Path, raw: _HashingReader, size: int) -> Iterator[bytes]:
+    name = path.name
+    if name.endswith(".gz"):
+        return _gzip_pieces(raw, size)
+    if name.endswith((".zst", ".zstd")):
+        return _zstd_pieces(raw)
+    return _plain_pieces(raw, size)
+
+
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [EOFError, zlib.error, gzip.BadGzipFile]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:  # pragma: no cover - zstandard is a dependency
+        pass
+    return tuple(errors)
+
+
+def stream_blocks(files: list[InputFile], block_bytes: int = 1 << 20,
+                  on_progress=None) -> Iterator[Block | Truncated]:
+    """Yield blocks of whole lines from every file in order; fill in each file's sha256/records/bytes.
+
+    ``on_progress(disk_bytes_delta)`` is called as on-disk bytes are consumed (for a progress bar).
+    """
+    decode_errors = _decode_errors()
+    for index, entry in enumerate(files):
+        try:
+            f = open(entry.path, "rb")
+        except OSError as exc:
+            raise PrepError(f"{entry.path}: cannot open ({exc.strerror})") from None
+        raw = _HashingReader(f)
+        line = 1
+        carry: list[bytes] = []  # pieces of a line not yet ended (a list: long lines stay linear)
+        pending: list[bytes] = []
+        pending_size = 0
+        reported = 0
+        try:
+            pieces = _pieces_for(entry.path, raw, min(block_bytes, 1 << 20))
+            while True:
+                try:
+                    piece = next(pieces, None)
+                except decode_errors as exc:
+                    if pending:
+                        data = b"".join(pending)
+                        yield Block(index, line, data)
+                        line += data.count(b"\n")
+                    yield Truncated(index, line, f"file cut short or corrupt ({type(exc).__name__}: {exc}); "
+                                    "nothing after this line could be read", b"".join(carry))
+                    break
+                if on_progress is not None and raw.position != reported:
+                    on_progress(raw.position - reported)
+                    reported = raw.position
+                if piece is None:
+                    if carry:
+                        pending.append(b"".join(carry))
+                    if pending:
+                        yield Block(index, line, b"".join(pending))
+                    break
+                entry.bytes_read += len(piece)
+                cut = piece.rfind(b"\n")
+                if cut < 0:
+                    carry.append(piece)  # one very long line: keep gathering
+                    continue
+                pending.append(b"".join(carry) + piece[:cut + 1])
+                pending_size += len(pending[-1])
+                carry = [piece[cut + 1:]] if cut + 1 < len(piece) else []
+                if pending_size >= block_bytes:
+                    data = b"".join(pending)
+                    yield Block(index, line, data)
+                    line += data.count(b"\n")
+                    pending, pending_size = [], 0
+            # drain the rest of the raw file so the checksum covers every byte on disk
+            while raw.read(1 << 20):
+                pass
+        finally:
+            f.close()
+        entry.sha256 = raw.sha256.hexdigest()
+        if on_progress is not None and raw.position != reported:
+            on_progress(raw.position - reported)
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """The lines of a block, without their newlines (a trailing newline does not make an extra line)."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines

@@ -1,0 +1,202 @@
+"""One tokenizer interface over SentencePiece ``.model`` files and Hugging Face ``tokenizer.json`` files.
+
+Both libraries do the real work (batch encoding in C++ / Rust); this module only gives them the same face:
+``encode``, ``encode_batch``, ``decode``, ``vocab_size``, ``max_id`` (added tokens included: it decides the
+token dtype), ``eod_id`` (the end-of-sequence id appended by ``--append-eod``) and ``checksum``.
+Encoding never adds BOS/EOS by itself, so ``--append-eod`` is the only special token we insert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Sequence
+
+from dataprep.errors import PrepError
+
+TOKENIZER_TYPES = ("sentencepiece", "huggingface")
+# Tried in order when a Hugging Face tokenizer folder has no tokenizer_config.json naming its eos_token.
+_HF_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 4 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Tokenizer(ABC):
+    """What the prep commands need from a tokenizer. ``path`` is the file that defines it."""
+
+    type: str
+    path: Path
+    eod_id: int | None
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_id(self) -> int: ...
+
+    @abstractmethod
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def token_id(self, token: str) -> int | None:
+        """The id of one token string, or None when the vocabulary lacks it."""
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def set_threads(self, threads: int) -> None:
+        """Threads the library may use inside one ``encode_batch`` call."""
+
+    def checksum(self) -> str:
+        return file_sha256(self.path)
+
+    def describe(self) -> dict:
+        return {"type": self.type, "path": str(self.path), "sha256": self.checksum(),
+                "vocab_size": self.vocab_size, "max_id": self.max_id, "eod_id": self.eod_id}
+
+
+class SentencePieceTokenizer(Tokenizer):
+    type = "sentencepiece"
+
+    def __init__(self, path: Path) -> None:
+        import sentencepiece as spm
+
+        self.path = path
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as exc:  # noqa: BLE001 - the library raises bare RuntimeError/OSError
+            raise PrepError(f"{path}: not a SentencePiece model ({exc}); pass --tokenizer-type if it is "
+                            "a Hugging Face tokenizer") from None
+        eos = self._sp.eos_id()
+        self.eod_id = eos if eos >= 0 else None
+        self._threads = 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def max_id(self) -> int:
+        return self._sp.get_piece_size() - 1
+
+    def set_threads(self, threads: int) -> None:
+        self._threads = max(1, int(threads))
+
+    def token_id(self, token: str) -> int | None:
+        piece_id = self._sp.piece_to_id(token)
+        return None if piece_id == self._sp.unk_id() and token != self._sp.id_to_piece(piece_id) else piece_id
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts), out_type=int, num_threads=self._threads)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    type = "huggingface"
+
+    def __init__(self, path: Path, add_special_tokens: bool = False) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        folder = path if path.is_dir() else path.parent
+        self.path = path / "tokenizer.json" if path.is_dir() else path
+        if not self.path.is_file():
+            raise PrepError(f"{path}: no tokenizer.json there; pass a tokenizer.json file or a folder holding one")
+        try:
+            self._tk = HFTokenizer.from_file(str(self.path))
+        except Exception as exc:  # noqa: BLE001
+            raise PrepError(f"{self.path}: not a Hugging Face tokenizer.json ({exc})") from None
+        self._add_special = add_special_tokens
+        self._vocab = self._tk.get_vocab(with_added_tokens=True)
+        self.eod_id = self._find_eos(folder)
+        self._encode = getattr(self._tk, "encode_batch_fast", self._tk.encode_batch)
+
+    def _find_eos(self, folder: Path) -> int | None:
+        config = folder / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            except (OSError, ValueError) as exc:
+                raise PrepError(f"{config}: unreadable ({exc})") from None
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str) and eos in self._vocab:
+                return self._vocab[eos]
+        for token in _HF_EOS_CANDIDATES:
+            if token in self._vocab:
+                return self._vocab[token]
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_id(self) -> int:
+        return max(self._vocab.values()) if self._vocab else -1
+
+    def token_id(self, token: str) -> int | None:
+        return self._vocab.get(token)
+
+    def set_threads(self, threads: int) -> None:
+        # The Rust thread pool is sized once per process, from this variable, before its first parallel use.
+        if threads <= 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        else:
+            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._encode(list(texts), add_special_tokens=self._add_special)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def checksum(self) -> str:
+        return file_sha256(self.path)
+
+
+def detect_tokenizer_type(path: Path) -> str:
+    if path.is_dir() or path.suffix == ".json":
+        return "huggingface"
+    return "sentencepiece"
+
+
+def load_tokenizer(path: str | os.PathLike, tokenizer_type: str | None = None, *,
+                   eod_token: str | None = None, add_special_tokens: bool = False) -> Tokenizer:
+    """Open ``path`` (SentencePiece ``.model``, ``tokenizer.json`` or a folder holding one).
+
+    ``eod_token`` (a token string) overrides the end-of-document id the library reports.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise PrepError(f"tokenizer {path} not found; pass a SentencePiece .model, a tokenizer.json or its folder")
+    kind = tokenizer_type or detect_tokenizer_type(path)
+    if kind == "sentencepiece":
+        if path.is_dir():
+            raise PrepError(f"{path} is a folder; a SentencePiece tokenizer is one .model file")
+        tok: Tokenizer = SentencePieceTokenizer(path)
+    elif kind == "huggingface":
+        tok = HuggingFaceTokenizer(path, add_special_tokens=add_special_tokens)
+    else:
+        raise PrepError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
+    if eod_token is not None:
+        token_id = tok.token_id(eod_token)
+        if token_id is None:
+            raise PrepError(f"--eod-token {eod_token!r} is not a token of {path}")
+        tok.eod_id = token_id
+    return tok
