@@ -39,6 +39,18 @@ class ModelConfig:
     qkv_bias: bool = doc(False, "Add biases to the query/key/value projections only (Qwen2 style).")
     qk_norm: bool = doc(False, "Normalize queries and keys per head before attention (Qwen3/OLMo2 style).")
     init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.")
+    num_experts: int = doc(0, "Mixture of experts: experts per MoE layer; 0 keeps a dense MLP.")
+    moe_top_k: int = doc(2, "Experts each token is routed to.")
+    moe_ffn_hidden_size: int = doc(0, "Inner width of each expert; 0 uses ffn_hidden_size.")
+    moe_router: Literal["softmax", "sigmoid"] = doc(
+        "softmax", "softmax top-k (Mixtral) or sigmoid top-k with bias-based balancing (DeepSeek-V3).")
+    moe_aux_loss_coeff: float = doc(0.01, "Weight of the load-balancing auxiliary loss (0 disables).")
+    moe_z_loss_coeff: float = doc(0.0, "Weight of the router z-loss (0 disables).")
+    moe_capacity_factor: float = doc(0.0, "Expert capacity as a multiple of the even share; 0 = dropless.")
+    moe_shared_ffn_hidden_size: int = doc(0, "Width of an always-on shared expert added to the routed ones; 0 = none.")
+    moe_bias_update_rate: float = doc(1e-3, "Sigmoid router: per-step bias step towards balanced expert load.")
+    moe_grouped_gemm: bool = doc(True, "Run experts as one grouped GEMM (torch._grouped_mm on Hopper, bf16); "
+                                       "else a loop over experts.")
 
     @property
     def kv_heads(self) -> int:
