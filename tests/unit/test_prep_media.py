@@ -13,6 +13,8 @@ from dataprep.cli import main
 from dataprep.samples_media import write_media_samples
 
 pytest.importorskip("megatron.energon")
+pytestmark = pytest.mark.filterwarnings("ignore:'pin_memory' argument:UserWarning",
+                                        "ignore:Video container unit is seconds:RuntimeWarning")
 
 
 def prep(inp, out, *extra) -> int:
@@ -78,7 +80,6 @@ def _crude_encoder():
     return Raw()
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_captions_load_as_captioning_samples(media, tmp_path):
     from megatron.energon import CaptioningSample
 
@@ -103,7 +104,6 @@ def test_captions_load_as_captioning_samples(media, tmp_path):
     assert all(s["name"].startswith("shard-") for s in manifest["shards"])
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_audio_and_video_load_as_crude_samples_and_decode(media, tmp_path):
     import av
 
