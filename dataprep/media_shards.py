@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sqlite3
 import struct
 import tarfile
 import uuid
@@ -190,26 +191,54 @@ def write_tar_index(path: Path, samples: list[ScannedSample], end: int) -> None:
         f.write(struct.pack(f"<{len(offsets)}Q", *offsets))
 
 
-def _write_sqlite(meta_dir: Path, shard_scans: list[tuple[str, list[ScannedSample]]]) -> None:
-    """``index.sqlite`` through energon's own writer, so the schema always matches the installed energon."""
-    from megatron.energon.epathlib import EPath
-    from megatron.energon.flavors.webdataset.indexing import SqliteIndexWriter
-    from megatron.energon.flavors.webdataset.prepare import IndexSample, IndexSamplePart
+# The index.sqlite layout energon 7 reads (tables `samples` and `sample_parts` with their lookup indexes).
+# Written with the standard sqlite3 module rather than energon's writer because importing megatron.energon
+# pulls in torch (~1.7 s and ~600 MB per run); test_prep_media checks this schema against energon's own.
+_SQLITE_SCHEMA = (
+    "CREATE TABLE samples (tar_file_id INTEGER NOT NULL, sample_key TEXT NOT NULL UNIQUE, "
+    "sample_index INTEGER NOT NULL, byte_offset INTEGER, byte_size INTEGER)",
+    "CREATE TABLE sample_parts (tar_file_id INTEGER, sample_index INTEGER, part_name TEXT, "
+    "content_byte_offset INTEGER, content_byte_size INTEGER)",
+)
+_SQLITE_INDEXES = (
+    "CREATE INDEX idx_samples_by_tar_and_idx ON samples(tar_file_id, sample_index)",
+    "CREATE INDEX idx_sample_parts_seq ON sample_parts(tar_file_id, sample_index, content_byte_offset)",
+    "CREATE INDEX idx_sample_parts_full ON sample_parts(tar_file_id, sample_index, part_name, "
+    "content_byte_offset, content_byte_size)",
+)
 
+
+def _write_sqlite(meta_dir: Path, shard_scans: list[tuple[str, list[ScannedSample]]]) -> None:
+    """``.nv-meta/index.sqlite``: every sample's key, shard and byte range, and every part's byte range."""
     final = meta_dir / "index.sqlite"
     tmp = meta_dir / ".index.sqlite.tmp"
     tmp.unlink(missing_ok=True)
-    writer = SqliteIndexWriter(EPath(tmp))
-    for tar_id, (_, samples) in enumerate(shard_scans):
-        writer.append_samples([IndexSample(tar_file_id=tar_id, sample_key=s.key, sample_index=i,
-                                           byte_offset=s.offset, byte_size=s.size) for i, s in enumerate(samples)])
-        writer.append_parts([IndexSamplePart(tar_file_id=tar_id, sample_index=i, part_name=p,
-                                             content_byte_offset=off, content_byte_size=size)
-                             for i, s in enumerate(samples) for p, off, size in s.parts])
-    writer.close()
+    db = sqlite3.connect(tmp)
+    try:
+        for stmt in _SQLITE_SCHEMA:
+            db.execute(stmt)
+        for tar_id, (_, samples) in enumerate(shard_scans):
+            db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?)",
+                           ((tar_id, s.key, i, s.offset, s.size) for i, s in enumerate(samples)))
+            db.executemany("INSERT INTO sample_parts VALUES (?, ?, ?, ?, ?)",
+                           ((tar_id, i, p, off, size) for i, s in enumerate(samples) for p, off, size in s.parts))
+        for stmt in _SQLITE_INDEXES:
+            db.execute(stmt)
+        db.commit()
+    finally:
+        db.close()
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
+
+
+def _energon_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-energon")
+    except Exception:  # noqa: BLE001 - only recorded for information
+        return None
 
 
 def dataset_yaml(sample_type: str, subflavor: str) -> str:
@@ -226,8 +255,6 @@ def write_energon_meta(out_dir: Path, shards: list[ShardRecord], sample_type: st
     """Everything energon reads in ``.nv-meta/`` plus the per-shard ``.tar.idx`` files energon keeps next to
     each tar. Written by us (no separate ``energon prepare``), deterministically: the dataset uuid is derived
     from the shard checksums instead of drawn at random."""
-    from megatron.energon import __version__ as energon_version
-
     meta_dir = out_dir / NV_META
     meta_dir.mkdir(exist_ok=True)
     ordered = sorted(shards, key=lambda s: (SPLITS.index(s.split), s.name))
@@ -237,7 +264,7 @@ def write_energon_meta(out_dir: Path, shards: list[ShardRecord], sample_type: st
         write_tar_index(out_dir / rec.name, samples, end)
         scans.append((rec.name, samples))
     _write_sqlite(meta_dir, scans)
-    info = {"energon_version": energon_version, "shard_counts": {r.name: r.samples for r in ordered}}
+    info = {"energon_version": _energon_version(), "shard_counts": {r.name: r.samples for r in ordered}}
     atomic_write_text(meta_dir / ".info.json", json.dumps(info, indent=2) + "\n")
     lines = ["split_parts:"]
     for split in SPLITS:

@@ -23,7 +23,7 @@ SHAPES = ("circle", "square", "triangle")
 TONES = {"low": 220.0, "middle": 440.0, "high": 880.0}
 
 
-def _scene(rng: random.Random, size: tuple[int, int]):
+def _scene(rng: random.Random, size: tuple[int, int], noise: int = 0):
     from PIL import Image, ImageDraw
 
     names = list(COLOURS)
@@ -40,6 +40,11 @@ def _scene(rng: random.Random, size: tuple[int, int]):
         draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=COLOURS[fg])
     else:
         draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLOURS[fg])
+    if noise:  # texture, so files have photo-like sizes (flat colours compress to almost nothing)
+        import numpy as np
+
+        grain = np.random.default_rng(rng.getrandbits(32)).integers(-noise, noise + 1, (h, w, 3))
+        img = Image.fromarray(np.clip(np.asarray(img, np.int16) + grain, 0, 255).astype(np.uint8))
     where = ("left" if cx < w / 3 else "right" if cx > 2 * w / 3 else "middle")
     caption = f"A {fg} {shape} on a {bg} background, on the {where}."
     return img, caption
@@ -108,18 +113,19 @@ def _tiny_video(frames: int = 16, fps: int = 8, size: tuple[int, int] = (64, 48)
 
 def write_media_samples(folder: str | Path, num_images: int = 36, num_audio: int = 6, video: bool = True,
                         seed: int = 0, sizes: tuple[tuple[int, int], ...] = ((64, 48), (96, 96), (128, 80)),
-                        conversations: int = 2) -> Path:
+                        conversations: int = 2, noise: int = 0) -> Path:
     """Write media files under ``folder`` and ``folder/manifest.jsonl``; return the manifest path.
 
     Images alternate JPEG/PNG over ``sizes``; audio cycles WAV/FLAC/MP3/OGG (tones: low/middle/high);
-    the last ``conversations`` image rows carry a two-turn conversation instead of a caption."""
+    the last ``conversations`` image rows carry a two-turn conversation instead of a caption; ``noise`` adds
+    per-pixel grain of that amplitude (the benchmark uses it for realistic file sizes)."""
     from PIL import Image  # noqa: F401 - fail early with a clear ImportError
 
     folder = Path(folder)
     rng = random.Random(seed)
     rows = []
     for i in range(num_images):
-        img, caption = _scene(rng, sizes[i % len(sizes)])
+        img, caption = _scene(rng, sizes[i % len(sizes)], noise)
         ext = "jpg" if i % 2 == 0 else "png"
         buf = io.BytesIO()
         img.save(buf, format="JPEG" if ext == "jpg" else "PNG", **({"quality": 90} if ext == "jpg" else {}))

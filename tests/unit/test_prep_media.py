@@ -39,6 +39,20 @@ def sqlite_rows(out: Path):
         db.close()
 
 
+def sqlite_layout(out: Path):
+    """Columns of each table and the columns of each index (not the SQL text, which differs in layout)."""
+    db = sqlite3.connect(out / ".nv-meta" / "index.sqlite")
+    try:
+        layout = {}
+        for (table,) in db.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY name"):
+            layout[table] = [tuple(r[1:6]) for r in db.execute(f"PRAGMA table_info({table})")]
+            for idx in sorted(r[1] for r in db.execute(f"PRAGMA index_list({table})")):
+                layout[f"{table}:{idx}"] = [r[2] for r in db.execute(f"PRAGMA index_info({idx})")]
+        return layout
+    finally:
+        db.close()
+
+
 @pytest.fixture(scope="module")
 def media(tmp_path_factory) -> Path:
     """The sample media set: 24 images (2 with a conversation), 4 audio clips (wav/flac/mp3/ogg), 1 video."""
@@ -147,6 +161,7 @@ def test_tar_index_and_sqlite_match_energon_prepare(media, tmp_path):
     for n in names:
         assert (out / n).with_suffix(".tar.idx").read_bytes() == (theirs / n).with_suffix(".tar.idx").read_bytes()
     assert sqlite_rows(out) == sqlite_rows(theirs)
+    assert sqlite_layout(out) == sqlite_layout(theirs)  # catches a schema change in a future energon
     assert json.loads((out / ".nv-meta/.info.json").read_text())["shard_counts"] == \
         json.loads((theirs / ".nv-meta/.info.json").read_text())["shard_counts"]
 

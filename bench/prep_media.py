@@ -1,0 +1,152 @@
+"""Benchmark `mmtrain-prep media` against a hand-written pipeline on the same input.
+
+    python bench/prep_media.py [--images 2000] [--audio 40] [--workers 1 2] [--workdir runs/bench-prep-media]
+
+Input: ``--images`` generated images (JPEG and PNG over four sizes, with grain so files have photo-like
+sizes) plus ``--audio`` clips (WAV/FLAC/MP3/OGG), written once and reused. For each worker count the
+pipelines run back to back (interleaved, so they see the same machine load), each as a fresh process:
+
+- ``ours``: ``mmtrain-prep media`` (validates every file by decoding it, writes shards + .nv-meta).
+- ``wds+prepare``: a plain loop that decodes each file the same way (Pillow / PyAV) to validate it and
+  writes it with ``webdataset.ShardWriter``, then ``energon prepare --non-interactive`` with
+  ``--num-workers N``: the pipeline a team writes by hand for the same guarantee.
+- ``wds-copy+prepare``: the same loop without validation (bytes copied blind), for reference.
+
+Reported per run: wall seconds (end to end, process start to exit), samples/s, input MB/s, and the peak
+RSS of the largest process of the run (os.wait4's ru_maxrss covers the process and its reaped children).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = ((320, 240), (512, 384), (640, 480), (800, 600))
+
+
+def _generate(workdir: Path, images: int, audio: int) -> Path:
+    inp = workdir / "input"
+    stamp = inp / "params.json"
+    params = {"images": images, "audio": audio, "sizes": SIZES, "noise": 24}
+    if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(params)):
+        return inp / "manifest.jsonl"
+    shutil.rmtree(inp, ignore_errors=True)
+    sys.path.insert(0, str(ROOT))
+    from dataprep.samples_media import write_media_samples
+
+    t = time.monotonic()
+    manifest = write_media_samples(inp, num_images=images, num_audio=audio, video=False, sizes=SIZES,
+                                   conversations=0, noise=24)
+    stamp.write_text(json.dumps(params))
+    print(f"generated {images} images + {audio} audio clips in {time.monotonic() - t:.1f}s", flush=True)
+    return manifest
+
+
+def _baseline_child(manifest: Path, out: Path, workers: int, validate: bool) -> None:
+    """The hand-written pipeline (runs in its own process)."""
+    import io
+
+    import webdataset as wds
+
+    base = manifest.parent
+    out.mkdir(parents=True)
+    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxsize=512 * 10**6, verbose=0) as sink:
+        for line in manifest.open():
+            row = json.loads(line)
+            path = base / (row.get("image") or row.get("audio"))
+            data = path.read_bytes()
+            if validate:
+                if "image" in row:
+                    from PIL import Image
+
+                    with Image.open(io.BytesIO(data)) as im:
+                        im.load()
+                else:
+                    import av
+
+                    with av.open(io.BytesIO(data)) as c:
+                        for _ in c.decode(audio=0):
+                            pass
+            text = row.get("caption") or row.get("text")
+            sink.write({"__key__": row["id"], path.suffix[1:].lower(): data, "txt": text,
+                        "json": json.dumps(row).encode()})
+    energon = Path(sys.executable).with_name("energon")
+    subprocess.run([str(energon), "prepare", str(out), "--non-interactive", "--split-ratio", "99,1,0",
+                    "--sample-type", "CrudeWebdataset", "--num-workers", str(workers), "--no-progress"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def _run(cmd: list[str], env: dict) -> tuple[float, float]:
+    t = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.monotonic() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
+    return seconds, usage.ru_maxrss / 1024  # KiB -> MiB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--audio", type=int, default=40)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench-prep-media"))
+    ap.add_argument("--no-copy-baseline", action="store_true", help="skip the no-validation reference run")
+    ap.add_argument("--_child", choices=["validate", "copy"], help=argparse.SUPPRESS)
+    ap.add_argument("--_manifest", help=argparse.SUPPRESS)
+    ap.add_argument("--_out", help=argparse.SUPPRESS)
+    ap.add_argument("--_n", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._child:
+        _baseline_child(Path(args._manifest), Path(args._out), args._n, args._child == "validate")
+        return
+
+    workdir = Path(args.workdir)
+    manifest = _generate(workdir, args.images, args.audio)
+    rows = [json.loads(line) for line in manifest.open()]
+    in_mb = sum((manifest.parent / (r.get("image") or r.get("audio"))).stat().st_size for r in rows) / 1e6
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    py = sys.executable
+    results = []
+    for n in args.workers:
+        runs = [("ours", [py, "-m", "dataprep", "media", "--input", str(manifest), "--no-progress",
+                          "--workers", str(n), "--output"]),
+                ("wds+prepare", [py, __file__, "--_child", "validate", "--_manifest", str(manifest), "--_n", str(n),
+                                 "--_out"])]
+        if not args.no_copy_baseline:
+            runs.append(("wds-copy+prepare", [py, __file__, "--_child", "copy", "--_manifest", str(manifest),
+                                              "--_n", str(n), "--_out"]))
+        for name, cmd in runs:
+            out = workdir / f"out-{name}-{n}"
+            shutil.rmtree(out, ignore_errors=True)
+            seconds, rss = _run(cmd + [str(out)], env)
+            results.append({"pipeline": name, "workers": n, "seconds": seconds, "samples_per_s": len(rows) / seconds,
+                            "mb_per_s": in_mb / seconds, "peak_rss_mib": rss})
+            print(f"  {name:17s} workers={n}: {seconds:6.2f}s {len(rows) / seconds:8.1f} samples/s "
+                  f"{in_mb / seconds:7.1f} MB/s  peak RSS {rss:6.0f} MiB", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"\ninput: {len(rows)} samples ({args.images} images, {args.audio} audio), {in_mb:.1f} MB; "
+          f"{os.cpu_count()} CPUs; {load}")
+    print(f"{'pipeline':18s} {'workers':>7s} {'seconds':>8s} {'samples/s':>10s} {'MB/s':>7s} {'peak RSS MiB':>13s}")
+    for r in results:
+        print(f"{r['pipeline']:18s} {r['workers']:7d} {r['seconds']:8.2f} {r['samples_per_s']:10.1f} "
+              f"{r['mb_per_s']:7.1f} {r['peak_rss_mib']:13.0f}")
+    for n in args.workers:
+        by = {r["pipeline"]: r for r in results if r["workers"] == n}
+        ratios = ", ".join(f"{by[b]['seconds'] / by['ours']['seconds']:.2f}x faster than {b}"
+                           for b in by if b != "ours")
+        print(f"workers={n}: ours is {ratios}")
+
+
+if __name__ == "__main__":
+    main()
