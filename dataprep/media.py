@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dataprep.errors import PrepError
-from dataprep.media_codecs import MediaOptions, Packed, pack_batch
+from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
 from dataprep.media_manifest import MediaRow, Reject, input_fingerprint, is_val, iter_rows
 from dataprep.media_shards import NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta
 from mmtrain.utils.atomic import atomic_write_text
@@ -151,7 +151,7 @@ def _ordered_results(batches: Iterator[list], workers: int) -> Iterator[tuple[li
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         try:
             for batch in batches:
-                window.append((batch, pool.submit(pack_batch, batch)))
+                window.append((batch, pool.submit(pack_batch, batch, True)))
                 if len(window) >= 4 * workers:
                     b, fut = window.popleft()
                     yield b, fut.result()
@@ -250,8 +250,13 @@ def run(args: argparse.Namespace) -> int:
             nbytes = 0
             for (row, _), res in zip(batch, results):
                 if isinstance(res, Packed):
+                    try:
+                        parts = res.resolve()
+                    except MediaReject as exc:
+                        res = (exc.code, exc.reason)
+                if isinstance(res, Packed):
                     split = "val" if is_val(row.key, args.val_ratio) else "train"
-                    writer.add(split, res.key, res.parts, row.modality)
+                    writer.add(split, res.key, parts, row.modality)
                     counts["written"] += 1
                     counts[split] += 1
                     counts[f"modality:{row.modality}"] += 1

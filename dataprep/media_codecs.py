@@ -15,7 +15,7 @@ import json
 import os
 import struct
 import wave
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dataprep.media_manifest import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS, MediaRow
 
@@ -42,17 +42,45 @@ class MediaOptions:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class SourceFile:
+    """A part stored byte-for-byte as its source file: a worker sends this instead of the bytes, and the
+    writer reads the file itself (cheaper than pickling megabytes through a pipe)."""
+
+    path: str
+    size: int
+
+
 @dataclass
 class Packed:
     """One sample ready for the tar: member name suffix (after ``key.``) -> bytes, plus its metadata."""
 
     key: str
-    parts: dict[str, bytes]
+    parts: dict[str, bytes | SourceFile]
     meta: dict
+    kept: dict[str, str] = field(default_factory=dict)  # part -> source path, for parts kept as is
 
     @property
     def nbytes(self) -> int:
-        return sum(len(v) for v in self.parts.values())
+        return sum(v.size if isinstance(v, SourceFile) else len(v) for v in self.parts.values())
+
+    def by_reference(self) -> "Packed":
+        parts = {k: SourceFile(self.kept[k], len(v)) if k in self.kept and isinstance(v, bytes) else v
+                 for k, v in self.parts.items()}
+        return Packed(self.key, parts, self.meta, self.kept)
+
+    def resolve(self) -> dict[str, bytes]:
+        """The parts as bytes; raises MediaReject if a referenced file changed after it was validated."""
+        out = {}
+        for k, v in self.parts.items():
+            if isinstance(v, SourceFile):
+                with open(v.path, "rb") as f:
+                    data = f.read()
+                if len(data) != v.size:
+                    raise MediaReject("unreadable_media", f"{v.path}: changed while it was being packed")
+                v = data
+            out[k] = v
+        return out
 
 
 class MediaReject(Exception):
@@ -318,34 +346,46 @@ def pack_row(row: MediaRow, opts: MediaOptions) -> Packed | tuple[str, str]:
     ``frame000.jpg``..., ``txt`` for caption/text, ``json`` metadata), or ``(code, reason)``."""
     try:
         parts: dict[str, bytes] = {}
+        kept: dict[str, str] = {}
         meta = _meta_base(row)
         if row.images:
             infos = []
             for i, (path, rel) in enumerate(zip(row.images, row.rel["images"])):
                 ext, data, info = pack_image(path, rel, opts)
-                parts[ext if len(row.images) == 1 else f"img{i:03d}.{ext}"] = data
+                name = ext if len(row.images) == 1 else f"img{i:03d}.{ext}"
+                parts[name] = data
+                if "source_format" not in info:
+                    kept[name] = path
                 infos.append(info)
             meta["images"] = infos
         elif row.audio:
             ext, data, info = pack_audio(row.audio, row.rel["audio"], opts)
             parts[ext] = data
+            if "source" not in info:
+                kept[ext] = row.audio
             meta["audio"] = info
         elif row.video:
             ext, data, info, stills = pack_video(row.video, row.rel["video"], opts)
             parts[ext] = data
+            kept[ext] = row.video
             for i, still in enumerate(stills):
                 parts[f"frame{i:03d}.jpg"] = still
             meta["video"] = info
         if row.text is not None:
             parts["txt"] = row.text.encode("utf-8")
         parts["json"] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
-        return Packed(row.key, parts, meta)
+        return Packed(row.key, parts, meta, kept)
     except MediaReject as exc:
         return exc.code, exc.reason
     except Exception as exc:  # noqa: BLE001 - a decoder bug on one file must not stop the run; it is reported
         return "unreadable_media", f"unexpected {type(exc).__name__} while packing: {exc}"
 
 
-def pack_batch(batch: list[tuple[MediaRow, MediaOptions]]) -> list[Packed | tuple[str, str]]:
-    """Worker entry point: several rows per task, so process hand-offs stay cheap for small files."""
-    return [pack_row(row, opts) for row, opts in batch]
+def pack_batch(batch: list[tuple[MediaRow, MediaOptions]], by_reference: bool = False
+               ) -> list[Packed | tuple[str, str]]:
+    """Worker entry point: several rows per task, so process hand-offs stay cheap for small files.
+    ``by_reference``: parts kept byte-for-byte travel back as `SourceFile`s (see there)."""
+    results = [pack_row(row, opts) for row, opts in batch]
+    if by_reference:
+        results = [r.by_reference() if isinstance(r, Packed) else r for r in results]
+    return results
