@@ -26,7 +26,8 @@ from typing import Iterator
 from dataprep.errors import PrepError
 from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
 from dataprep.media_manifest import MediaRow, Reject, input_fingerprint, is_val, iter_rows
-from dataprep.media_shards import NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta
+from dataprep.media_shards import (NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta,
+                                   write_text)
 from mmtrain.utils.atomic import atomic_write_text
 
 STATE_FILE = ".mmtrain-prep-state.json"
@@ -163,20 +164,34 @@ def _ordered_results(batches: Iterator[list], workers: int) -> Iterator[tuple[li
             raise
 
 
+def _count_records(inputs: list[str]) -> int | None:
+    """Non-blank manifest lines, for the progress bar's total (None when an input is a folder)."""
+    total = 0
+    for inp in inputs:
+        if Path(inp).is_dir():
+            return None
+        with open(inp, "rb") as f:
+            total += sum(1 for line in f if line.strip())
+    return total
+
+
 class _Progress:
-    def __init__(self, enabled: bool):
+    """tqdm bar: rows done (its rate is samples/s) and media MB/s in the postfix."""
+
+    def __init__(self, enabled: bool, inputs: list[str]):
         self.bar = None
         self.t0 = time.monotonic()
         self.bytes = 0
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(unit=" samples", desc="media", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=_count_records(inputs), unit=" samples", desc="media", dynamic_ncols=True,
+                            file=sys.stderr)
 
-    def update(self, n: int, nbytes: int) -> None:
+    def update(self, rows_done: int, nbytes: int) -> None:
         self.bytes += nbytes
         if self.bar is not None:
-            self.bar.update(n)
+            self.bar.update(rows_done - self.bar.n)
             dt = max(time.monotonic() - self.t0, 1e-9)
             self.bar.set_postfix_str(f"{self.bytes / 1e6 / dt:.1f} MB/s", refresh=False)
 
@@ -222,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     counts = collections.Counter()
     kinds: set[tuple[str, str]] = set()  # (modality, text field) of written rows, for the sample type
     source_order = {str(Path(p)): i for i, p in enumerate(args.input)}
-    progress = _Progress(not args.no_progress)
+    progress = _Progress(not args.no_progress, args.input)
     t0 = time.monotonic()
 
     def batches() -> Iterator[list]:
@@ -265,8 +280,9 @@ def run(args: argparse.Namespace) -> int:
                     nbytes += res.nbytes
                 else:
                     rejects.append(Reject(row.source, row.line, res[0], res[1], row.record))
-            progress.update(len(batch), nbytes)
+            progress.update(counts["rows_read"], nbytes)  # rows read runs a few batches ahead of rows packed
         writer.finish()
+        progress.update(counts["rows_read"], 0)
     except BaseException:
         writer.abandon()
         progress.close()
@@ -303,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
         "options": settings, "sample_type": sample_type, "subflavor": subflavor, "counts": summary,
         "total_bytes": sum(s.bytes for s in shards), "shards": [s.to_json() for s in ordered],
     }
-    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    write_text(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     (out / STATE_FILE).unlink(missing_ok=True)
     mb = counts["media_bytes"] / 1e6
     processed = max(counts["written"] - len(done_keys), 0)
@@ -314,10 +330,13 @@ def run(args: argparse.Namespace) -> int:
           + f"\n  {len(shards)} shards, {manifest['total_bytes'] / 1e6:.1f} MB in {out}; sample type {sample_type}"
           f"\n  {processed / max(elapsed, 1e-9):.1f} samples/s, {mb / max(elapsed, 1e-9):.1f} MB/s"
           f" over {elapsed:.1f}s with {args.workers} worker(s)")
+    if args.val_ratio > 0 and not counts["val"]:
+        print(f"  note: the val split is empty ({args.val_ratio:g} of {counts['written']} samples rounds to none); "
+              "energon's get_val_dataset will refuse it. Raise --val-ratio if you need one")
     return 0
 
 
 def _write_rejects(out: Path, rejects: list[Reject], source_order: dict[str, int]) -> None:
     rejects.sort(key=lambda r: (source_order.get(r.source, len(source_order)), r.line))
-    atomic_write_text(out / "rejects.jsonl",
+    write_text(out / "rejects.jsonl",
                       "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects))
