@@ -17,9 +17,11 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterator
 
@@ -141,6 +143,11 @@ def _prepare_output(out: Path, fingerprint: str, args) -> list[ShardRecord]:
     return done
 
 
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the main process, which stops them and cleans up (no traceback per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _ordered_results(batches: Iterator[list], workers: int) -> Iterator[tuple[list, list]]:
     """(batch, results) in submission order; at most a few batches per worker in flight (bounded memory)."""
     if workers <= 1:
@@ -149,7 +156,7 @@ def _ordered_results(batches: Iterator[list], workers: int) -> Iterator[tuple[li
         return
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     window = collections.deque()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_ignore_sigint) as pool:
         try:
             for batch in batches:
                 window.append((batch, pool.submit(pack_batch, batch, True)))
@@ -159,6 +166,9 @@ def _ordered_results(batches: Iterator[list], workers: int) -> Iterator[tuple[li
             while window:
                 b, fut = window.popleft()
                 yield b, fut.result()
+        except BrokenProcessPool:
+            raise PrepError("a worker process died (out of memory?); the completed shards are kept: rerun "
+                            "with --resume and fewer --workers") from None
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
@@ -246,6 +256,12 @@ def run(args: argparse.Namespace) -> int:
             counts["rows_read"] += 1
             if isinstance(item, Reject):
                 rejects.append(item)
+                continue
+            if args.sample_type == "captioning" and (item.modality != "image" or item.text_field == "conversation"):
+                rejects.append(Reject(item.source, item.line, "bad_field",
+                                      f"--sample-type captioning takes one image with a caption or text per row; "
+                                      f"this row is {item.modality} with {item.text_field} (use --sample-type crude)",
+                                      item.record))
                 continue
             if item.key in done_keys:  # already in a shard completed before the interruption
                 counts["written"] += 1
