@@ -182,3 +182,30 @@ def test_bad_options_are_clear_errors(tmp_path, capsys):
     assert prep(tmp_path / "missing.jsonl", tmp_path / "o") == 2
     assert "no such file" in capsys.readouterr().err
     assert prep(manifest, tmp_path / "o", "--val-ratio", "1.5") == 2
+
+
+def test_several_manifests_derived_ids_forced_captioning_and_overwrite(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "x.jpg").write_bytes(_jpeg())
+    (d / "t.wav").write_bytes(_tone_wav(440, 0.25))
+    (d / "a.jsonl").write_text(json.dumps({"image": "x.jpg", "caption": "from a"}) + "\n")
+    (d / "b.jsonl").write_text(json.dumps({"image": "x.jpg", "text": "from b"}) + "\n"
+                               + json.dumps({"audio": "t.wav", "text": "a tone"}) + "\n")
+    out = tmp_path / "out"
+    assert prep([d / "a.jsonl", d / "b.jsonl"], out, "--val-ratio", "0", "--sample-type", "captioning") == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["sample_type"] == "captioning" and m["counts"]["written"] == 2 and m["counts"]["rows_read"] == 3
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert reject["code"] == "bad_field" and "--sample-type crude" in reject["reason"]
+    assert reject["source"] == str(d / "b.jsonl") and reject["line"] == 2
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    ds = get_train_dataset(str(out), batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), repeat=False)
+    assert sorted((s.__key__, s.caption) for s in get_loader(ds)) == [("a-00000001", "from a"),
+                                                                       ("b-00000001", "from b")]
+    assert prep([d / "b.jsonl"], out, "--val-ratio", "0") == 2  # previous output: refused without a flag
+    assert prep([d / "b.jsonl"], out, "--val-ratio", "0", "--overwrite") == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["sample_type"] == "crude" and m["counts"]["written"] == 2 and m["subflavor"] == "mixed"
