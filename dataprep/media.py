@@ -143,9 +143,17 @@ def _prepare_output(out: Path, fingerprint: str, args) -> list[ShardRecord]:
     return done
 
 
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the main process, which stops them and cleans up (no traceback per worker)."""
+def _init_worker() -> None:
+    """Workers leave Ctrl-C to the main process, which stops them and cleans up (no traceback per worker),
+    and on Linux die with it: a killed main process must not leave orphans decoding for nobody."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
 
 def _ordered_results(batches: Iterator[list], workers: int) -> Iterator[tuple[list, list]]:
@@ -156,7 +164,7 @@ def _ordered_results(batches: Iterator[list], workers: int) -> Iterator[tuple[li
         return
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     window = collections.deque()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_ignore_sigint) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
         try:
             for batch in batches:
                 window.append((batch, pool.submit(pack_batch, batch, True)))
