@@ -44,12 +44,22 @@ def _jpeg(size=(40, 30), exif_orientation=None) -> bytes:
     return buf.getvalue()
 
 
+def _noisy_jpeg(size=(160, 120)) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
 def test_every_bad_input_class_is_rejected_with_its_reason(tmp_path):
     d = tmp_path / "in"
     (d / "m").mkdir(parents=True)
     files = {
         "ok.jpg": _jpeg(), "ok2.png": _png(), "ok.wav": _tone_wav(440, 0.25),
-        "trunc.jpg": _jpeg((200, 200))[:400], "trunc.wav": _tone_wav(440, 0.5)[:4000],
+        "trunc.jpg": _noisy_jpeg()[:9000], "trunc.wav": _tone_wav(440, 0.5)[:4000],  # trunc.jpg: cut inside the entropy-coded scan
         "garbage.png": b"this is not an image at all" * 10, "garbage.mp4": b"\x00not a video" * 50,
         "png_named.jpg": _png(), "notes.xyz": b"hello", "empty.png": b"", "big.png": _png((400, 400)) + b"\0" * 20000,
     }
