@@ -125,7 +125,7 @@ def pack_image(path: str, rel: str, opts: MediaOptions) -> tuple[str, bytes, dic
     Image.MAX_IMAGE_PIXELS = opts.max_image_pixels
     try:
         with Image.open(io.BytesIO(data)) as im:
-            fmt = im.format
+            fmt = "JPEG" if im.format == "MPO" else im.format  # MPO: phone JPEGs with extra frames
             w, h = im.size
             if w * h > opts.max_image_pixels:
                 raise MediaReject("too_large", f"{rel}: {w}x{h} pixels is over --max-image-pixels")
