@@ -231,6 +231,10 @@ def run(args: argparse.Namespace) -> int:
         if not Path(inp).exists():
             raise PrepError(f"--input {inp}: no such file or folder")
     out = Path(args.output)
+    for inp in args.input:
+        if Path(inp).is_dir() and out.resolve().is_relative_to(Path(inp).resolve()):
+            raise PrepError(f"--output {out} is inside the input folder {inp}; its shards would become input. "
+                            "Write the output somewhere else")
     settings = {"options": opts.to_json(), "shard_size": shard_size, "val_ratio": args.val_ratio,
                 "sample_type": args.sample_type, "allow_outside": args.allow_outside}
     fingerprint = hashlib.sha256(json.dumps([input_fingerprint(args.input), settings], sort_keys=True)

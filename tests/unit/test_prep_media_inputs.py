@@ -219,3 +219,4 @@ def test_several_manifests_derived_ids_forced_captioning_and_overwrite(tmp_path)
     assert prep([d / "b.jsonl"], out, "--val-ratio", "0", "--overwrite") == 0
     m = json.loads((out / "manifest.json").read_text())
     assert m["sample_type"] == "crude" and m["counts"]["written"] == 2 and m["subflavor"] == "mixed"
+    assert prep(d, d / "shards") == 2  # output inside the input folder would feed on itself
