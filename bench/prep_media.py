@@ -12,8 +12,9 @@ pipelines run back to back (interleaved, so they see the same machine load), eac
   ``--num-workers N``: the pipeline a team writes by hand for the same guarantee.
 - ``wds-copy+prepare``: the same loop without validation (bytes copied blind), for reference.
 
-Reported per run: wall seconds (end to end, process start to exit), samples/s, input MB/s, and the peak
-RSS of the largest process of the run (os.wait4's ru_maxrss covers the process and its reaped children).
+Reported per run: wall seconds (end to end, process start to exit), samples/s, input MB/s, the peak RSS
+of the largest process of the run (os.wait4's ru_maxrss covers the process and its reaped children) and
+the CPU seconds of all its processes (a figure that other load on the machine does not change much).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _baseline_child(manifest: Path, out: Path, workers: int, validate: bool) -> 
                    check=True, stdout=subprocess.DEVNULL)
 
 
-def _run(cmd: list[str], env: dict) -> tuple[float, float]:
+def _run(cmd: list[str], env: dict) -> tuple[float, float, float]:
     t = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -91,7 +92,7 @@ def _run(cmd: list[str], env: dict) -> tuple[float, float]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
-    return seconds, usage.ru_maxrss / 1024  # KiB -> MiB
+    return seconds, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime  # MiB; CPU seconds, all processes
 
 
 def main() -> None:
@@ -128,19 +129,20 @@ def main() -> None:
         for name, cmd in runs:
             out = workdir / f"out-{name}-{n}"
             shutil.rmtree(out, ignore_errors=True)
-            seconds, rss = _run(cmd + [str(out)], env)
+            seconds, rss, cpu = _run(cmd + [str(out)], env)
             results.append({"pipeline": name, "workers": n, "seconds": seconds, "samples_per_s": len(rows) / seconds,
-                            "mb_per_s": in_mb / seconds, "peak_rss_mib": rss})
+                            "mb_per_s": in_mb / seconds, "peak_rss_mib": rss, "cpu_s": cpu})
             print(f"  {name:17s} workers={n}: {seconds:6.2f}s {len(rows) / seconds:8.1f} samples/s "
-                  f"{in_mb / seconds:7.1f} MB/s  peak RSS {rss:6.0f} MiB", flush=True)
+                  f"{in_mb / seconds:7.1f} MB/s  peak RSS {rss:6.0f} MiB  CPU {cpu:6.2f}s", flush=True)
             shutil.rmtree(out, ignore_errors=True)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"\ninput: {len(rows)} samples ({args.images} images, {args.audio} audio), {in_mb:.1f} MB; "
           f"{os.cpu_count()} CPUs; {load}")
-    print(f"{'pipeline':18s} {'workers':>7s} {'seconds':>8s} {'samples/s':>10s} {'MB/s':>7s} {'peak RSS MiB':>13s}")
+    print(f"{'pipeline':18s} {'workers':>7s} {'seconds':>8s} {'samples/s':>10s} {'MB/s':>7s} {'peak RSS MiB':>13s} "
+          f"{'CPU s':>7s}")
     for r in results:
         print(f"{r['pipeline']:18s} {r['workers']:7d} {r['seconds']:8.2f} {r['samples_per_s']:10.1f} "
-              f"{r['mb_per_s']:7.1f} {r['peak_rss_mib']:13.0f}")
+              f"{r['mb_per_s']:7.1f} {r['peak_rss_mib']:13.0f} {r['cpu_s']:7.2f}")
     for n in args.workers:
         by = {r["pipeline"]: r for r in results if r["workers"] == n}
         ratios = ", ".join(f"{by[b]['seconds'] / by['ours']['seconds']:.2f}x faster than {b}"
