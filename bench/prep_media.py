@@ -1,6 +1,7 @@
 """Benchmark `mmtrain-prep media` against a hand-written pipeline on the same input.
 
-    python bench/prep_media.py [--images 2000] [--audio 40] [--workers 1 2] [--workdir runs/bench-prep-media]
+    python bench/prep_media.py [--images 2000] [--audio 40] [--workers 1 2] [--repeats 3]
+                               [--workdir runs/bench-prep-media]
 
 Input: ``--images`` generated images (JPEG and PNG over four sizes, with grain so files have photo-like
 sizes) plus ``--audio`` clips (WAV/FLAC/MP3/OGG), written once and reused. For each worker count the
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--audio", type=int, default=40)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench-prep-media"))
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported (default 3)")
     ap.add_argument("--no-copy-baseline", action="store_true", help="skip the no-validation reference run")
     ap.add_argument("--_child", choices=["validate", "copy"], help=argparse.SUPPRESS)
     ap.add_argument("--_manifest", help=argparse.SUPPRESS)
@@ -117,38 +119,42 @@ def main() -> None:
     in_mb = sum((manifest.parent / (r.get("image") or r.get("audio"))).stat().st_size for r in rows) / 1e6
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     py = sys.executable
-    results = []
-    for n in args.workers:
-        runs = [("ours", [py, "-m", "dataprep", "media", "--input", str(manifest), "--no-progress",
-                          "--workers", str(n), "--output"]),
-                ("wds+prepare", [py, __file__, "--_child", "validate", "--_manifest", str(manifest), "--_n", str(n),
-                                 "--_out"])]
-        if not args.no_copy_baseline:
-            runs.append(("wds-copy+prepare", [py, __file__, "--_child", "copy", "--_manifest", str(manifest),
-                                              "--_n", str(n), "--_out"]))
-        for name, cmd in runs:
-            out = workdir / f"out-{name}-{n}"
-            shutil.rmtree(out, ignore_errors=True)
-            seconds, rss, cpu = _run(cmd + [str(out)], env)
-            results.append({"pipeline": name, "workers": n, "seconds": seconds, "samples_per_s": len(rows) / seconds,
-                            "mb_per_s": in_mb / seconds, "peak_rss_mib": rss, "cpu_s": cpu})
-            print(f"  {name:17s} workers={n}: {seconds:6.2f}s {len(rows) / seconds:8.1f} samples/s "
-                  f"{in_mb / seconds:7.1f} MB/s  peak RSS {rss:6.0f} MiB  CPU {cpu:6.2f}s", flush=True)
-            shutil.rmtree(out, ignore_errors=True)
+    samples: dict[tuple[str, int], list[dict]] = {}
+    for rep in range(args.repeats):  # rounds: every pipeline once per round, so all see the same load
+        for n in args.workers:
+            runs = [("ours", [py, "-m", "dataprep", "media", "--input", str(manifest), "--no-progress",
+                              "--workers", str(n), "--output"]),
+                    ("wds+prepare", [py, __file__, "--_child", "validate", "--_manifest", str(manifest),
+                                     "--_n", str(n), "--_out"])]
+            if not args.no_copy_baseline:
+                runs.append(("wds-copy+prepare", [py, __file__, "--_child", "copy", "--_manifest", str(manifest),
+                                                  "--_n", str(n), "--_out"]))
+            for name, cmd in runs:
+                out = workdir / f"out-{name}-{n}"
+                shutil.rmtree(out, ignore_errors=True)
+                seconds, rss, cpu = _run(cmd + [str(out)], env)
+                samples.setdefault((name, n), []).append({"seconds": seconds, "rss": rss, "cpu": cpu})
+                load1 = os.getloadavg()[0]
+                print(f"  round {rep + 1} {name:17s} workers={n}: {seconds:6.2f}s  peak RSS {rss:6.0f} MiB  "
+                      f"CPU {cpu:6.2f}s  (load {load1:.2f})", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"\ninput: {len(rows)} samples ({args.images} images, {args.audio} audio), {in_mb:.1f} MB; "
-          f"{os.cpu_count()} CPUs; {load}")
-    print(f"{'pipeline':18s} {'workers':>7s} {'seconds':>8s} {'samples/s':>10s} {'MB/s':>7s} {'peak RSS MiB':>13s} "
-          f"{'CPU s':>7s}")
-    for r in results:
-        print(f"{r['pipeline']:18s} {r['workers']:7d} {r['seconds']:8.2f} {r['samples_per_s']:10.1f} "
-              f"{r['mb_per_s']:7.1f} {r['peak_rss_mib']:13.0f} {r['cpu_s']:7.2f}")
+          f"{os.cpu_count()} CPUs; {args.repeats} round(s), median and best wall time; {load}")
+    print(f"{'pipeline':18s} {'workers':>7s} {'median s':>9s} {'best s':>7s} {'samples/s':>10s} {'MB/s':>7s} "
+          f"{'peak RSS MiB':>13s} {'CPU s':>7s}")
+    med = {}
+    for (name, n), runs_ in samples.items():
+        secs = sorted(r["seconds"] for r in runs_)
+        m = secs[len(secs) // 2] if len(secs) % 2 else (secs[len(secs) // 2 - 1] + secs[len(secs) // 2]) / 2
+        cpu = sorted(r["cpu"] for r in runs_)[len(runs_) // 2]
+        med[(name, n)] = m
+        print(f"{name:18s} {n:7d} {m:9.2f} {secs[0]:7.2f} {len(rows) / m:10.1f} {in_mb / m:7.1f} "
+              f"{max(r['rss'] for r in runs_):13.0f} {cpu:7.2f}")
     for n in args.workers:
-        by = {r["pipeline"]: r for r in results if r["workers"] == n}
-        ratios = ", ".join(f"{by[b]['seconds'] / by['ours']['seconds']:.2f}x faster than {b}"
-                           for b in by if b != "ours")
-        print(f"workers={n}: ours is {ratios}")
-
+        ratios = ", ".join(f"{med[(b, n)] / med[('ours', n)]:.2f}x {b}'s speed"
+                           for b in ("wds+prepare", "wds-copy+prepare") if (b, n) in med)
+        print(f"workers={n} (median wall time): ours runs at {ratios}")
 
 if __name__ == "__main__":
     main()
