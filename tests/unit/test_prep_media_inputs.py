@@ -145,6 +145,11 @@ def test_folder_input_with_txt_captions(tmp_path):
     ds = get_train_dataset(str(out), batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
                            worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), repeat=False)
     assert sorted((s.__key__, s.caption) for s in get_loader(ds)) == [("a", "a green box"), ("sub_b", "a red box")]
+    webp = tmp_path / "webp"  # re-encoded sets load the same way (energon decodes .webp too)
+    assert prep(d, webp, "--val-ratio", "0", "--image-format", "webp") == 0
+    ds = get_train_dataset(str(webp), batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), repeat=False)
+    assert sorted(tuple(s.image.shape) for s in get_loader(ds)) == [(3, 30, 40), (3, 30, 40)]
 
 
 def test_image_reencode_applies_exif_and_max_side_and_audio_resamples(tmp_path):
