@@ -45,8 +45,9 @@ def _scene(rng: random.Random, size: tuple[int, int], noise: int = 0):
 
         grain = np.random.default_rng(rng.getrandbits(32)).integers(-noise, noise + 1, (h, w, 3))
         img = Image.fromarray(np.clip(np.asarray(img, np.int16) + grain, 0, 255).astype(np.uint8))
-    where = ("left" if cx < w / 3 else "right" if cx > 2 * w / 3 else "middle")
-    caption = f"A {fg} {shape} on a {bg} background, on the {where}."
+    where = ("on the left" if cx < w / 3 else "on the right" if cx > 2 * w / 3 else "in the middle")
+    article = "an" if bg[0] in "aeiou" else "a"
+    caption = f"A {fg} {shape} on {article} {bg} background, {where}."
     return img, caption
 
 
