@@ -115,6 +115,9 @@ def test_captions_load_as_captioning_samples(media, tmp_path):
         assert n == manifest["counts"]["splits"][split] > 0  # 0.25 of 22 rows: val is not empty
     assert seen == want
     assert len(manifest["shards"]) > 2  # several shards per split at 30KB
+    crude = list(_loader(out, task_encoder=_crude_encoder(), dataset_config="crude.yaml"))  # same set, raw
+    assert len(crude) == manifest["counts"]["splits"]["train"]
+    assert all(s["__subflavors__"] == {"mmtrain_media": "image"} and "txt" in s for s in crude)
     assert all(s["name"].startswith("shard-") for s in manifest["shards"])
 
 
