@@ -27,7 +27,7 @@ from typing import Iterator
 
 from dataprep.errors import PrepError
 from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
-from dataprep.media_manifest import MediaRow, Reject, input_fingerprint, is_val, iter_rows
+from dataprep.media_manifest import Reject, input_fingerprint, is_val, iter_rows
 from dataprep.media_shards import (NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta,
                                    write_text)
 from mmtrain.utils.atomic import atomic_write_text
@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, metavar="DIR", help="output folder (shards, .nv-meta/, manifest.json)")
     p.add_argument("--shard-size", default="512MB", help="target shard size, e.g. 512MB, 1GiB (default 512MB)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="worker processes for decoding/re-encoding (default: CPU count); output is identical for any value")
+                   help="worker processes for decoding/re-encoding (default: CPU count); the output is the "
+                        "same for any value")
     p.add_argument("--val-ratio", type=float, default=0.01,
                    help="share of samples in the val split, by a hash of the sample id (default 0.01)")
     p.add_argument("--sample-type", choices=["auto", "captioning", "crude"], default="auto",
@@ -62,11 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "caption/text, else CrudeWebdataset (crude.yaml is always written too)")
     g = p.add_argument_group("media")
     g.add_argument("--image-format", choices=["jpeg", "webp", "png"], default=None,
-                   help="re-encode every image to this format (EXIF orientation applied); default keeps the original bytes")
+                   help="re-encode every image to this format (EXIF orientation applied); default keeps the "
+                        "original bytes")
     g.add_argument("--max-side", type=int, default=None, metavar="N",
                    help="downscale images whose longer side exceeds N pixels (re-encodes those)")
     g.add_argument("--jpeg-quality", type=int, default=90, help="JPEG/WEBP quality when re-encoding (default 90)")
-    g.add_argument("--audio-rate", type=int, default=None, metavar="HZ", help="resample audio to HZ (stored as 16-bit WAV)")
+    g.add_argument("--audio-rate", type=int, default=None, metavar="HZ",
+                   help="resample audio to HZ (stored as 16-bit WAV)")
     g.add_argument("--mono", action="store_true", help="downmix audio to mono (stored as 16-bit WAV)")
     g.add_argument("--video-frames", type=int, default=0, metavar="K",
                    help="also store K evenly spaced frames of each video as JPEG (frame000.jpg ...)")

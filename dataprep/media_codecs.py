@@ -120,7 +120,8 @@ def pack_image(path: str, rel: str, opts: MediaOptions) -> tuple[str, bytes, dic
 
     ext = _ext(path)
     if ext not in {_CANON_EXT.get(e, e) for e in IMAGE_EXTS}:
-        raise MediaReject("wrong_extension", f"{rel}: .{ext} is not an image extension ({', '.join(sorted(IMAGE_EXTS))})")
+        raise MediaReject("wrong_extension",
+                          f"{rel}: .{ext} is not an image extension ({', '.join(sorted(IMAGE_EXTS))})")
     data = _read(path, rel, opts)
     Image.MAX_IMAGE_PIXELS = opts.max_image_pixels
     try:
@@ -136,7 +137,8 @@ def pack_image(path: str, rel: str, opts: MediaOptions) -> tuple[str, bytes, dic
                 im.draft("RGB" if im.mode == "RGB" else im.mode, (max(1, w // 8), max(1, h // 8)))
             im.load()  # decodes the whole stream: truncated or corrupt data fails here
             if fmt not in _FORMAT_EXT:
-                raise MediaReject("unreadable_media", f"{rel}: {fmt} images are not supported; convert to JPEG/PNG/WEBP")
+                raise MediaReject("unreadable_media",
+                                  f"{rel}: {fmt} images are not supported; convert to JPEG/PNG/WEBP")
             if IMAGE_EXTS.get(ext) != fmt and not reencode:
                 if not opts.fix_extensions:
                     raise MediaReject("wrong_extension", f"{rel}: extension .{ext} but the content is {fmt}; "
@@ -248,7 +250,8 @@ def _to_wav(pcm, rate: int) -> bytes:
 def pack_audio(path: str, rel: str, opts: MediaOptions) -> tuple[str, bytes, dict]:
     ext = _ext(path)
     if ext not in {_CANON_EXT.get(e, e) for e in AUDIO_EXTS}:
-        raise MediaReject("wrong_extension", f"{rel}: .{ext} is not an audio extension ({', '.join(sorted(AUDIO_EXTS))})")
+        raise MediaReject("wrong_extension",
+                          f"{rel}: .{ext} is not an audio extension ({', '.join(sorted(AUDIO_EXTS))})")
     data = _read(path, rel, opts)
     convert = opts.audio_rate is not None or opts.mono
     info, pcm = _decode_audio(data, rel, want_pcm=convert)
@@ -277,7 +280,8 @@ def pack_video(path: str, rel: str, opts: MediaOptions) -> tuple[str, bytes, dic
 
     ext = _ext(path)
     if ext not in VIDEO_EXTS:
-        raise MediaReject("wrong_extension", f"{rel}: .{ext} is not a video extension ({', '.join(sorted(VIDEO_EXTS))})")
+        raise MediaReject("wrong_extension",
+                          f"{rel}: .{ext} is not a video extension ({', '.join(sorted(VIDEO_EXTS))})")
     data = _read(path, rel, opts)
     frames: list = []
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import wave
-from pathlib import Path
 
 import pytest
 
@@ -59,7 +58,8 @@ def test_every_bad_input_class_is_rejected_with_its_reason(tmp_path):
     (d / "m").mkdir(parents=True)
     files = {
         "ok.jpg": _jpeg(), "ok2.png": _png(), "ok.wav": _tone_wav(440, 0.25),
-        "trunc.jpg": _noisy_jpeg()[:9000], "trunc.wav": _tone_wav(440, 0.5)[:4000],  # trunc.jpg: cut inside the entropy-coded scan
+        "trunc.jpg": _noisy_jpeg()[:9000],  # cut inside the entropy-coded scan
+        "trunc.wav": _tone_wav(440, 0.5)[:4000],
         "garbage.png": b"this is not an image at all" * 10, "garbage.mp4": b"\x00not a video" * 50,
         "png_named.jpg": _png(), "notes.xyz": b"hello", "empty.png": b"", "big.png": _png((400, 400)) + b"\0" * 20000,
     }
