@@ -1,0 +1,283 @@
+"""Input side of `mmtrain-prep media`: manifest rows (JSONL) or a plain media folder -> `MediaRow`s.
+
+Everything here is cheap and runs in the main process, in input order: JSON parsing, field checks, path
+resolution and the duplicate-id check. Problems become `Reject`s (never exceptions), so every input record
+is either packed later or reported in `rejects.jsonl`. Decoding the media is `media_codecs`' job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+IMAGE_EXTS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "gif": "GIF", "bmp": "BMP",
+              "tif": "TIFF", "tiff": "TIFF"}
+AUDIO_EXTS = {"wav", "flac", "ogg", "oga", "opus", "mp3", "m4a"}
+VIDEO_EXTS = {"mp4", "webm", "mkv", "mov", "avi"}
+MEDIA_FIELDS = ("image", "images", "video", "audio")
+TEXT_FIELDS = ("caption", "text", "conversation")
+# Energon splits a tar member name at the first dot into sample key and part, so keys hold no dots or
+# slashes; the 80-character cap keeps every member name inside the plain ustar header (fixed bytes).
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_MAX_KEY = 80
+
+
+@dataclass(frozen=True)
+class Reject:
+    """One input record that is not packed, with a stable reason code and a message saying what to do."""
+
+    source: str
+    line: int
+    code: str
+    reason: str
+    record: str
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "line": self.line, "code": self.code, "reason": self.reason,
+                "record": self.record}
+
+
+@dataclass(frozen=True)
+class MediaRow:
+    """One sample to pack. Paths are absolute (resolved); ``rel`` keeps them as written, for metadata."""
+
+    source: str
+    line: int
+    record: str
+    id: str
+    key: str
+    images: tuple[str, ...] = ()
+    video: str | None = None
+    audio: str | None = None
+    rel: dict = field(default_factory=dict)
+    text_field: str | None = None  # "caption" | "text" | "conversation"
+    text: str | None = None
+    conversation: tuple = ()
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def modality(self) -> str:
+        if self.video:
+            return "video"
+        if self.audio:
+            return "audio"
+        return "images" if len(self.images) > 1 else "image"
+
+
+def sample_key(sample_id: str) -> str:
+    """Tar-safe, stable key for a sample id (unsafe characters -> '_', long ids shortened with a hash)."""
+    key = _KEY_UNSAFE.sub("_", sample_id) or "_"
+    if len(key) > _MAX_KEY:
+        key = key[: _MAX_KEY - 17] + "_" + hashlib.sha1(sample_id.encode()).hexdigest()[:16]
+    return key
+
+
+def is_val(key: str, val_ratio: float) -> bool:
+    """Deterministic train/val assignment from the key alone (independent of order, workers and resume)."""
+    if val_ratio <= 0:
+        return False
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    return h / 2.0**64 < val_ratio
+
+
+def media_kind(path: str) -> str | None:
+    ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+    if ext in IMAGE_EXTS:
+        return "image"
+    if ext in AUDIO_EXTS:
+        return "audio"
+    if ext in VIDEO_EXTS:
+        return "video"
+    return None
+
+
+class _RowError(Exception):
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+def _resolve(base: Path, value, field_name: str, allow_outside: bool) -> tuple[str, str]:
+    if not isinstance(value, str) or not value.strip():
+        raise _RowError("bad_field", f"field {field_name!r} must be a non-empty path string, got {value!r}")
+    if os.path.isabs(value) or ".." in Path(value).parts:
+        if not allow_outside:
+            raise _RowError("outside_path", f"{field_name} path {value!r} is absolute or climbs out with '..'; "
+                            "paths are relative to the manifest's folder (pass --allow-outside to permit)")
+    path = (base / value).resolve()
+    if not allow_outside and not path.is_relative_to(base.resolve()):
+        raise _RowError("outside_path", f"{field_name} path {value!r} resolves outside the manifest's folder "
+                        f"(to {path}); pass --allow-outside to permit")
+    return str(path), value
+
+
+def parse_record(obj, base: Path, source: str, line: int, record: str, allow_outside: bool) -> MediaRow:
+    """Check one manifest object and turn it into a MediaRow; raises _RowError with a reason code."""
+    if not isinstance(obj, dict):
+        raise _RowError("malformed_line", f"expected a JSON object, got {type(obj).__name__}")
+    present = [f for f in MEDIA_FIELDS if obj.get(f) not in (None, [], "")]
+    if not present:
+        raise _RowError("no_media", f"no media field; give one of {', '.join(MEDIA_FIELDS)}")
+    if len(present) > 1:
+        raise _RowError("bad_field", f"one media field per row, got {present}; split the row into several")
+    rel: dict = {}
+    images: tuple[str, ...] = ()
+    video = audio = None
+    kind = present[0]
+    if kind in ("image", "images"):
+        values = obj[kind] if kind == "images" else [obj[kind]]
+        if not isinstance(values, list) or not values:
+            raise _RowError("bad_field", f"field 'images' must be a non-empty list of paths, got {obj[kind]!r}")
+        resolved = [_resolve(base, v, kind, allow_outside) for v in values]
+        images = tuple(r[0] for r in resolved)
+        rel["images"] = [r[1] for r in resolved]
+    elif kind == "video":
+        video, rel["video"] = _resolve(base, obj["video"], "video", allow_outside)
+    else:
+        audio, rel["audio"] = _resolve(base, obj["audio"], "audio", allow_outside)
+
+    texts = [f for f in TEXT_FIELDS if obj.get(f) not in (None, "", [])]
+    if not texts:
+        raise _RowError("no_text", "no text; give 'caption' or 'text' (a string) or 'conversation' (a list of turns)")
+    if len(texts) > 1:
+        raise _RowError("bad_field", f"one text field per row, got {texts}")
+    text_field = texts[0]
+    text, conversation = None, ()
+    if text_field == "conversation":
+        turns = obj["conversation"]
+        ok = isinstance(turns, list) and all(
+            isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
+            for t in turns)
+        if not ok:
+            raise _RowError("bad_field", "field 'conversation' must be a list of {\"role\": str, \"content\": str}")
+        conversation = tuple({"role": t["role"], "content": t["content"]} for t in turns)
+    else:
+        text = obj[text_field]
+        if not isinstance(text, str):
+            raise _RowError("bad_field", f"field {text_field!r} must be a string, got {type(text).__name__}")
+
+    if "id" in obj and obj["id"] is not None:
+        if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool) or str(obj["id"]) == "":
+            raise _RowError("bad_field", f"field 'id' must be a non-empty string or integer, got {obj['id']!r}")
+        sample_id = str(obj["id"])
+    else:
+        sample_id = f"{Path(source).stem}-{line:08d}"
+    known = set(MEDIA_FIELDS) | set(TEXT_FIELDS) | {"id"}
+    extra = {k: obj[k] for k in sorted(obj) if k not in known}
+    return MediaRow(source=source, line=line, record=record, id=sample_id, key=sample_key(sample_id),
+                    images=images, video=video, audio=audio, rel=rel, text_field=text_field, text=text,
+                    conversation=conversation, extra=extra)
+
+
+def _iter_manifest(path: Path, allow_outside: bool) -> Iterator[MediaRow | Reject]:
+    base = path.parent
+    source = str(path)
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                record = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as exc:
+                yield Reject(source, line_no, "malformed_line", f"not UTF-8 ({exc}); re-encode the manifest",
+                             raw.decode("utf-8", "replace").rstrip("\r\n"))
+                continue
+            if not record.strip():
+                continue  # blank lines are layout, not records
+            try:
+                obj = json.loads(record)
+            except json.JSONDecodeError as exc:
+                yield Reject(source, line_no, "malformed_line", f"not valid JSON: {exc}", record)
+                continue
+            try:
+                yield parse_record(obj, base, source, line_no, record, allow_outside)
+            except _RowError as exc:
+                yield Reject(source, line_no, exc.code, exc.reason, record)
+
+
+def _iter_folder(root: Path) -> Iterator[MediaRow | Reject]:
+    """A folder of media files with same-stem ``.txt`` captions, walked in sorted order.
+
+    Hidden files and folders (a leading '.') are skipped: they are tool state, not data."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files.extend(os.path.join(dirpath, n) for n in filenames if not n.startswith("."))
+    files.sort(key=lambda p: os.path.relpath(p, root))
+    captions = {os.path.splitext(p)[0]: p for p in files if p.lower().endswith(".txt")}
+    used_captions: set[str] = set()
+    source = str(root)
+    for ordinal, path in enumerate(files, 1):
+        rel = os.path.relpath(path, root)
+        if path.lower().endswith(".txt"):
+            continue
+        stem = os.path.splitext(path)[0]
+        kind = media_kind(path)
+        record = json.dumps({"file": rel})
+        if kind is None:
+            yield Reject(source, ordinal, "wrong_extension",
+                         f"{rel}: not a known image/audio/video extension; remove it or rename it", record)
+            continue
+        cap = captions.get(stem)
+        if cap is None:
+            yield Reject(source, ordinal, "no_text", f"{rel}: no caption file {os.path.relpath(stem, root)}.txt",
+                         record)
+            continue
+        used_captions.add(cap)
+        try:
+            with open(cap, encoding="utf-8") as f:
+                text = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            yield Reject(source, ordinal, "no_text", f"{os.path.relpath(cap, root)}: unreadable caption: {exc}", record)
+            continue
+        sample_id = os.path.splitext(rel)[0].replace(os.sep, "/")
+        rel_map = {"images": [rel]} if kind == "image" else {kind: rel}
+        yield MediaRow(source=source, line=ordinal, record=record, id=sample_id, key=sample_key(sample_id),
+                       images=(path,) if kind == "image" else (), video=path if kind == "video" else None,
+                       audio=path if kind == "audio" else None, rel=rel_map, text_field="caption", text=text)
+    for ordinal, path in enumerate(files, 1):
+        if path.lower().endswith(".txt") and path not in used_captions:
+            rel = os.path.relpath(path, root)
+            yield Reject(source, ordinal, "no_media", f"{rel}: caption without a same-stem media file",
+                         json.dumps({"file": rel}))
+
+
+def iter_rows(inputs: list[str], allow_outside: bool = False) -> Iterator[MediaRow | Reject]:
+    """All inputs in order; the first row with a given key wins, later ones are rejected as duplicates."""
+    seen: dict[str, tuple[str, int, str]] = {}
+    for inp in inputs:
+        path = Path(inp)
+        items = _iter_folder(path) if path.is_dir() else _iter_manifest(path, allow_outside)
+        for item in items:
+            if isinstance(item, MediaRow):
+                first = seen.get(item.key)
+                if first is not None:
+                    same = "id" if first[2] == item.id else f"key {item.key!r} (ids {first[2]!r} and {item.id!r})"
+                    item = Reject(item.source, item.line, "duplicate_id",
+                                  f"duplicate {same}: first used at {first[0]}:{first[1]}; give each row a unique id",
+                                  item.record)
+                else:
+                    seen[item.key] = (item.source, item.line, item.id)
+            yield item
+
+
+def input_fingerprint(inputs: list[str]) -> str:
+    """Hash of the inputs' content (manifests) or listing (folders), to refuse resuming on changed input."""
+    h = hashlib.sha256()
+    for inp in inputs:
+        p = Path(inp)
+        h.update(str(p.resolve()).encode() + b"\0")
+        if p.is_dir():
+            for dirpath, dirnames, filenames in os.walk(p):
+                dirnames.sort()
+                for n in sorted(filenames):
+                    st = os.stat(os.path.join(dirpath, n))
+                    h.update(f"{os.path.relpath(os.path.join(dirpath, n), p)}\0{st.st_size}\0".encode())
+        else:
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
