@@ -47,6 +47,13 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
     if m.num_layers < p.pp * p.virtual_pp:
         raise ConfigError(f"model.num_layers ({m.num_layers}) must be >= parallel.pp * parallel.virtual_pp "
                           f"({p.pp} * {p.virtual_pp})")
+    if m.num_experts:
+        if not 1 <= m.moe_top_k <= m.num_experts:
+            raise ConfigError(f"model.moe_top_k ({m.moe_top_k}) must be between 1 and model.num_experts ({m.num_experts})")
+        if m.num_experts % p.ep:
+            raise ConfigError(f"model.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
+    elif p.ep > 1:
+        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model (model.num_experts > 0)")
     if p.virtual_pp > 1:
         raise ConfigError("parallel.virtual_pp > 1 (interleaved pipeline stages) is not implemented yet; use 1")
     if t.eval_every and t.eval_steps < 1:

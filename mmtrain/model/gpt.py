@@ -69,7 +69,8 @@ class GPTModel(nn.Module):
             elif p.ndim == 1:  # norm weights
                 p.fill_(1.0)
             else:
-                scale = std / (2 * self.cfg.num_layers) ** 0.5 if name.endswith(("proj.weight", "down.weight")) else std
+                scale = (std / (2 * self.cfg.num_layers) ** 0.5
+                         if name.endswith(("proj.weight", "down.weight", "experts.w_down")) else std)
                 if name == "output.weight" and self.cfg.tie_embeddings:
                     name_for_seed = "embed.weight"  # a tied copy starts equal to the embedding
                     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name_for_seed.encode()))
@@ -107,12 +108,19 @@ class GPTModel(nn.Module):
         return self.loss_fn(logits, labels_BS)
 
 
-def count_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the whole model (embedding counted once when tied)."""
+def count_parameters(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameters of the whole model (embedding counted once when tied); ``active``: only the experts a token
+    uses (top-k), which is what the FLOPs follow. Biases are not counted."""
     d, f, v, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers
     hd = d // cfg.num_attention_heads
     attn = d * (cfg.num_attention_heads * hd + 2 * cfg.kv_heads * hd) + cfg.num_attention_heads * hd * d
-    mlp = d * f * (3 if cfg.activation == "swiglu" else 2)
+    per_mlp = 3 if cfg.activation == "swiglu" else 2
+    if cfg.num_experts:
+        fe = cfg.moe_ffn_hidden_size or f
+        experts = cfg.moe_top_k if active else cfg.num_experts
+        mlp = d * fe * per_mlp * experts + cfg.num_experts * d + d * cfg.moe_shared_ffn_hidden_size * per_mlp
+    else:
+        mlp = d * f * per_mlp
     block = attn + mlp + 2 * d
     return L * block + v * d * (1 if cfg.tie_embeddings else 2) + d
 
@@ -120,5 +128,5 @@ def count_parameters(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token: 6 * (non-embedding params + output layer) + causal attention (12·L·S·d / 2)."""
     d, v, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
-    dense = count_parameters(cfg) - v * d * (1 if cfg.tie_embeddings else 2) + v * d
+    dense = count_parameters(cfg, active=True) - v * d * (1 if cfg.tie_embeddings else 2) + v * d
     return 6.0 * dense + 6.0 * L * seq_length * d

@@ -142,7 +142,12 @@ class TransformerBlock(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        if cfg.num_experts:
+            from mmtrain.model.moe import MoELayer  # moe.py builds on MLP from this module
+
+            self.mlp = MoELayer(cfg)
+        else:
+            self.mlp = MLP(cfg)
         self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

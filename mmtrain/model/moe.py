@@ -3,8 +3,10 @@
 The layer hands (tokens, routing) to ``self.dispatch``; the default runs every expert locally. The expert-
 parallel plan (``mmtrain.parallel.expert``) keeps only this rank's experts and swaps in an all-to-all dispatch.
 Routing runs in fp32. Auxiliary losses (load balancing, z-loss) are added through the gradient
-(``_AttachAuxLoss``), scaled by the micro-batch's token count so the trainer's "sum of token losses / global
-tokens" normalization turns them into a token-weighted mean.
+(``_AttachAuxLoss``) in *sum form* — N·loss for a micro-batch of N tokens — so the trainer's "sum of token losses
+/ global tokens" normalization turns them into a token-weighted mean. When a micro-batch's tokens are split over
+ranks (sequence or context parallelism), ``token_groups`` names those groups: expert loads are summed over them
+so the balance loss sees the whole micro-batch, and each rank contributes the gradient of its own tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,8 +44,8 @@ class Router(nn.Module):
         # sigmoid routing: a per-expert bias used only to *select* experts, nudged toward balance (no gradient)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
 
-    def forward(self, x_ND: torch.Tensor):
-        """Returns (weights (N, k) fp32, expert ids (N, k), aux loss scalar, tokens per expert (E,))."""
+    def forward(self, x_ND: torch.Tensor, token_groups: list = ()):
+        """Returns (weights (N, k) fp32, expert ids (N, k), auxiliary loss in sum form, tokens per expert (E,))."""
         c = self.cfg
         logits = F.linear(x_ND.float(), self.weight.float())
         if c.moe_router == "softmax":
@@ -58,11 +61,15 @@ class Router(nn.Module):
             balance_probs = scores / scores.sum(dim=-1, keepdim=True)
         load = torch.bincount(ids.flatten(), minlength=c.num_experts)
         aux = logits.new_zeros(())
-        if c.moe_aux_loss_coeff:
-            fraction = load.float() / ids.numel()
-            aux = aux + c.moe_aux_loss_coeff * c.num_experts * (fraction * balance_probs.mean(dim=0)).sum()
+        if c.moe_aux_loss_coeff:  # Switch balance loss E * sum_i f_i * P_i, times the tokens of the micro-batch
+            full_load = load.float()
+            for g in token_groups:
+                full_load = full_load.clone()
+                dist.all_reduce(full_load, group=g)
+            fraction = full_load / full_load.sum()
+            aux = aux + c.moe_aux_loss_coeff * c.num_experts * (fraction * balance_probs.sum(dim=0)).sum()
         if c.moe_z_loss_coeff:
-            aux = aux + c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+            aux = aux + c.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum()
         return weights, ids, aux, load
 
 
@@ -137,17 +144,18 @@ class MoELayer(nn.Module):
             shared_cfg = type(cfg)(**{**cfg.__dict__, "ffn_hidden_size": cfg.moe_shared_ffn_hidden_size})
             self.shared = MLP(shared_cfg)
         self.dispatch = local_dispatch  # replaced by the expert-parallel plan
+        self.token_groups: list = []  # groups over which one micro-batch's tokens are split (SP, CP)
         self.step_load: torch.Tensor | None = None  # tokens per expert, accumulated over a step (for logs/bias)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         shape = x_BSD.shape
         x = x_BSD.reshape(-1, shape[-1])
-        weights, ids, aux, load = self.router(x)
+        weights, ids, aux, load = self.router(x, self.token_groups)
         self.step_load = load if self.step_load is None else self.step_load + load
         keep = capacity_mask(ids, self.cfg.num_experts, self.cfg.moe_capacity_factor)
         out = self.dispatch(x, weights, ids, self.experts, self.cfg.num_experts, keep)
         if self.shared is not None:
             out = out + self.shared(x)
         if torch.is_grad_enabled() and aux.requires_grad:
-            out = _AttachAuxLoss.apply(out, aux, float(x.shape[0]))
+            out = _AttachAuxLoss.apply(out, aux, 1.0)
         return out.view(shape)

@@ -168,6 +168,7 @@ class _Done:
 @dataclass
 class _Piece:
     param: nn.Parameter
+    owner: GradBuckets
     bucket: Bucket
     start: int  # buffer range of this piece (inside the owned range)
     end: int
@@ -182,22 +183,24 @@ class MixedPrecisionAdamW:
     ``master_weights=False`` AdamW updates the parameter buffer in place in its own dtype (no copies).
     """
 
-    def __init__(self, buckets: GradBuckets, lr: float, betas: tuple[float, float], eps: float,
+    def __init__(self, buckets: list[GradBuckets], lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, master_weights: bool = True) -> None:
+        """``buckets``: one ``GradBuckets`` per reduction group (dense params over dp×cp, experts over edp)."""
         self.buckets = buckets
         self.master_weights = master_weights
         self.pieces: list[_Piece] = []
-        for b in buckets.buckets:
-            own_start, own_end = buckets.owned_range(b)
-            for p in b.params:
-                s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
-                if s < e:
-                    view = buckets.param_buffer[s:e]
-                    master = view.detach().float().clone() if master_weights else view
-                    self.pieces.append(_Piece(p, b, s, e, master))
+        for owner in buckets:
+            for b in owner.buckets:
+                own_start, own_end = owner.owned_range(b)
+                for p in b.params:
+                    s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
+                    if s < e:
+                        view = owner.param_buffer[s:e]
+                        master = view.detach().float().clone() if master_weights else view
+                        self.pieces.append(_Piece(p, owner, b, s, e, master))
         decay = [pc.master for pc in self.pieces if pc.param.ndim >= 2]
         no_decay = [pc.master for pc in self.pieces if pc.param.ndim < 2]
-        device = buckets.grad_buffer.device
+        device = buckets[0].grad_buffer.device
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=lr, betas=betas, eps=eps, fused=True if device.type == "cuda" else None)
@@ -207,7 +210,7 @@ class MixedPrecisionAdamW:
         return self.optimizer.param_groups
 
     def piece_grads(self) -> list[tuple[_Piece, torch.Tensor]]:
-        return [(pc, self.buckets.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
+        return [(pc, pc.owner.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
 
     @torch.no_grad()
     def step(self) -> None:
@@ -217,8 +220,9 @@ class MixedPrecisionAdamW:
         for pc in self.pieces:
             pc.master.grad = None
             if self.master_weights:
-                self.buckets.param_buffer[pc.start:pc.end].copy_(pc.master)
-        self.buckets.gather_params()
+                pc.owner.param_buffer[pc.start:pc.end].copy_(pc.master)
+        for owner in self.buckets:
+            owner.gather_params()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

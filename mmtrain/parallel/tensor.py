@@ -139,8 +139,9 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     for block in model.layers.values():
         block.attn.qkv = ColumnParallelLinear(block.attn.qkv, group, sp)
         block.attn.proj = RowParallelLinear(block.attn.proj, group, sp)
-        block.mlp.up = ColumnParallelLinear(block.mlp.up, group, sp)
-        block.mlp.down = RowParallelLinear(block.mlp.down, group, sp)
+        if hasattr(block.mlp, "up"):  # dense MLP; MoE experts stay whole per TP rank (parallel/expert.py)
+            block.mlp.up = ColumnParallelLinear(block.mlp.up, group, sp)
+            block.mlp.down = RowParallelLinear(block.mlp.down, group, sp)
         for norm in (block.attn_norm, block.mlp_norm):
             for p in norm.parameters():
                 _mark(p, tp_partial_grad=sp)

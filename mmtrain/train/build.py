@@ -9,6 +9,7 @@ from mmtrain.config.schema import GPTRunConfig
 from mmtrain.model.gpt import GPTModel, token_cross_entropy
 from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.expert import apply_expert_parallel
 from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import apply_tensor_parallel
 
@@ -20,6 +21,9 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
     apply_context_parallel(model, mesh.cp_group)
+    if cfg.model.num_experts:
+        sp = cfg.parallel.sequence_parallel and mesh.dims.tp > 1
+        apply_expert_parallel(model, mesh.ep_group, sp, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
     mode = cfg.train.activation_checkpointing
     for block in model.layers.values():
         block.recompute = mode

@@ -29,11 +29,12 @@ def tied_embedding_params(stage: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: GradBuckets, optimizer: MixedPrecisionAdamW,
+def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: list[GradBuckets], optimizer: MixedPrecisionAdamW,
                    num_tokens: float) -> None:
     for p in tied_embedding_params(stage):
         dist.all_reduce(p.main_grad, group=mesh.group("embd"))
-    buckets.finish(num_tokens)
+    for b in buckets:
+        b.finish(num_tokens)
     if mesh.size("tp") > 1:
         partial = [g for pc, g in optimizer.piece_grads() if getattr(pc.param, "tp_partial_grad", False)]
         if partial:
@@ -43,20 +44,24 @@ def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: GradBuckets, o
 
 
 @torch.no_grad()
-def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, buckets: GradBuckets, optimizer: MixedPrecisionAdamW,
-                   max_norm: float) -> float:
-    """Global L2 norm of the reduced gradients; scales them in place when it exceeds ``max_norm``."""
+def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisionAdamW, max_norm: float) -> float:
+    """Global L2 norm of the reduced gradients; scales them in place when it exceeds ``max_norm``.
+
+    A piece is counted by exactly one rank: its owner in its reduction group (every rank of a sharded group
+    owns a distinct shard; an unsharded group counts on its rank 0), TP rank 0 for TP-replicated parameters,
+    and never the last stage's copy of a tied embedding. Summing over dp×cp and then tp×pp covers the world."""
     copies = {id(p) for p in tied_embedding_params(stage) if stage.post_process}
     tp_rank0 = mesh.coord.tp == 0
     pieces = optimizer.piece_grads()
     counted = [g for pc, g in pieces
-               if id(pc.param) not in copies and (getattr(pc.param, "tp_sharded", False) or tp_rank0)]
-    device = buckets.grad_buffer.device
+               if id(pc.param) not in copies and (getattr(pc.param, "tp_sharded", False) or tp_rank0)
+               and (pc.owner.sharded or pc.owner.dp_rank == 0)]
+    device = optimizer.buckets[0].grad_buffer.device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if counted:
         sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
-    if buckets.sharded:
-        dist.all_reduce(sq, group=buckets.group)
+    if mesh.size("dp_cp") > 1:
+        dist.all_reduce(sq, group=mesh.dp_cp_group)
     if mesh.size("mp") > 1:
         dist.all_reduce(sq, group=mesh.group("mp"))
     norm = sq.sqrt().item()

@@ -21,6 +21,7 @@ from mmtrain.model.gpt import GPTModel, flops_per_token
 from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.expert import update_router_biases
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -60,7 +61,7 @@ class TrainResult:
 
 
 def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
-                      device: torch.device, buckets: GradBuckets | None) -> torch.Tensor:
+                      device: torch.device, buckets: list[GradBuckets] | None) -> torch.Tensor:
     """Forward (and backward when ``buckets`` is given) over micro-batches; returns [sum of token losses, loss
     tokens] as seen by this rank (non-zero on the last pipeline stage only)."""
     stats = torch.zeros(2, device=device, dtype=torch.float64)
@@ -87,7 +88,8 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
             loss = forward_step(i, None)
             if buckets is not None:
                 if i == len(micro_batches) - 1:
-                    buckets.last_backward()
+                    for b in buckets:
+                        b.last_backward()
                 loss.backward()
         return stats
     ranks = mesh.ranks("pp")
@@ -98,7 +100,8 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
     if buckets is None:
         forward_only(forward_step, len(micro_batches), comm)
     else:
-        one_f_one_b(forward_step, len(micro_batches), comm, s, pp, before_last_backward=buckets.last_backward)
+        one_f_one_b(forward_step, len(micro_batches), comm, s, pp,
+                    before_last_backward=lambda: [b.last_backward() for b in buckets])
     return stats
 
 
@@ -125,16 +128,19 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     """Run ``cfg.train.steps`` optimizer steps on this rank's stage/shard of the model."""
     log = get_logger("train")
     dims = mesh.dims
-    if dims.ep > 1:
-        raise NotImplementedError("expert parallelism arrives with the mixture-of-experts work")
     torch.manual_seed(cfg.train.seed)
     stage = build_gpt_stage(cfg, mesh, device)
     params = [p for p in stage.parameters() if p.requires_grad]
     o = cfg.optim
     pdtype = param_dtype_for(cfg.train.precision)
-    buckets = GradBuckets(params, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,
-                          late_params=tied_embedding_params(stage),
-                          grad_dtype=torch.float32 if o.master_weights else pdtype)
+    grad_dtype = torch.float32 if o.master_weights else pdtype
+    dense = [p for p in params if not getattr(p, "expert", False)]
+    experts = [p for p in params if getattr(p, "expert", False)]
+    buckets = [GradBuckets(dense, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,
+                           late_params=tied_embedding_params(stage), grad_dtype=grad_dtype)]
+    if experts:  # expert weights are replicated only over the expert-data-parallel ranks
+        buckets.append(GradBuckets(experts, mesh.edp_group, cfg.parallel.distributed_optimizer, pdtype,
+                                   grad_dtype=grad_dtype))
     optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.master_weights)
     gbs = global_batch_size(cfg, dims.dp)
     num_micro = gbs // (cfg.train.micro_batch_size * dims.dp)
@@ -163,11 +169,15 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [batches.next() for _ in range(num_micro)]
-        buckets.reset()
+        for b in buckets:
+            b.reset()
         stats = reduce_loss_stats(run_micro_batches(stage, micro_batches, mesh, cfg, device, buckets), mesh)
         finalize_grads(stage, mesh, buckets, optimizer, stats[1].item())
-        grad_norm = clip_grad_norm(stage, mesh, buckets, optimizer, cfg.optim.grad_clip)
+        grad_norm = clip_grad_norm(stage, mesh, optimizer, cfg.optim.grad_clip)
         optimizer.step()
+        if cfg.model.num_experts:  # ranks that saw different tokens: dp×cp, and tp under sequence parallelism
+            sp_tp = mesh.tp_group if cfg.parallel.sequence_parallel else None
+            loads = update_router_biases(stage, [mesh.dp_cp_group, sp_tp])
         loss = (stats[0] / stats[1]).item()
         dt = time.perf_counter() - t0  # the .item() calls above synchronize with the device
         result.losses.append(loss)
@@ -180,6 +190,10 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             row["mfu"] = row["tflops"] / cfg.logging.peak_tflops
         if device.type == "cuda":
             row["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if cfg.model.num_experts and loads:
+            per_layer = [max(v) * len(v) / max(sum(v), 1) for v in loads.values()]
+            row["moe_max_load"] = max(per_layer)  # busiest expert / mean expert, worst layer (1.0 = balanced)
+            row["moe_load"] = loads
         if val_batches is not None and step % cfg.train.eval_every == 0:
             row["val_loss"] = result.val_losses[step] = evaluate(stage, val_batches, mesh, cfg, device)
         metrics.log_step(step, row)

@@ -40,6 +40,7 @@ def _fmt_value(key: str, value: Any) -> str:
 
 
 def format_step_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
+    metrics = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}  # those go to metrics.jsonl
     keys = [k for k in _ORDER if k in metrics] + sorted(k for k in metrics if k not in _ORDER)
     return " | ".join([f"step {step}/{total_steps}"] + [_fmt_value(k, metrics[k]) for k in keys])
 

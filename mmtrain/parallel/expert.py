@@ -1,0 +1,129 @@
+"""Expert parallelism: each rank of the ``ep`` group holds ``num_experts / ep`` experts; tokens travel to
+their experts and back with all-to-all.
+
+Dispatch for one MoE layer (dropless by default):
+1. permute: sort this rank's (token, k) assignments by global expert id;
+2. exchange counts (all-to-all of a (ep, local experts) count matrix), then the tokens themselves with variable
+   splits; the received tokens arrive grouped by source rank, then by expert — re-sort them by local expert;
+3. run the local experts (one grouped GEMM), undo the re-sort, all-to-all back, unpermute, weight and sum.
+
+Expert weights are replicated over the ``edp`` group (the ranks holding the same experts), so their gradients
+are reduced there, not over all data-parallel ranks (``GradBuckets`` per group, see ``mmtrain.train.loop``).
+Experts are not split over tensor parallelism (Megatron's expert-TP = 1): with TP the MoE input is replicated
+(or, with sequence parallelism, sequence-sharded, and then expert/router gradients are summed over TP).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *, group):
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    local = num_experts // ep
+    N, K = ids_NK.shape
+    flat_ids = ids_NK.flatten()
+    if keep_NK is not None:
+        flat_ids = torch.where(keep_NK.flatten(), flat_ids, num_experts)
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)
+    kept = int(counts[:num_experts].sum())
+    send_counts = counts[:num_experts].view(ep, local)  # [destination rank, its local expert]
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)  # [source rank, my local expert]
+    send_splits = send_counts.sum(dim=1).tolist()
+    recv_splits = recv_counts.sum(dim=1).tolist()
+    x_recv = all_to_all(x_ND[order[:kept] // K], recv_splits, send_splits, group)
+    # received: grouped by source rank, then local expert -> regroup by local expert, then source rank
+    rc = recv_counts.tolist()
+    starts, pos = [], 0
+    for src in range(ep):
+        row = []
+        for e in range(local):
+            row.append(pos)
+            pos += rc[src][e]
+        starts.append(row)
+    regroup = [torch.arange(starts[src][e], starts[src][e] + rc[src][e]) for e in range(local) for src in range(ep)]
+    regroup = torch.cat(regroup).to(x_ND.device) if regroup else torch.zeros(0, dtype=torch.long, device=x_ND.device)
+    per_expert = recv_counts.sum(dim=0).tolist()
+    y_local = experts(x_recv[regroup], per_expert)
+    y_recv = torch.empty_like(y_local).index_copy(0, regroup, y_local) if len(regroup) else y_local
+    y_sorted = all_to_all(y_recv, send_splits, recv_splits, group)
+    y = x_ND.new_zeros(N * K, x_ND.shape[-1]).index_copy(0, order[:kept], y_sorted.to(x_ND.dtype))
+    del rank
+    return (y.view(N, K, -1) * weights_NK[..., None].to(y.dtype)).sum(dim=1)
+
+
+def apply_expert_parallel(model: nn.Module, group, sequence_parallel_tp: bool = False,
+                          token_groups: list = ()) -> nn.Module:
+    """Keep this rank's slice of every MoE layer's experts and route tokens over ``group`` (all-to-all).
+    Marks expert parameters ``expert=True`` (reduced over the expert-data-parallel group). ``token_groups``:
+    the groups a micro-batch's tokens are split over (TP under sequence parallelism, CP) for the balance loss."""
+    from mmtrain.model.moe import MoELayer
+
+    ep = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if ep > 1 else 0
+    for module in model.modules():
+        if not isinstance(module, MoELayer):
+            continue
+        if module.cfg.num_experts % ep:
+            raise ValueError(f"model.num_experts ({module.cfg.num_experts}) must be divisible by parallel.ep ({ep})")
+        local = module.cfg.num_experts // ep
+        experts = module.experts
+        for name in ("w_up", "w_down"):
+            full = getattr(experts, name)
+            sliced = nn.Parameter(full.data[rank * local:(rank + 1) * local].clone())
+            sliced.expert = True
+            setattr(experts, name, sliced)
+        module.token_groups = [g for g in token_groups if g is not None and dist.get_world_size(g) > 1]
+        if sequence_parallel_tp:  # each TP rank routes different tokens: expert/router grads are partial sums
+            for p in module.parameters():
+                p.tp_partial_grad = True
+        if ep > 1:
+            module.dispatch = partial(ep_dispatch, group=group)
+    return model
+
+
+@torch.no_grad()
+def update_router_biases(model: nn.Module, groups: list) -> dict[str, list[int]]:
+    """After a step: sum each MoE layer's expert load over ``groups`` (ranks that saw different tokens),
+    nudge sigmoid routers' biases toward balance (DeepSeek-V3), and return the loads for logging."""
+    from mmtrain.model.moe import MoELayer
+
+    loads = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, MoELayer) or module.step_load is None:
+            continue
+        load = module.step_load.float()
+        for g in groups:
+            if g is not None and dist.get_world_size(g) > 1:
+                dist.all_reduce(load, group=g)
+        if module.cfg.moe_router == "sigmoid" and module.cfg.moe_bias_update_rate:
+            module.router.expert_bias += module.cfg.moe_bias_update_rate * torch.sign(load.mean() - load)
+        loads[name] = [int(v) for v in load.tolist()]
+        module.step_load = None
+    return loads
