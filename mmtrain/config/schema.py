@@ -55,6 +55,7 @@ class ParallelConfig:
     dp: int = doc(0, "Data-parallel size; 0 infers it as world_size / (tp*pp*cp).")
     ep: int = doc(1, "Expert-parallel size; experts are sharded over the dp*cp ranks, so ep must divide dp*cp.")
     sequence_parallel: bool = doc(False, "Shard norms and residuals along the sequence over the TP group.")
+    pipeline_layers: list[int] = doc([], "Layers per pipeline stage, e.g. [3, 5, 5, 3]; empty splits evenly.")
     virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.")
     distributed_optimizer: bool = doc(True, "Shard optimizer state and fp32 master weights over data-parallel ranks.")
     backend: Literal["auto", "nccl", "gloo"] = doc("auto", "torch.distributed backend; auto picks nccl on GPU, gloo on CPU.")
@@ -84,6 +85,8 @@ class OptimConfig:
     beta1: float = doc(0.9, "AdamW beta1.")
     beta2: float = doc(0.95, "AdamW beta2.")
     eps: float = doc(1e-8, "AdamW epsilon.")
+    master_weights: bool = doc(True, "Keep fp32 master weights, gradients and Adam moments; false keeps them in the "
+                                     "parameter dtype (bf16), the plain-AdamW setup of the benchmark anchors.")
     grad_clip: float = doc(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     schedule: Literal["cosine", "wsd", "constant"] = doc("cosine", "Learning-rate schedule after warmup.")
     warmup_steps: int = doc(10, "Linear warmup steps from 0 to `lr`.")
@@ -99,7 +102,9 @@ class TrainConfig:
     global_batch_size: int = doc(0, "Samples per optimizer step over all ranks; 0 means micro_batch_size * dp.")
     precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32.")
     activation_checkpointing: Literal["none", "selective", "full"] = doc("none", "Recompute activations in backward.")
-    compile: bool = doc(False, "torch.compile each transformer block.")
+    compile: bool = doc(False, "torch.compile each transformer block (and the loss on one TP rank).")
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = doc(
+        "auto", "scaled_dot_product_attention kernel on GPU; auto lets PyTorch choose.")
     seed: int = doc(42, "Seed of the weight initialization and dropout.")
     eval_every: int = doc(0, "Evaluate on the valid split every N steps; 0 disables.")
     eval_steps: int = doc(4, "Micro-batches per evaluation.")

@@ -162,7 +162,18 @@ class ParallelDims:
                 group = dist.new_group(ranks, backend=backend)
                 if rank in ranks:
                     mine[name] = (group, ranks)
+        # Tied embeddings under PP: the first and last stage of each pipeline keep their copies equal.
+        for ranks in self.embedding_group_ranks():
+            group = dist.new_group(ranks, backend=backend)
+            if rank in ranks:
+                mine["embd"] = (group, ranks)
         return ParallelMesh(dims=self, rank=rank, coord=self.coord(rank), _groups=mine)
+
+    def embedding_group_ranks(self) -> list[list[int]]:
+        """[first stage, last stage] of every pipeline (empty when pp == 1); middle stages belong to none."""
+        if self.pp == 1:
+            return []
+        return [[g[0], g[-1]] for g in self.group_ranks("pp")]
 
 
 @dataclass
@@ -175,6 +186,9 @@ class ParallelMesh:
     _groups: dict[str, tuple[Any, list[int]]] = field(repr=False)
 
     def group(self, name: str) -> Any:
+        """The group of kind ``name`` holding this rank; ``embd`` is None on middle pipeline stages."""
+        if name == "embd" and name not in self._groups:
+            return None
         return self._groups[name][0]
 
     def ranks(self, name: str) -> list[int]:

@@ -33,7 +33,7 @@ def _fmt_value(key: str, value: Any) -> str:
     if key == "step_time_s":
         return f"{1000 * value:.0f}ms"
     if key == "tflops":
-        return f"tflops {value:.1f}"
+        return f"tflops {value:.3g}"
     if isinstance(value, int):
         return f"{key} {value}"
     return f"{key} {value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{key} {value:.3e}"

@@ -1,0 +1,111 @@
+"""Decoder-only language model (Llama family), for one device, optionally one pipeline stage of it.
+
+A stage holds the global layers ``layer_range`` under their global indices (``layers.7...``), so parameter
+names — and checkpoints — are the same whatever the pipeline layout. The first stage embeds tokens, the last
+one normalizes, projects to the vocabulary and computes per-token losses with ``self.loss_fn`` (the TP plan
+swaps in the vocab-parallel cross-entropy so full logits are never gathered).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmtrain.config.schema import ModelConfig
+from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
+
+
+def token_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Per-token loss (B, S) in fp32."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none").view_as(labels_BS)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int] | None = None,
+                 pre_process: bool = True, post_process: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        start, end = layer_range or (0, cfg.num_layers)
+        self.layer_range = (start, end)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if pre_process else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(start, end)})
+        self.norm = make_norm(cfg) if post_process else None
+        # A tied last stage that does not hold the embedding keeps its own copy, kept equal by the trainer.
+        own_output = post_process and not (cfg.tie_embeddings and pre_process)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
+        # Hooks a parallel plan may set (mmtrain.parallel.tensor): the loss over (sharded) logits, what the head
+        # does to its input (copy/gather over TP), and how full logits are assembled when asked for.
+        self.loss_fn = token_cross_entropy
+        self.head_input_fn = None
+        self.logits_gather_fn = None
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
+                             persistent=False)
+
+    # ------------------------------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic per-parameter init keyed by (seed, parameter name): any stage split or rank of the same
+        model gets the same values. Output projections of each block are scaled by 1/sqrt(2 * num_layers)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.ndim == 1:  # norm weights
+                p.fill_(1.0)
+            else:
+                scale = std / (2 * self.cfg.num_layers) ** 0.5 if name.endswith(("proj.weight", "down.weight")) else std
+                if name == "output.weight" and self.cfg.tie_embeddings:
+                    name_for_seed = "embed.weight"  # a tied copy starts equal to the embedding
+                    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name_for_seed.encode()))
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def output_weight(self) -> torch.Tensor:
+        return self.output.weight if self.output is not None else self.embed.weight
+
+    def forward(self, inputs: torch.Tensor, labels_BS: torch.Tensor | None = None,
+                position_ids_BS: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``inputs``: token ids (B, S) on the first stage, hidden states (B, S, D) otherwise.
+        Returns per-token losses (B, S) on the last stage when ``labels_BS`` is given, else logits (last stage)
+        or hidden states (other stages)."""
+        x = self.embed(inputs) if self.pre_process else inputs
+        if position_ids_BS is None:
+            if not self.pre_process:
+                raise ValueError("a pipeline stage without the embedding needs position_ids_BS")
+            B, S = inputs.shape
+            position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
+        cos, sin = rope_cos_sin(position_ids_BS, self.inv_freq, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, attn_mask)
+        if not self.post_process:
+            return x
+        x = self.norm(x)
+        if self.head_input_fn is not None:
+            x = self.head_input_fn(x)
+        logits = F.linear(x, self.output_weight())
+        if labels_BS is None:
+            return self.logits_gather_fn(logits) if self.logits_gather_fn is not None else logits
+        return self.loss_fn(logits, labels_BS)
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the whole model (embedding counted once when tied)."""
+    d, f, v, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers
+    hd = d // cfg.num_attention_heads
+    attn = d * (cfg.num_attention_heads * hd + 2 * cfg.kv_heads * hd) + cfg.num_attention_heads * hd * d
+    mlp = d * f * (3 if cfg.activation == "swiglu" else 2)
+    block = attn + mlp + 2 * d
+    return L * block + v * d * (1 if cfg.tie_embeddings else 2) + d
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
+    """Training FLOPs per token: 6 * (non-embedding params + output layer) + causal attention (12·L·S·d / 2)."""
+    d, v, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    dense = count_parameters(cfg) - v * d * (1 if cfg.tie_embeddings else 2) + v * d
+    return 6.0 * dense + 6.0 * L * seq_length * d

@@ -1,0 +1,152 @@
+"""Transformer building blocks, written for one device.
+
+Parallel plans (``mmtrain.parallel.tensor``) swap the ``nn.Linear``/``nn.Embedding`` modules for sharded
+ones; the math here reads the local sizes off the weights (``view(B, S, -1, head_dim)``), so the same code
+runs whole or tensor-parallel. Fused projections (``qkv``, ``gate_up``) keep one GEMM each; their weight
+rows are laid out in parts ([q | k | v], [gate | up]) that the TP plan shards part by part.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mmtrain.config.schema import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.hidden_size
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps)
+
+
+# --------------------------------------------------------------------------------------------- rotary
+def rope_frequencies(head_dim: int, theta: float, scaling_factor: float = 1.0,
+                     original_max_positions: int = 8192) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama-3 style scaling of the low frequencies when factor > 1."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling_factor == 1.0:
+        return inv_freq.float()
+    low_freq_factor, high_freq_factor = 1.0, 4.0  # Llama-3.1/3.2 constants
+    low_wavelen = original_max_positions / low_freq_factor
+    high_wavelen = original_max_positions / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling_factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    blended = (1 - smooth) * inv_freq / scaling_factor + smooth * inv_freq
+    return torch.where(mid, blended, scaled).float()
+
+
+def rope_cos_sin(position_ids_BS: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (B, S, 1, head_dim) for the given absolute positions (context-parallel chunks and packed
+    documents pass their own positions)."""
+    angles = position_ids_BS.to(torch.float32)[..., None] * inv_freq.to(position_ids_BS.device)
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x_BSHD.shape[-1] // 2
+    rotated = torch.cat((-x_BSHD[..., half:], x_BSHD[..., :half]), dim=-1)
+    return x_BSHD * cos + rotated * sin
+
+
+# ------------------------------------------------------------------------------------------ attention
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.q_size = cfg.num_attention_heads * self.head_dim
+        self.kv_size = cfg.kv_heads * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.add_bias or cfg.qkv_bias)
+        self.qkv.part_sizes = (self.q_size, self.kv_size, self.kv_size)  # read by the TP plan
+        self.proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.add_bias)
+        self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.qkv(x_BSD)
+        B, S = qkv.shape[:2]  # with sequence parallelism x_BSD holds S/tp rows; qkv is gathered to S
+        # local sizes (a TP shard holds q_size/tp etc.): split in the same proportion as the full layout
+        total = self.q_size + 2 * self.kv_size
+        q_local = qkv.shape[-1] * self.q_size // total
+        kv_local = qkv.shape[-1] * self.kv_size // total
+        q, k, v = qkv.split((q_local, kv_local, kv_local), dim=-1)
+        q = q.view(B, S, -1, self.head_dim)
+        k = k.view(B, S, -1, self.head_dim)
+        v = v.view(B, S, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+        gqa = q.shape[1] != k.shape[1]
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        return self.proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gated = cfg.activation == "swiglu"
+        width = cfg.ffn_hidden_size * (2 if self.gated else 1)
+        self.up = nn.Linear(cfg.hidden_size, width, bias=cfg.add_bias)
+        if self.gated:
+            self.up.part_sizes = (cfg.ffn_hidden_size, cfg.ffn_hidden_size)  # [gate | up]
+        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias)
+
+        self.recompute_activation = False  # selective recomputation: keep `up`'s output, not the activation's
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.recompute_activation and torch.is_grad_enabled():
+            h = checkpoint(self._activation, h, use_reentrant=False)
+        else:
+            h = self._activation(h)
+        return self.down(h)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, attn_mask, use_reentrant=False)
+        return self._forward(x, cos, sin, attn_mask)

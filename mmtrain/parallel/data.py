@@ -1,0 +1,224 @@
+"""Data parallelism: fp32 gradient buckets reduced while backward runs, and the (distributed) optimizer state.
+
+Layout (Megatron-Core's design, rewritten small):
+- All trainable parameters of this rank live in one contiguous *param buffer* and their fp32 gradients in a
+  *grad buffer* of the same layout, split into buckets in backward order. Each bucket is padded to a multiple
+  of the data-parallel size so it splits evenly into per-rank shards.
+- A post-accumulate-grad hook adds each ``p.grad`` into ``p.main_grad`` (fp32) and frees ``p.grad``. During the
+  last micro-batch's backward, a bucket whose parameters are all done is reduced at once (async), overlapping
+  communication with the rest of the backward: an all-reduce, or with the distributed optimizer a
+  reduce-scatter so each rank receives only the shard it updates.
+- Reductions are *sums*; ``finish`` divides by the global loss-token count, which keeps any layout exactly
+  equal to one process.
+
+Parameters whose gradient must first be summed elsewhere (a tied embedding copy across pipeline stages) are put
+in a final bucket that the trainer reduces after that sum (``late`` parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    start: int  # element offsets into the buffers
+    end: int
+    late: bool = False
+    pending: set[int] = field(default_factory=set)
+    handle: object = None
+    shard_grad: torch.Tensor | None = None  # reduce-scatter output (distributed optimizer)
+
+
+class GradBuckets:
+    def __init__(self, params: list[nn.Parameter], group, distributed_optimizer: bool, param_dtype: torch.dtype,
+                 bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
+        self.group = group
+        self.dp = dist.get_world_size(group)
+        self.dp_rank = dist.get_rank(group)
+        self.sharded = distributed_optimizer and self.dp > 1
+        self.overlap = overlap
+        late_ids = {id(p) for p in late_params}
+        ordered = [p for p in reversed(params) if id(p) not in late_ids]  # backward visits the last layers first
+        groups: list[tuple[list[nn.Parameter], bool]] = []
+        current: list[nn.Parameter] = []
+        for p in ordered:
+            current.append(p)
+            if sum(q.numel() for q in current) >= bucket_elems:
+                groups.append((current, False))
+                current = []
+        if current:
+            groups.append((current, False))
+        late = [p for p in params if id(p) in late_ids]
+        if late:
+            groups.append((late, True))
+        self.buckets: list[Bucket] = []
+        offset = 0
+        for plist, is_late in groups:
+            n = sum(p.numel() for p in plist)
+            padded = -(-n // self.dp) * self.dp
+            self.buckets.append(Bucket(plist, offset, offset + padded, is_late))
+            offset += padded
+        device = params[0].device
+        self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
+        self.param_buffer = torch.zeros(offset, dtype=param_dtype, device=device)
+        self.bucket_of: dict[int, Bucket] = {}
+        for b in self.buckets:
+            pos = b.start
+            for p in b.params:
+                n = p.numel()
+                self.param_buffer[pos:pos + n].copy_(p.data.reshape(-1))
+                p.data = self.param_buffer[pos:pos + n].view_as(p)
+                p.main_grad = self.grad_buffer[pos:pos + n].view_as(p)
+                p.buffer_offset = pos
+                self.bucket_of[id(p)] = b
+                pos += n
+            if self.sharded:
+                b.shard_grad = torch.zeros((b.end - b.start) // self.dp, dtype=grad_dtype, device=device)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.sync_now = False
+        self.reset()
+
+    # ------------------------------------------------------------------------------------------ backward
+    def reset(self) -> None:
+        """Before a step: zero the grads and arm every bucket."""
+        self.grad_buffer.zero_()
+        self.sync_now = False
+        for b in self.buckets:
+            b.pending = {id(p) for p in b.params}
+            b.handle = None
+
+    def last_backward(self) -> None:
+        """Call before the backward of the step's last micro-batch: ready buckets are reduced from then on."""
+        self.sync_now = True
+
+    @torch.no_grad()
+    def _on_grad(self, p: nn.Parameter) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self.sync_now:
+            b = self.bucket_of[id(p)]
+            b.pending.discard(id(p))
+            if not b.pending and not b.late and self.overlap:
+                self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        if b.handle is not None:
+            return
+        view = self.grad_buffer[b.start:b.end]
+        if self.dp == 1:
+            b.handle = _Done()
+        elif self.sharded:
+            b.handle = dist.reduce_scatter_tensor(b.shard_grad, view, group=self.group, async_op=True)
+        else:
+            b.handle = dist.all_reduce(view, group=self.group, async_op=True)
+
+    @torch.no_grad()
+    def finish(self, num_tokens: float) -> None:
+        """Reduce what is left (late buckets included), wait for all, scale by 1 / num_tokens."""
+        for b in self.buckets:
+            self._launch(b)
+        for b in self.buckets:
+            b.handle.wait()
+        scale = 1.0 / num_tokens
+        if self.sharded:
+            for b in self.buckets:
+                b.shard_grad.mul_(scale)
+        else:
+            self.grad_buffer.mul_(scale)
+
+    # ----------------------------------------------------------------------------------------- shards
+    def owned_range(self, b: Bucket) -> tuple[int, int]:
+        """Buffer range this rank updates in bucket ``b`` (the whole bucket without the distributed optimizer)."""
+        if not self.sharded:
+            return b.start, b.end
+        size = (b.end - b.start) // self.dp
+        return b.start + self.dp_rank * size, b.start + (self.dp_rank + 1) * size
+
+    def reduced_grad(self, b: Bucket, start: int, end: int) -> torch.Tensor:
+        """The reduced fp32 gradient of buffer range [start, end) inside this rank's owned range of ``b``."""
+        if not self.sharded:
+            return self.grad_buffer[start:end]
+        own_start, _ = self.owned_range(b)
+        return b.shard_grad[start - own_start:end - own_start]
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After the optimizer updated this rank's shards: every rank gets every updated parameter."""
+        if not self.sharded:
+            return
+        for b in self.buckets:
+            full = self.param_buffer[b.start:b.end]
+            own_start, own_end = self.owned_range(b)
+            shard = self.param_buffer[own_start:own_end].clone()
+            dist.all_gather_into_tensor(full, shard, group=self.group)
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+@dataclass
+class _Piece:
+    param: nn.Parameter
+    bucket: Bucket
+    start: int  # buffer range of this piece (inside the owned range)
+    end: int
+    master: torch.Tensor  # fp32 copy of the piece, what AdamW updates
+
+
+class MixedPrecisionAdamW:
+    """AdamW over fp32 master copies of the parameter pieces this rank owns; model params may be bf16.
+
+    Without the distributed optimizer a rank owns everything; with it, only its 1/dp shard of every bucket, so
+    master weights and both Adam moments take 12/dp bytes per parameter instead of 12. With
+    ``master_weights=False`` AdamW updates the parameter buffer in place in its own dtype (no copies).
+    """
+
+    def __init__(self, buckets: GradBuckets, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, master_weights: bool = True) -> None:
+        self.buckets = buckets
+        self.master_weights = master_weights
+        self.pieces: list[_Piece] = []
+        for b in buckets.buckets:
+            own_start, own_end = buckets.owned_range(b)
+            for p in b.params:
+                s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
+                if s < e:
+                    view = buckets.param_buffer[s:e]
+                    master = view.detach().float().clone() if master_weights else view
+                    self.pieces.append(_Piece(p, b, s, e, master))
+        decay = [pc.master for pc in self.pieces if pc.param.ndim >= 2]
+        no_decay = [pc.master for pc in self.pieces if pc.param.ndim < 2]
+        device = buckets.grad_buffer.device
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=betas, eps=eps, fused=True if device.type == "cuda" else None)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def piece_grads(self) -> list[tuple[_Piece, torch.Tensor]]:
+        return [(pc, self.buckets.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for pc, grad in self.piece_grads():
+            pc.master.grad = grad
+        self.optimizer.step()
+        for pc in self.pieces:
+            pc.master.grad = None
+            if self.master_weights:
+                self.buckets.param_buffer[pc.start:pc.end].copy_(pc.master)
+        self.buckets.gather_params()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()

@@ -1,0 +1,65 @@
+"""After backward: make every rank's gradients the exact gradient of the global mean loss, then clip.
+
+Order: tied-embedding sum between first and last pipeline stage (into the late bucket) -> data(+context)-
+parallel reduction scaled by 1 / (global loss tokens) -> TP partial sums on the reduced pieces this rank owns.
+The global norm counts each distinct parameter element exactly once across TP, PP and DP shards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
+from mmtrain.parallel.dims import ParallelMesh
+
+
+def tied_embedding_params(stage: nn.Module) -> list[nn.Parameter]:
+    """The embedding on the first stage and its copy on the last one (tied embeddings under PP only)."""
+    if not stage.cfg.tie_embeddings or (stage.pre_process and stage.post_process):
+        return []
+    if stage.pre_process:
+        return [stage.embed.weight]
+    if stage.post_process:
+        return [stage.output.weight]
+    return []
+
+
+@torch.no_grad()
+def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: GradBuckets, optimizer: MixedPrecisionAdamW,
+                   num_tokens: float) -> None:
+    for p in tied_embedding_params(stage):
+        dist.all_reduce(p.main_grad, group=mesh.group("embd"))
+    buckets.finish(num_tokens)
+    if mesh.size("tp") > 1:
+        partial = [g for pc, g in optimizer.piece_grads() if getattr(pc.param, "tp_partial_grad", False)]
+        if partial:
+            flat = torch.cat([g.reshape(-1) for g in partial])
+            dist.all_reduce(flat, group=mesh.tp_group)
+            torch._foreach_copy_(partial, list(flat.split([g.numel() for g in partial])))
+
+
+@torch.no_grad()
+def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, buckets: GradBuckets, optimizer: MixedPrecisionAdamW,
+                   max_norm: float) -> float:
+    """Global L2 norm of the reduced gradients; scales them in place when it exceeds ``max_norm``."""
+    copies = {id(p) for p in tied_embedding_params(stage) if stage.post_process}
+    tp_rank0 = mesh.coord.tp == 0
+    pieces = optimizer.piece_grads()
+    counted = [g for pc, g in pieces
+               if id(pc.param) not in copies and (getattr(pc.param, "tp_sharded", False) or tp_rank0)]
+    device = buckets.grad_buffer.device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    if counted:
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
+    if buckets.sharded:
+        dist.all_reduce(sq, group=buckets.group)
+    if mesh.size("mp") > 1:
+        dist.all_reduce(sq, group=mesh.group("mp"))
+    norm = sq.sqrt().item()
+    if max_norm and max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        torch._foreach_mul_([g for _, g in pieces], max_norm / (norm + 1e-6))
+    return norm
