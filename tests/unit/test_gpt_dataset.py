@@ -179,3 +179,20 @@ def test_resume_mid_epoch_continues_identically(tmp_path):
     resumed.load_state_dict(state)
     assert all(torch.equal(resumed.next(), reference[k]) for k in range(5, 12))
     assert samples.num_epochs == 1 and len(samples) > 12 * 3  # the state was saved mid-epoch
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.split=9;x"], "data.split='9;x'"),
+    (["data.prefixes=[a, b]", "data.weights=[1.0]"], "data.weights has 1 values but data.prefixes has 2"),
+    (["data.prefixes=[a]", "data.weights=[0.0]"], "data.weights must all be positive"),
+    (["data.blend=spec.yaml", "data.weights=[1.0]"], "data.weights applies to data.prefixes"),
+    (["data.index_build_timeout_s=0"], "data.index_build_timeout_s must be > 0"),
+])
+def test_data_config_checks(overrides, message):
+    from mmtrain.config.loader import ConfigError, load_config
+    from mmtrain.config.schema import GPTRunConfig
+    from mmtrain.config.validate import validate_gpt_config
+
+    cfg = load_config(GPTRunConfig, None, ["data.mock=true", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        validate_gpt_config(cfg)
