@@ -13,6 +13,7 @@ so attention and positions can restart at every end-of-document token.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -67,13 +68,18 @@ class GPTSamples:
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
-        # typed views for the gather kernel: token ``t`` of sequence ``s`` is tokens[starts[s] + t]
-        itemsize = self.dataset.dtype.itemsize
-        self._tokens = (np.memmap(self.dataset.bin_path, dtype=self.dataset.dtype, mode="r",
-                                  shape=(self.dataset.data_end // itemsize,))
-                        if self.dataset.data_end else np.zeros(1, self.dataset.dtype))
-        self._starts = np.ascontiguousarray(self.dataset.pointers // itemsize)
-        self._lengths = np.ascontiguousarray(self.dataset.lengths)
+        self._tokens = self._starts = None  # typed views for the gather kernel, made on first access
+
+    def _views(self) -> tuple[np.ndarray, np.ndarray]:
+        """The .bin in its token dtype and each sequence's first token in it: token t of sequence s is
+        ``tokens[starts[s] + t]``."""
+        if self._tokens is None:
+            ds = self.dataset
+            itemsize = ds.dtype.itemsize
+            self._starts = np.ascontiguousarray(ds.pointers // itemsize)
+            self._tokens = (np.memmap(ds.bin_path, dtype=ds.dtype, mode="r", shape=(ds.data_end // itemsize,))
+                            if ds.data_end else np.zeros(1, ds.dtype))
+        return self._tokens, self._starts
 
     def _build(self) -> dict[str, np.ndarray]:
         begin, end = self.documents
@@ -83,11 +89,12 @@ class GPTSamples:
         rng = np.random.RandomState(self.seed)
         documents = np.arange(begin, end, dtype=np.int32)
         document_index = gpt_indices.build_document_index(documents, self.num_epochs, rng, separate)
+        total = gpt_indices.num_indexed_samples(self.tokens_per_epoch, self.num_epochs, self.seq_length)
         sample_index = gpt_indices.build_sample_index(self.dataset.lengths, document_index, self.seq_length,
                                                       self.tokens_per_epoch, self.num_epochs)
-        total = sample_index.shape[0] - 1
         first = ((self.num_epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length if separate else total
         shuffle_index = gpt_indices.build_shuffle_index(first, total, rng)
+        assert sample_index.shape[0] == total + 1
         return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
     def __len__(self) -> int:
@@ -98,7 +105,8 @@ class GPTSamples:
         if not -n <= i < n:
             raise IndexError(f"sample {i} out of range for {n} samples of {self.prefix}")
         out = np.empty(self.seq_length + 1, dtype=np.int64)
-        got = gpt_indices.gather_sample(self._tokens, self._starts, self._lengths, self.document_index,
+        tokens, starts = self._views()
+        got = gpt_indices.gather_sample(tokens, starts, self.dataset.lengths, self.document_index,
                                         self.sample_index, int(self.shuffle_index[i % n]), out)
         assert got == self.seq_length + 1, (got, self.seq_length)
         return out

@@ -41,6 +41,11 @@ def separate_last_epoch(tokens_per_epoch: int, num_samples: int, seq_length: int
     return from_last < int(SEPARATE_LAST_EPOCH_THRESHOLD * per_epoch)
 
 
+def num_indexed_samples(tokens_per_epoch: int, num_epochs: int, seq_length: int) -> int:
+    """Samples in ``num_epochs`` whole epochs (the last partial sample is dropped)."""
+    return (num_epochs * tokens_per_epoch - 1) // seq_length
+
+
 def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
                          separate_last: bool) -> np.ndarray:
     """``documents`` repeated ``num_epochs`` times and shuffled; a separate last epoch shuffled on its own."""
@@ -97,7 +102,7 @@ def build_sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_leng
                        tokens_per_epoch: int, num_epochs: int) -> np.ndarray:
     """Start (document-index position, offset) of every sample that fits in ``num_epochs`` epochs, plus the
     end row. Lengths are int32 per sequence of the whole indexed dataset."""
-    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    num_samples = num_indexed_samples(tokens_per_epoch, num_epochs, seq_length)
     return _fill_sample_index(np.asarray(lengths), np.asarray(document_index), np.int64(seq_length),
                               np.int64(num_samples))
 

@@ -11,16 +11,19 @@ they waited for. Loading memory-maps the arrays read-only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from mmtrain.utils.atomic import atomic_open, atomic_write_text
+from mmtrain.utils.atomic import atomic_write_text, fsync_dir
 from mmtrain.utils.log import get_logger
 
 log = get_logger("mmtrain.data")
@@ -42,6 +45,14 @@ def file_identity(path: str | os.PathLike) -> dict:
     """Absolute path, size and modification time: changes when the file is rewritten."""
     st = os.stat(path)
     return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_index_builder() -> bool:
@@ -71,10 +82,26 @@ class IndexCache:
         return {a: np.load(self.array_path(a), mmap_mode="r", allow_pickle=False) for a in names}
 
     def save(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write every array to a temporary, fsync them together, rename them into place, then write the
+        description (the completion marker) -- the atomic-write pattern of ``mmtrain.utils.atomic``, with the
+        fsyncs overlapped and one folder sync, since these files are written together."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        for a, value in arrays.items():
-            with atomic_open(self.array_path(a), "wb") as f:
-                np.save(f, np.ascontiguousarray(value), allow_pickle=False)
+        temps: list[tuple[Path, Path]] = []
+        try:
+            for a, value in arrays.items():
+                fd, tmp = tempfile.mkstemp(prefix=f".{self.stem}.{a}.", suffix=".tmp", dir=self.folder)
+                temps.append((Path(tmp), self.array_path(a)))
+                with os.fdopen(fd, "wb") as f:
+                    np.save(f, np.ascontiguousarray(value), allow_pickle=False)
+            with ThreadPoolExecutor(len(temps) or 1) as pool:  # fsync releases the GIL
+                list(pool.map(_fsync_path, [t for t, _ in temps]))
+            for tmp, final in temps:
+                os.replace(tmp, final)
+            fsync_dir(self.folder)
+        finally:
+            for tmp, _ in temps:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         atomic_write_text(self.description, json.dumps({"params": self.params, "arrays": list(arrays)},
                                                        indent=1, sort_keys=True, default=str) + "\n")
 
