@@ -29,12 +29,14 @@ class BlendedSamples:
     """``len()`` = the requested size; ``[n]`` -> the sample of dataset ``dataset_index[n]``."""
 
     def __init__(self, datasets: list[GPTSamples], weights: list[float], size: int,
-                 cache_dir: str | os.PathLike, build_timeout_s: float = 1800.0) -> None:
+                 cache_dir: str | os.PathLike, build_timeout_s: float = 1800.0,
+                 blend_index: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.datasets, self.size = datasets, int(size)
         total = float(sum(weights))
         self.weights = [w / total for w in weights]
         params = {"kind": "blend", "version": 1, "size": self.size, "weights": self.weights,
                   "datasets": [d.cache.key for d in datasets]}
+        self._computed = blend_index  # already computed by the caller for the same weights and size
         self.cache = IndexCache(cache_dir, "blend", params, build_timeout_s)
         arrays, self.built = self.cache.load_or_build(self._build)
         self.dataset_index = arrays["dataset_index"]
@@ -42,7 +44,7 @@ class BlendedSamples:
         self.eod_id: int | None = None
 
     def _build(self) -> dict[str, np.ndarray]:
-        dataset_index, dataset_sample_index = gpt_indices.build_blend_index(self.weights, self.size)
+        dataset_index, dataset_sample_index = self._computed or gpt_indices.build_blend_index(self.weights, self.size)
         return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
 
     def __len__(self) -> int:
@@ -84,9 +86,13 @@ def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
     entries = spec.entries_for(split)
     if not entries:
         raise BlendSpecError(f"{spec.source}: no {split} blend; add a '{split}:' list")
-    infos = check_text_datasets(entries, cfg.model.vocab_size, log)
+    every_split = spec.datasets if spec.per_split is None else [e for es in spec.per_split.values() for e in es]
+    infos = check_text_datasets(every_split, cfg.model.vocab_size, log)  # tokenizers must agree across splits
+    infos = [i for i in infos if i.where in {e.where for e in entries}]
     eods = {i.eod_id for i in infos if i.eod_id is not None}
     eod_id = eods.pop() if len(eods) == 1 else None
+    if dp_size == 1 and not cfg.train.global_batch_size:
+        dp_size = _data_parallel_size(cfg)
     size = samples_needed(cfg, split, dp_size)
     if size <= 0:
         raise BlendSpecError(f"the run consumes no {split} samples (train.steps, batch sizes or eval settings are 0)")
@@ -104,11 +110,12 @@ def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
         bad = entries[weights.index(next(w for w in weights if w <= 0))]
         raise BlendSpecError(f"{bad.where}: {bad.path} has no tokens in the {split} split")
 
+    blend_index = None
     if len(entries) == 1:
         counts = [size]
     else:
-        dataset_index, _ = gpt_indices.build_blend_index(weights, size)
-        counts = np.bincount(dataset_index, minlength=len(entries)).tolist()
+        blend_index = gpt_indices.build_blend_index(weights, size)  # tells how many samples each dataset gives
+        counts = np.bincount(blend_index[0], minlength=len(entries)).tolist()
     datasets = [GPTSamples(e.path, d.seq_length, d.seed, max(int(c), 1), documents=r, split_name=split,
                            cache_dir=cache_dir, build_timeout_s=timeout, dataset=ds)
                 for e, ds, r, c in zip(entries, indexed, ranges, counts)]
@@ -116,9 +123,19 @@ def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
     if len(datasets) == 1:
         samples = datasets[0]
     else:
-        samples = BlendedSamples(datasets, weights, size, cache_dir, timeout)
+        samples = BlendedSamples(datasets, weights, size, cache_dir, timeout, blend_index)
     samples.eod_id = eod_id
     return samples
+
+
+def _data_parallel_size(cfg) -> int:
+    """dp of a running job (world / (tp*pp*cp)), so a caller that passes no dp_size still sizes the run right."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    p = cfg.parallel
+    return p.dp or max(1, dist.get_world_size() // (p.tp * p.pp * p.cp))
 
 
 def _log_mix(split: str, entries: list[BlendEntry], weights: list[float], counts: list[int],

@@ -109,6 +109,7 @@ def test_checks_before_training_tokenizer_vocab_energon_and_empty_split(tmp_path
     write_text_dataset(tmp_path / "data" / "big", num_docs=20, max_id=70_000, dtype=np.int32)
     (tmp_path / "data" / "shards").mkdir()
     cases = [("datasets: '1 ../data/a 1 ../data/other'", "tokenized with .*tok-b.*one tokenizer"),
+             ("train: '1 ../data/a'\nvalid: '1 ../data/other'", "tokenized with .*tok-b"),  # across splits too
              ("datasets: '1 ../data/big'", "ids up to 70000 but model.vocab_size is 512"),
              ("datasets: [{path: ../data/a, weight: 1}, {path: ../data/shards, type: energon, weight: 1}]",
               "energon .* does not support energon datasets yet"),

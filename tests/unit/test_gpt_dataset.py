@@ -62,8 +62,9 @@ def test_separate_last_epoch_rule():
     assert not gpt_indices.separate_last_epoch(100, 20, 9, 2)  # last epoch almost fully used
 
 
-def test_samples_are_the_document_stream_cut_into_overlapping_windows(tmp_path):
-    prefix = write_text_dataset(tmp_path / "ds", num_docs=50)
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_samples_are_the_document_stream_cut_into_overlapping_windows(tmp_path, dtype):
+    prefix = write_text_dataset(tmp_path / "ds", num_docs=50, dtype=dtype, token_range=(1, 70_000))
     s = GPTSamples(prefix, 16, 7, 200, cache_dir=tmp_path / "c")
     ds = IndexedDataset(prefix)
     stream = np.concatenate([ds[int(d)] for d in s.document_index]).astype(np.int64)
@@ -74,6 +75,19 @@ def test_samples_are_the_document_stream_cut_into_overlapping_windows(tmp_path):
     for k in range(len(s)):
         assert np.array_equal(s[k], stream[starts[order[k]]:starts[order[k]] + 17])
     assert s[0].dtype == np.int64 and s[0].shape == (17,)
+
+
+def test_empty_documents_are_skipped_like_megatron_does(tmp_path):
+    from mmtrain.data.indexed import IndexedDatasetWriter
+
+    lengths = np.array([5, 0, 7, 0, 0, 9, 3, 0, 11] * 5, np.int32)
+    with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+        w.add(np.arange(1, lengths.sum() + 1, dtype=np.uint16), lengths)
+        w.commit()
+    ours = GPTSamples(tmp_path / "ds", 4, 1234, 60, cache_dir=tmp_path / "c")
+    theirs = _megatron_dataset(tmp_path / "ds", (0, len(lengths)), 60, 4, 0, tmp_path / "m")
+    assert np.array_equal(ours.sample_index, theirs.sample_index)
+    assert all(np.array_equal(ours[k], theirs._query_document_sample_shuffle_indices(k)[0]) for k in range(len(ours)))
 
 
 def test_splits_use_megatron_rounding_and_disjoint_documents(tmp_path):
