@@ -34,7 +34,9 @@ def _digest(samples) -> str:
 def _two_rank_steps(rank: int, world_size: int, tmp: str):
     samples = build_gpt_samples_from_config(_config(tmp), split="train", dp_size=world_size)
     batches = MicroBatches(samples, MBS, rank, world_size)
-    taken = [batches.next() for _ in range(STEPS_BEFORE)]  # gbs = mbs * dp: one micro-batch per step
+    # gbs = mbs * dp: one micro-batch per step. Returned as numpy: torch tensors would travel as shared memory
+    # whose sender may exit before the parent reads it.
+    taken = [batches.next().numpy() for _ in range(STEPS_BEFORE)]
     return {"built": samples.built or any(d.built for d in samples.datasets), "digest": _digest(samples),
             "batches": taken, "state": batches.state_dict()}
 
@@ -57,5 +59,5 @@ def test_resume_after_dp_change_continues_the_single_run_order(tmp_path):
 
     single = MicroBatches(samples, MBS, 0, 1)
     reference = torch.cat([single.next() for _ in range(2 * STEPS_TOTAL)])
-    before = torch.cat([torch.cat([b0, b1]) for b0, b1 in zip(r0["batches"], r1["batches"])])
+    before = torch.cat([torch.from_numpy(np.concatenate([b0, b1])) for b0, b1 in zip(r0["batches"], r1["batches"])])
     assert torch.equal(torch.cat([before, *after]), reference)
