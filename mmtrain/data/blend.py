@@ -43,9 +43,10 @@ class BlendedSamples:
         self.dataset_sample_index = arrays["dataset_sample_index"]
         self.eod_id: int | None = None
 
-    def _build(self) -> dict[str, np.ndarray]:
+    def _build(self, put) -> None:
         dataset_index, dataset_sample_index = self._computed or gpt_indices.build_blend_index(self.weights, self.size)
-        return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+        put("dataset_index", dataset_index)
+        put("dataset_sample_index", dataset_sample_index)
 
     def __len__(self) -> int:
         return self.size

@@ -13,7 +13,6 @@ so attention and positions can restart at every end-of-document token.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +80,7 @@ class GPTSamples:
                             if ds.data_end else np.zeros(1, ds.dtype))
         return self._tokens, self._starts
 
-    def _build(self) -> dict[str, np.ndarray]:
+    def _build(self, put) -> None:
         begin, end = self.documents
         num_samples = max(self.num_samples, 1)
         separate = gpt_indices.separate_last_epoch(self.tokens_per_epoch, num_samples, self.seq_length,
@@ -89,13 +88,14 @@ class GPTSamples:
         rng = np.random.RandomState(self.seed)
         documents = np.arange(begin, end, dtype=np.int32)
         document_index = gpt_indices.build_document_index(documents, self.num_epochs, rng, separate)
+        put("document_index", document_index)  # written in the background while the rest is computed
         total = gpt_indices.num_indexed_samples(self.tokens_per_epoch, self.num_epochs, self.seq_length)
         sample_index = gpt_indices.build_sample_index(self.dataset.lengths, document_index, self.seq_length,
                                                       self.tokens_per_epoch, self.num_epochs)
-        first = ((self.num_epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length if separate else total
-        shuffle_index = gpt_indices.build_shuffle_index(first, total, rng)
         assert sample_index.shape[0] == total + 1
-        return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+        put("sample_index", sample_index)
+        first = ((self.num_epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length if separate else total
+        put("shuffle_index", gpt_indices.build_shuffle_index(first, total, rng))
 
     def __len__(self) -> int:
         return int(self.shuffle_index.shape[0])

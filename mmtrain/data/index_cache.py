@@ -19,7 +19,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -47,12 +47,11 @@ def file_identity(path: str | os.PathLike) -> dict:
     return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _write_npy(path: Path, value: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, value, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def is_index_builder() -> bool:
@@ -61,7 +60,7 @@ def is_index_builder() -> bool:
 
 
 class IndexCache:
-    """``load_or_build(build)`` returns (arrays, built): arrays from the cache, else from ``build()`` saved."""
+    """One cache entry: ``load_or_build(build)`` returns (arrays, built)."""
 
     def __init__(self, folder: str | os.PathLike, name: str, params: dict, timeout_s: float = 1800.0) -> None:
         self.folder = Path(folder)
@@ -82,28 +81,40 @@ class IndexCache:
         return {a: np.load(self.array_path(a), mmap_mode="r", allow_pickle=False) for a in names}
 
     def save(self, arrays: dict[str, np.ndarray]) -> None:
-        """Write every array to a temporary, fsync them together, rename them into place, then write the
-        description (the completion marker) -- the atomic-write pattern of ``mmtrain.utils.atomic``, with the
-        fsyncs overlapped and one folder sync, since these files are written together."""
+        with self.writer() as put:
+            for name, value in arrays.items():
+                put(name, value)
+
+    @contextlib.contextmanager
+    def writer(self) -> Iterator[Callable[[str, np.ndarray], None]]:
+        """``with cache.writer() as put: put(name, array) ...``: each array is written and fsynced to a
+        temporary in the background as soon as it is put (so disk time overlaps the next array's computation);
+        on success all are renamed into place, the folder synced once, and the description written last."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        temps: list[tuple[Path, Path]] = []
+        temps: dict[str, Path] = {}
+        futures = []
+        pool = ThreadPoolExecutor(2)  # file writes and fsync release the GIL
+
+        def put(name: str, value: np.ndarray) -> None:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.stem}.{name}.", suffix=".tmp", dir=self.folder)
+            os.close(fd)
+            temps[name] = Path(tmp)
+            futures.append(pool.submit(_write_npy, Path(tmp), np.ascontiguousarray(value)))
+
         try:
-            for a, value in arrays.items():
-                fd, tmp = tempfile.mkstemp(prefix=f".{self.stem}.{a}.", suffix=".tmp", dir=self.folder)
-                temps.append((Path(tmp), self.array_path(a)))
-                with os.fdopen(fd, "wb") as f:
-                    np.save(f, np.ascontiguousarray(value), allow_pickle=False)
-            with ThreadPoolExecutor(len(temps) or 1) as pool:  # fsync releases the GIL
-                list(pool.map(_fsync_path, [t for t, _ in temps]))
-            for tmp, final in temps:
-                os.replace(tmp, final)
+            yield put
+            for f in futures:
+                f.result()
+            for name, tmp in temps.items():
+                os.replace(tmp, self.array_path(name))
             fsync_dir(self.folder)
+            atomic_write_text(self.description, json.dumps({"params": self.params, "arrays": list(temps)},
+                                                           indent=1, sort_keys=True, default=str) + "\n")
         finally:
-            for tmp, _ in temps:
+            pool.shutdown(wait=True)
+            for tmp in temps.values():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-        atomic_write_text(self.description, json.dumps({"params": self.params, "arrays": list(arrays)},
-                                                       indent=1, sort_keys=True, default=str) + "\n")
 
     def wait(self) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -115,14 +126,17 @@ class IndexCache:
                     "build is just slow (a cache folder shared by all ranks of the node is required)")
             time.sleep(_POLL_S)
 
-    def load_or_build(self, build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
+    def load_or_build(self, build: Callable[[Callable[[str, np.ndarray], None]], None]
+                      ) -> tuple[dict[str, np.ndarray], bool]:
+        """Arrays from the cache, or ``build(put)`` run (it calls ``put(name, array)`` for each array, as soon
+        as each is ready) and saved; ``built`` says which happened."""
         if self.exists():
             return self.load(), False
         if not is_index_builder():
             self.wait()
             return self.load(), False
         started = time.monotonic()
-        arrays = build()
-        self.save(arrays)
+        with self.writer() as put:
+            build(put)
         log.info("built %s in %.2f s", self.description.name, time.monotonic() - started)
         return self.load(), True

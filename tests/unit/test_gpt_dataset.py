@@ -210,3 +210,19 @@ def test_data_config_checks(overrides, message):
     cfg = load_config(GPTRunConfig, None, ["data.mock=true", *overrides])
     with pytest.raises(ConfigError, match=message):
         validate_gpt_config(cfg)
+
+
+def test_a_failed_build_leaves_no_entry_and_no_temporaries(tmp_path):
+    from mmtrain.data.index_cache import IndexCache
+
+    cache = IndexCache(tmp_path / "c", "x", {"a": 1})
+
+    def build(put):
+        put("first", np.arange(10))
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        cache.load_or_build(build)
+    assert not cache.exists() and list((tmp_path / "c").iterdir()) == []
+    arrays, built = cache.load_or_build(lambda put: put("first", np.arange(3)))
+    assert built and arrays["first"].tolist() == [0, 1, 2] and not arrays["first"].flags.writeable
