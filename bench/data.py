@@ -19,7 +19,6 @@ Numba compiles on first use and caches the machine code; that one-time cost is m
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
