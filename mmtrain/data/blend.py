@@ -90,8 +90,7 @@ def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
     every_split = spec.datasets if spec.per_split is None else [e for es in spec.per_split.values() for e in es]
     infos = check_text_datasets(every_split, cfg.model.vocab_size, log)  # tokenizers must agree across splits
     infos = [i for i in infos if i.where in {e.where for e in entries}]
-    eods = {i.eod_id for i in infos if i.eod_id is not None}
-    eod_id = eods.pop() if len(eods) == 1 else None
+    eod_id = _common_eod_id(infos, d)
     if dp_size == 1 and not cfg.train.global_batch_size:
         dp_size = _data_parallel_size(cfg)
     size = samples_needed(cfg, split, dp_size)
@@ -127,6 +126,22 @@ def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
         samples = BlendedSamples(datasets, weights, size, cache_dir, timeout, blend_index)
     samples.eod_id = eod_id
     return samples
+
+
+def _common_eod_id(infos, d) -> int | None:
+    """The one end-of-document id of the blend (None when no manifest names one), checked against the
+    packed-document options that need it."""
+    with_eod = [i for i in infos if i.eod_id is not None]
+    if any(i.eod_id != with_eod[0].eod_id for i in with_eod):
+        other = next(i for i in with_eod if i.eod_id != with_eod[0].eod_id)
+        raise BlendSpecError(f"{other.where}: {other.prefix} ends documents with token {other.eod_id} but "
+                             f"{with_eod[0].where} with {with_eod[0].eod_id}; prepare them with the same --eod-token")
+    needs = [k for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, k, False)]
+    if needs and len(with_eod) < len(infos):
+        missing = next(i for i in infos if i.eod_id is None)
+        raise BlendSpecError(f"{missing.where}: data.{needs[0]} needs end-of-document tokens, but the manifest of "
+                             f"{missing.prefix} names no eod_id (prepare it with --append-eod, or turn data.{needs[0]} off)")
+    return with_eod[0].eod_id if with_eod else None
 
 
 def _data_parallel_size(cfg) -> int:

@@ -108,15 +108,19 @@ def test_checks_before_training_tokenizer_vocab_energon_and_empty_split(tmp_path
     write_text_dataset(tmp_path / "data" / "other", num_docs=20, tokenizer_sha="tok-b")
     write_text_dataset(tmp_path / "data" / "big", num_docs=20, max_id=70_000, dtype=np.int32)
     (tmp_path / "data" / "shards").mkdir()
+    write_text_dataset(tmp_path / "data" / "eod7", num_docs=20, eod=7)
+    write_text_dataset(tmp_path / "data" / "noeod", num_docs=20, eod=None)
     cases = [("datasets: '1 ../data/a 1 ../data/other'", "tokenized with .*tok-b.*one tokenizer"),
              ("train: '1 ../data/a'\nvalid: '1 ../data/other'", "tokenized with .*tok-b"),  # across splits too
              ("datasets: '1 ../data/big'", "ids up to 70000 but model.vocab_size is 512"),
              ("datasets: [{path: ../data/a, weight: 1}, {path: ../data/shards, type: energon, weight: 1}]",
               "energon .* does not support energon datasets yet"),
              ("train: '1 ../data/a'", "no valid blend"),
+             ("datasets: '1 ../data/a 1 ../data/eod7'", "ends documents with token 7 .* same --eod-token"),
+             ("datasets: '1 ../data/a 1 ../data/noeod'", "data.reset_position_ids needs end-of-document"),
              ("datasets: '1 ../data/a'\nsplit: 1,0,0", "no documents in the valid split")]
     for text, message in cases:
-        cfg = run_config(tmp_path, blend=str(_spec(tmp_path, text)))
+        cfg = run_config(tmp_path, blend=str(_spec(tmp_path, text)), reset_position_ids=True)
         with pytest.raises(BlendSpecError, match=message):
             build_gpt_samples_from_config(cfg, split="valid" if "valid" in message else "train")
     (tmp_path / "data" / "c.bin").write_bytes(b"")
