@@ -127,6 +127,12 @@ def _fill_blend_index(weights, size):  # pragma: no cover - numba
                 if key < best_key:
                     best_key = key
                     best = i
+        if best < 0:  # cannot happen in exact arithmetic (some count is below its share); guard rounding
+            for i in range(k):
+                key = (counts[i] + 1) / weights[i]
+                if best < 0 or key < best_key:
+                    best_key = key
+                    best = i
         dataset_index[n] = best
         dataset_sample_index[n] = counts[best]
         counts[best] += 1
