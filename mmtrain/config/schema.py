@@ -83,7 +83,14 @@ class DataConfig:
     seq_length: int = doc(128, "Tokens per training sample.")
     split: str = doc("969,30,1", "Train/valid/test split of the documents, as relative weights.")
     seed: int = doc(1234, "Seed of the document and sample shuffling.")
-    cache_dir: str = doc("", "Folder for the cached sample indices; empty means next to the first dataset.")
+    cache_dir: str = doc("", "Folder for the cached sample indices; empty means PREFIX.cache/ next to the first dataset.")
+    weights: list[float] = doc([], "Weights of data.prefixes, one per prefix; empty weighs each prefix by its token "
+                                    "count in the split (data.prefixes may also be Megatron's 'w1 p1 w2 p2' list).")
+    reset_position_ids: bool = doc(False, "Restart position ids after every end-of-document token in packed samples.")
+    reset_attention_mask: bool = doc(False, "Give each packed document its own document id so attention does not "
+                                            "cross documents.")
+    eod_mask_loss: bool = doc(False, "Mask the loss where the input token is the end-of-document token.")
+    index_build_timeout_s: float = doc(1800.0, "Seconds a process waits for LOCAL_RANK 0 to build the sample indices.")
     num_workers: int = doc(0, "Loader worker processes per rank.")
 
 

@@ -68,6 +68,7 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
                           f"({p.tp}) with sequence parallelism")
     if not d.mock and not d.prefixes and not d.blend:
         raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
+    _validate_data(d)
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
     if world_size is not None:
@@ -77,3 +78,25 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
         if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dims.dp):
             raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                               f"train.micro_batch_size * dp ({t.micro_batch_size} * {dims.dp})")
+
+
+def _validate_data(d) -> None:
+    """Data keys that can be checked without opening any file (files are checked when the data is built)."""
+    import math
+
+    from mmtrain.data.splits import SplitError, parse_split  # numpy only
+
+    try:
+        parse_split(d.split)
+    except SplitError as exc:
+        raise ConfigError(str(exc)) from None
+    if d.weights:
+        if d.blend:
+            raise ConfigError("data.weights applies to data.prefixes; a data.blend spec carries its own weights")
+        if len(d.weights) != len(d.prefixes):
+            raise ConfigError(f"data.weights has {len(d.weights)} values but data.prefixes has {len(d.prefixes)}")
+        bad = [w for w in d.weights if not math.isfinite(w) or w <= 0]
+        if bad:
+            raise ConfigError(f"data.weights must all be positive numbers, got {bad[0]}")
+    if not d.index_build_timeout_s > 0:
+        raise ConfigError(f"data.index_build_timeout_s must be > 0, got {d.index_build_timeout_s}")
