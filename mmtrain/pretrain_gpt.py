@@ -32,12 +32,15 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
         log.info(f"layout: {mesh.dims.describe()} on {device}; resolved config in {cfg.logging.run_dir}/config.yaml")
+        from mmtrain.data.blend_spec import BlendSpecError
+        from mmtrain.data.index_cache import IndexCacheTimeout
+        from mmtrain.data.splits import SplitError
         from mmtrain.train.checkpoint import CheckpointError
         from mmtrain.train.loop import train_gpt
 
         try:
             train_gpt(cfg, mesh, device)
-        except (CheckpointError, ConfigError) as exc:
+        except (CheckpointError, ConfigError, BlendSpecError, SplitError, IndexCacheTimeout) as exc:
             log.error(f"error: {exc}")
             return 2
     finally:

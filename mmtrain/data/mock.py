@@ -8,6 +8,8 @@ import torch
 class MockGPTSamples:
     """``sample(i)`` -> int64 tensor of ``seq_length + 1`` tokens, the same for index i on every rank."""
 
+    eod_id = 0  # token 0 plays end-of-document, so packed-document options work on mock data too
+
     def __init__(self, vocab_size: int, seq_length: int, seed: int = 0) -> None:
         self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.config.schema import GPTRunConfig
+from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.loader import MicroBatches
 from mmtrain.model.gpt import GPTModel, flops_per_token
 from mmtrain.parallel.context import shard_sequence
@@ -61,25 +62,40 @@ class TrainResult:
 
 
 def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
-                      device: torch.device, buckets: list[GradBuckets] | None) -> torch.Tensor:
+                      device: torch.device, buckets: list[GradBuckets] | None, eod_id: int | None = None) -> torch.Tensor:
     """Forward (and backward when ``buckets`` is given) over micro-batches; returns [sum of token losses, loss
     tokens] as seen by this rank (non-zero on the last pipeline stage only)."""
     stats = torch.zeros(2, device=device, dtype=torch.float64)
     cp, cp_rank = mesh.dims.cp, mesh.coord.cp
+    d = cfg.data
+    packed = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
 
     def forward_step(i: int, received: torch.Tensor | None) -> torch.Tensor:
         tokens = micro_batches[i].to(device, non_blocking=True)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         B, S = inputs.shape
-        positions = torch.arange(S, device=device).expand(B, S)
+        doc_ids = loss_mask = None
+        if packed:  # documents packed into one sample: positions restart, attention and loss respect EOD
+            positions, doc_ids, loss_mask = packed_document_inputs(
+                tokens, eod_id, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+            doc_ids = doc_ids if d.reset_attention_mask else None
+            loss_mask = loss_mask if d.eod_mask_loss else None
+        else:
+            positions = torch.arange(S, device=device).expand(B, S)
         # context parallelism: this rank's two zig-zag chunks of every per-token tensor
-        inputs, labels, positions = (shard_sequence(t, cp, cp_rank) for t in (inputs, labels, positions))
-        out = stage(inputs if stage.pre_process else received, labels if stage.post_process else None, positions)
+        inputs, labels, positions, doc_ids, loss_mask = (
+            None if t is None else shard_sequence(t, cp, cp_rank) for t in (inputs, labels, positions, doc_ids, loss_mask))
+        out = stage(inputs if stage.pre_process else received, labels if stage.post_process else None, positions,
+                    doc_ids)
         if not stage.post_process:
             return out
-        total = out.sum()
+        if loss_mask is not None:
+            total = (out * loss_mask).sum()
+            stats[1] += loss_mask.sum().double()
+        else:
+            total = out.sum()
+            stats[1] += labels.numel()
         stats[0] += total.detach().double()
-        stats[1] += labels.numel()
         return total
 
     pp, s = mesh.dims.pp, mesh.coord.pp
@@ -116,10 +132,10 @@ def reduce_loss_stats(stats: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(stage: GPTModel, batches: MicroBatches, mesh: ParallelMesh, cfg: GPTRunConfig,
-             device: torch.device) -> float:
+             device: torch.device, eod_id: int | None) -> float:
     stage.eval()
     micro = [batches.next() for _ in range(cfg.train.eval_steps)]
-    stats = reduce_loss_stats(run_micro_batches(stage, micro, mesh, cfg, device, None), mesh)
+    stats = reduce_loss_stats(run_micro_batches(stage, micro, mesh, cfg, device, None, eod_id), mesh)
     stage.train()
     return (stats[0] / stats[1]).item()
 
@@ -144,7 +160,9 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.master_weights)
     gbs = global_batch_size(cfg, dims.dp)
     num_micro = gbs // (cfg.train.micro_batch_size * dims.dp)
-    batches = MicroBatches(build_samples(cfg, "train", dims.dp), cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
+    train_samples = build_samples(cfg, "train", dims.dp)
+    eod_id = getattr(train_samples, "eod_id", None)
+    batches = MicroBatches(train_samples, cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
     val_batches = None
     if cfg.train.eval_every:
         val_batches = MicroBatches(build_samples(cfg, "valid", dims.dp), cfg.train.micro_batch_size,
@@ -171,7 +189,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         micro_batches = [batches.next() for _ in range(num_micro)]
         for b in buckets:
             b.reset()
-        stats = reduce_loss_stats(run_micro_batches(stage, micro_batches, mesh, cfg, device, buckets), mesh)
+        stats = reduce_loss_stats(run_micro_batches(stage, micro_batches, mesh, cfg, device, buckets, eod_id), mesh)
         finalize_grads(stage, mesh, buckets, optimizer, stats[1].item())
         grad_norm = clip_grad_norm(stage, mesh, optimizer, cfg.optim.grad_clip)
         optimizer.step()
@@ -195,7 +213,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             row["moe_max_load"] = max(per_layer)  # busiest expert / mean expert, worst layer (1.0 = balanced)
             row["moe_load"] = loads
         if val_batches is not None and step % cfg.train.eval_every == 0:
-            row["val_loss"] = result.val_losses[step] = evaluate(stage, val_batches, mesh, cfg, device)
+            row["val_loss"] = result.val_losses[step] = evaluate(stage, val_batches, mesh, cfg, device, eod_id)
         metrics.log_step(step, row)
         c = cfg.checkpoint
         if (c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps):

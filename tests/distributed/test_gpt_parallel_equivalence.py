@@ -12,8 +12,10 @@ from mmtrain.parallel.tensor import tp_shard_of
 from mmtrain.testing import run_distributed
 from mmtrain.train.loop import train_gpt
 
+# lr 3e-3 on weights of std 0.02: large enough that 10 steps visibly train, small enough that fp32
+# reduction-order noise is not amplified chaotically (at 1e-2 each step moves weights by ~50%).
 BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=10",
-        "train.micro_batch_size=2", "train.global_batch_size=8", "optim.warmup_steps=2", "optim.lr=1e-2",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "optim.warmup_steps=2", "optim.lr=3e-3",
         "model.num_layers=4", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.vocab_size=64"]
 
@@ -60,6 +62,12 @@ LAYOUTS = [
     (4, ["parallel.cp=2", "parallel.dp=2"], []),
 ]
 
+PACKED = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
+LAYOUTS += [
+    (2, ["parallel.cp=2"], PACKED),
+    (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], PACKED),
+]
+
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
 MOE_LAYOUTS = [
     (2, ["parallel.dp=2", "parallel.ep=2"], MOE),
@@ -77,7 +85,7 @@ MOE_LAYOUTS = [
 def test_layout_matches_single_process(tmp_path, reference, world_size, layout, model_extra):
     ref_losses, ref_params = reference(tuple(model_extra))
     runs = run_distributed(_train, world_size, str(tmp_path), [*layout, *model_extra])
-    cfg = load_config(GPTRunConfig, None, [*BASE, *model_extra]).model
+    cfg = load_config(GPTRunConfig, None, [*BASE, *model_extra]).model  # model_extra: anything both runs share
     for losses, params, coord, tp in runs:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, value in params.items():
