@@ -34,7 +34,7 @@ def _have(module: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mmtrain.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/demo", help="folder for everything the demo writes")
-    ap.add_argument("--steps", type=int, default=60, help="training steps")
+    ap.add_argument("--steps", type=int, default=200, help="training steps")
     ap.add_argument("--docs", type=int, default=2000, help="documents in the sample corpus")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "--output-prefix", str(prefix), "--tokenizer", f"{tok}.model",
                                                "--append-eod", "--workers", "2"])
         _step("verify the shards", [py, "-m", "dataprep", "verify", str(prefix)])
-        train_overrides = ["data.mock=false", f"data.prefixes=[{prefix}]"]
+        # packed documents: positions restart and attention stops at each end-of-document token
+        train_overrides = ["data.mock=false", f"data.prefixes=[{prefix}]", "data.reset_position_ids=true",
+                           "data.reset_attention_mask=true", "data.eod_mask_loss=true", "train.eval_every=50"]
     else:
         print("=== (mmtrain-prep text is not built yet: training on mock tokens)", flush=True)
 
