@@ -29,7 +29,12 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
         block.recompute = mode
         block.mlp.recompute_activation = mode == "selective"
         if cfg.train.compile:
-            block.compile()
+            if cfg.model.num_experts:  # data-dependent token counts per expert: compile the dense parts only
+                block.attn_norm.compile()
+                block.attn.compile()
+                block.mlp_norm.compile()
+            else:
+                block.compile()
     if cfg.train.compile and mesh.dims.tp == 1:  # fuses the fp32 upcast, log-softmax and its backward
         model.loss_fn = torch.compile(token_cross_entropy)
     if device.type == "cuda" and cfg.train.attention_backend != "auto":
