@@ -54,8 +54,11 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
             raise ConfigError(f"model.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
     elif p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model (model.num_experts > 0)")
-    if p.virtual_pp > 1:
-        raise ConfigError("parallel.virtual_pp > 1 (interleaved pipeline stages) is not implemented yet; use 1")
+    if p.virtual_pp > 1 and p.pp == 1:
+        raise ConfigError("parallel.virtual_pp > 1 needs parallel.pp > 1")
+    if p.pipeline_layers and len(p.pipeline_layers) != p.pp * p.virtual_pp:
+        raise ConfigError(f"parallel.pipeline_layers has {len(p.pipeline_layers)} entries; it needs one per (virtual) "
+                          f"stage: parallel.pp * parallel.virtual_pp = {p.pp * p.virtual_pp}")
     if t.eval_every and t.eval_steps < 1:
         raise ConfigError(f"train.eval_steps must be >= 1 when train.eval_every is set, got {t.eval_steps}")
     if p.sequence_parallel and p.tp == 1:
@@ -78,6 +81,10 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
         if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dims.dp):
             raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                               f"train.micro_batch_size * dp ({t.micro_batch_size} * {dims.dp})")
+        num_micro = (t.global_batch_size or t.micro_batch_size * dims.dp) // (t.micro_batch_size * dims.dp)
+        if p.virtual_pp > 1 and num_micro % p.pp:
+            raise ConfigError(f"with parallel.virtual_pp > 1 the micro-batches per step ({num_micro}) must be a "
+                              f"multiple of parallel.pp ({p.pp}); raise train.global_batch_size")
 
 
 def _validate_data(d) -> None:

@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 
 def stage_layer_ranges(num_layers: int, pp: int, layers_per_stage: list[int] | None = None) -> list[tuple[int, int]]:
-    """Layer ranges per stage: even by default (extra layers to the middle stages' right, Megatron-style), or
-    exactly ``layers_per_stage`` (uneven first/last stages, e.g. lighter stages holding the embedding/head)."""
+    """Layer ranges per (virtual) stage: even by default (extra layers to the later stages), or exactly
+    ``layers_per_stage`` (uneven first/last stages, e.g. lighter stages holding the embedding/head)."""
     if layers_per_stage:
         if len(layers_per_stage) != pp or sum(layers_per_stage) != num_layers or min(layers_per_stage) < 1:
-            raise ValueError(f"parallel.pipeline_layers {layers_per_stage} must have {pp} positive entries summing to "
-                             f"model.num_layers ({num_layers})")
+            raise ValueError(f"parallel.pipeline_layers {layers_per_stage} must have {pp} positive entries (one per "
+                             f"stage, pp * virtual_pp) summing to model.num_layers ({num_layers})")
         counts = layers_per_stage
     else:
         base, extra = divmod(num_layers, pp)
@@ -144,3 +144,51 @@ def forward_only(forward_step: Callable[[int, torch.Tensor | None], torch.Tensor
         x = comm.recv_forward()
         out = forward_step(i, None if x is None else x.detach())
         comm.send_forward(out)
+
+
+def interleaved_schedule(forward_step: Callable[[int, int, torch.Tensor | None], torch.Tensor], num_micro: int,
+                         group, ranks: list[int], stage: int, num_chunks: int, shape: tuple[int, ...],
+                         dtype: torch.dtype, device: torch.device, backward: bool = True,
+                         before_last_backward: Callable[[], None] = lambda: None) -> None:
+    """Interleaved virtual stages: rank ``stage`` runs chunks c = 0..v-1 = virtual stages ``c * p + stage``.
+
+    Order (Megatron's): micro-batches in groups of p; within a group all of chunk 0, then chunk 1, ... Every
+    forward runs before the backwards, which run in reverse order (all micro-batches' activations stay alive:
+    the memory of GPipe, a bubble v times smaller than plain 1F1B's). Sends are asynchronous and only receives
+    block; each rank's order is consistent with one global order, so no cycle of waits can form.
+    ``forward_step(chunk, micro_batch, received)`` returns the chunk's output (the summed loss on the last).
+    """
+    p, v = len(ranks), num_chunks
+    if num_micro % p:
+        raise ValueError(f"interleaved pipelining needs the micro-batches per step ({num_micro}) to be a multiple of "
+                         f"parallel.pp ({p})")
+    last_vs = p * v - 1
+    prev_rank, next_rank = ranks[(stage - 1) % p], ranks[(stage + 1) % p]
+    order = [(c, mb) for g in range(num_micro // p) for c in range(v) for mb in range(g * p, (g + 1) * p)]
+    sends, saved = [], []
+
+    def recv(src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.irecv(buf, src, group=group, tag=tag).wait()
+        return buf
+
+    for c, mb in order:
+        vs = c * p + stage
+        x = None if vs == 0 else recv(prev_rank, 0).requires_grad_(backward)
+        out = forward_step(c, mb, x)
+        if vs != last_vs:
+            keep = out.detach().contiguous()
+            sends.append((keep, dist.isend(keep, next_rank, group=group, tag=0)))
+        if backward:
+            saved.append((vs, x, out))
+    if backward:
+        for i, (vs, x, out) in enumerate(reversed(saved)):
+            grad = None if vs == last_vs else recv(next_rank, 1)
+            if i == len(saved) - 1:
+                before_last_backward()
+            _backward(x, out, grad)
+            if vs != 0:
+                g = x.grad.contiguous()
+                sends.append((g, dist.isend(g, prev_rank, group=group, tag=1)))
+    for _, handle in sends:
+        handle.wait()

@@ -1,9 +1,10 @@
-"""Build this rank's piece of the GPT: its pipeline stage, initialized as the whole model would be, then
-sharded over tensor parallelism and moved to the device."""
+"""Build this rank's piece of the GPT: its pipeline stage (or, with virtual stages, its chunks), initialized as
+the whole model would be, then sharded over tensor/context/expert parallelism and moved to the device."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.model.gpt import GPTModel, token_cross_entropy
@@ -14,10 +15,24 @@ from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import apply_tensor_parallel
 
 
-def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> GPTModel:
-    pp, stage = mesh.dims.pp, mesh.coord.pp
-    ranges = stage_layer_ranges(cfg.model.num_layers, pp, cfg.parallel.pipeline_layers)
-    model = GPTModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
+class StageChunks(nn.Module):
+    """A rank's virtual pipeline stages (chunks ``c`` = virtual stages ``c * pp + stage``), presented like one
+    GPTModel stage for everything but the forward: parameters keep their global names (``embed``,
+    ``layers.<i>``, ``norm``, ``output``), so gradients, the optimizer and checkpoints need not care."""
+
+    def __init__(self, chunks: list[GPTModel]) -> None:
+        super().__init__()
+        self.chunks = chunks  # a plain list: the modules below register them under their global names
+        self.cfg = chunks[0].cfg
+        self.pre_process, self.post_process = chunks[0].pre_process, chunks[-1].post_process
+        self.embed = chunks[0].embed
+        self.layers = nn.ModuleDict({k: v for c in chunks for k, v in c.layers.items()})
+        self.norm = chunks[-1].norm
+        self.output = chunks[-1].output
+
+
+def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, int], pre: bool, post: bool) -> GPTModel:
+    model = GPTModel(cfg.model, layer_range, pre_process=pre, post_process=post)
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
     apply_context_parallel(model, mesh.cp_group)
@@ -37,10 +52,22 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
                 block.compile()
     if cfg.train.compile and mesh.dims.tp == 1:  # fuses the fp32 upcast, log-softmax and its backward
         model.loss_fn = torch.compile(token_cross_entropy)
+    return model
+
+
+def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> GPTModel | StageChunks:
+    pp, stage, v = mesh.dims.pp, mesh.coord.pp, cfg.parallel.virtual_pp
+    ranges = stage_layer_ranges(cfg.model.num_layers, pp * v, cfg.parallel.pipeline_layers)
+    chunks = []
+    for c in range(v):
+        vs = c * pp + stage
+        chunks.append(_build_chunk(cfg, mesh, ranges[vs], pre=vs == 0, post=vs == pp * v - 1))
     if device.type == "cuda" and cfg.train.attention_backend != "auto":
         chosen = cfg.train.attention_backend
         torch.backends.cuda.enable_flash_sdp(chosen == "flash")
         torch.backends.cuda.enable_cudnn_sdp(chosen == "cudnn")
         torch.backends.cuda.enable_mem_efficient_sdp(chosen == "efficient")
         torch.backends.cuda.enable_math_sdp(chosen == "math")
-    return model.to(device)
+    for chunk in chunks:
+        chunk.to(device)
+    return chunks[0] if v == 1 else StageChunks(chunks)

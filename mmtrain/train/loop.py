@@ -23,7 +23,7 @@ from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import update_router_biases
-from mmtrain.parallel.pipeline import PipelineComm, forward_only, one_f_one_b
+from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
@@ -70,7 +70,7 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
     d = cfg.data
     packed = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
 
-    def forward_step(i: int, received: torch.Tensor | None) -> torch.Tensor:
+    def forward_step(i: int, received: torch.Tensor | None, module: GPTModel = stage) -> torch.Tensor:
         tokens = micro_batches[i].to(device, non_blocking=True)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         B, S = inputs.shape
@@ -85,9 +85,9 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
         # context parallelism: this rank's two zig-zag chunks of every per-token tensor
         inputs, labels, positions, doc_ids, loss_mask = (
             None if t is None else shard_sequence(t, cp, cp_rank) for t in (inputs, labels, positions, doc_ids, loss_mask))
-        out = stage(inputs if stage.pre_process else received, labels if stage.post_process else None, positions,
-                    doc_ids)
-        if not stage.post_process:
+        out = module(inputs if module.pre_process else received, labels if module.post_process else None, positions,
+                     doc_ids)
+        if not module.post_process:
             return out
         if loss_mask is not None:
             total = (out * loss_mask).sum()
@@ -111,8 +111,14 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
     ranks = mesh.ranks("pp")
     mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
     seq = S // mesh.dims.cp // (mesh.dims.tp if cfg.parallel.sequence_parallel else 1)
+    shape, dtype = (mbs, seq, cfg.model.hidden_size), param_dtype_for(cfg.train.precision)
+    if cfg.parallel.virtual_pp > 1:
+        interleaved_schedule(lambda c, i, x: forward_step(i, x, stage.chunks[c]), len(micro_batches), mesh.pp_group,
+                             ranks, s, cfg.parallel.virtual_pp, shape, dtype, device, backward=buckets is not None,
+                             before_last_backward=lambda: [b.last_backward() for b in buckets or []])
+        return stats
     comm = PipelineComm(mesh.pp_group, ranks[s - 1] if s > 0 else None, ranks[s + 1] if s < pp - 1 else None,
-                        (mbs, seq, cfg.model.hidden_size), param_dtype_for(cfg.train.precision), device)
+                        shape, dtype, device)
     if buckets is None:
         forward_only(forward_step, len(micro_batches), comm)
     else:

@@ -62,6 +62,13 @@ LAYOUTS = [
     (4, ["parallel.cp=2", "parallel.dp=2"], []),
 ]
 
+LAYOUTS += [
+    (2, ["parallel.pp=2", "parallel.virtual_pp=2"], []),
+    (4, ["parallel.pp=2", "parallel.virtual_pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], []),
+    (4, ["parallel.pp=2", "parallel.virtual_pp=2", "parallel.dp=2", "model.tie_embeddings=true"],
+     ["model.tie_embeddings=true"]),
+]
+
 PACKED = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
 LAYOUTS += [
     (2, ["parallel.cp=2"], PACKED),
@@ -118,6 +125,7 @@ def _val_losses(rank: int, world_size: int, run_dir: str, extra: list[str]):
 def test_evaluation_matches_across_pipeline_and_tensor_parallel(tmp_path):
     ref = run_distributed(_val_losses, 1, str(tmp_path / "a"), [])[0]
     assert sorted(ref) == [5, 10]
-    for got in run_distributed(_val_losses, 4, str(tmp_path / "b"), ["parallel.pp=2", "parallel.tp=2"]):
-        for step, value in ref.items():
-            assert abs(got[step] - value) / value < 1e-5
+    for layout in (["parallel.pp=2", "parallel.tp=2"], ["parallel.pp=2", "parallel.virtual_pp=2", "parallel.dp=2"]):
+        for got in run_distributed(_val_losses, 4, str(tmp_path / "b"), layout):
+            for step, value in ref.items():
+                assert abs(got[step] - value) / value < 1e-5
