@@ -125,7 +125,8 @@ def _val_losses(rank: int, world_size: int, run_dir: str, extra: list[str]):
 def test_evaluation_matches_across_pipeline_and_tensor_parallel(tmp_path):
     ref = run_distributed(_val_losses, 1, str(tmp_path / "a"), [])[0]
     assert sorted(ref) == [5, 10]
-    for layout in (["parallel.pp=2", "parallel.tp=2"], ["parallel.pp=2", "parallel.virtual_pp=2", "parallel.dp=2"]):
-        for got in run_distributed(_val_losses, 4, str(tmp_path / "b"), layout):
+    for n, layout in enumerate((["parallel.pp=2", "parallel.tp=2"],
+                                ["parallel.pp=2", "parallel.virtual_pp=2", "parallel.dp=2"])):
+        for got in run_distributed(_val_losses, 4, str(tmp_path / f"run{n}"), layout):
             for step, value in ref.items():
                 assert abs(got[step] - value) / value < 1e-5
