@@ -126,7 +126,7 @@ class TrainConfig:
         "auto", "scaled_dot_product_attention kernel on GPU; auto lets PyTorch choose.")
     seed: int = doc(42, "Seed of the weight initialization and dropout.")
     eval_every: int = doc(0, "Evaluate on the valid split every N steps; 0 disables.")
-    eval_steps: int = doc(4, "Micro-batches per evaluation.")
+    eval_steps: int = doc(4, "Global batches per evaluation (the same samples whatever the parallel layout).")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "Where to run; auto picks cuda when available.")
 
 

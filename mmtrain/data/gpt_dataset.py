@@ -162,7 +162,7 @@ def samples_needed(cfg, split: str, dp_size: int = 1) -> int:
     (one more evaluation than ``steps // eval_every``, as Megatron sizes it); test = one evaluation."""
     t = cfg.train
     gbs = t.global_batch_size or t.micro_batch_size * dp_size
-    per_eval = t.eval_steps * t.micro_batch_size * dp_size
+    per_eval = t.eval_steps * gbs  # an evaluation step is one global batch, whatever the layout
     if split == "train":
         return t.steps * gbs
     if split == "valid":

@@ -138,9 +138,10 @@ def reduce_loss_stats(stats: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(stage: GPTModel, batches: MicroBatches, mesh: ParallelMesh, cfg: GPTRunConfig,
-             device: torch.device, eod_id: int | None) -> float:
+             device: torch.device, eod_id: int | None, num_micro: int) -> float:
+    """Mean token loss over ``eval_steps`` global batches of the valid split."""
     stage.eval()
-    micro = [batches.next() for _ in range(cfg.train.eval_steps)]
+    micro = [batches.next() for _ in range(cfg.train.eval_steps * num_micro)]
     stats = reduce_loss_stats(run_micro_batches(stage, micro, mesh, cfg, device, None, eod_id), mesh)
     stage.train()
     return (stats[0] / stats[1]).item()
@@ -219,7 +220,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             row["moe_max_load"] = max(per_layer)  # busiest expert / mean expert, worst layer (1.0 = balanced)
             row["moe_load"] = loads
         if val_batches is not None and step % cfg.train.eval_every == 0:
-            row["val_loss"] = result.val_losses[step] = evaluate(stage, val_batches, mesh, cfg, device, eod_id)
+            row["val_loss"] = result.val_losses[step] = evaluate(stage, val_batches, mesh, cfg, device, eod_id, num_micro)
         metrics.log_step(step, row)
         c = cfg.checkpoint
         if (c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps):
