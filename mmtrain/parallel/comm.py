@@ -55,97 +55,49 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if _size(group) > 1:
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # never reduce in place into a tensor autograd saved
         dist.all_reduce(x, group=group)
     return x
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+def _identity(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromGroup(torch.autograd.Function):
+class _Collective(torch.autograd.Function):
+    """``forward_op`` in forward and ``backward_op`` on the gradient; both take (tensor, dim, group)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+    def forward(ctx, x, forward_op, backward_op, dim, group):
+        ctx.backward_op, ctx.dim, ctx.group = backward_op, dim, group
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherSeqNoReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.group), None, None
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
-    return _CopyToGroup.apply(x, group)
+    return _Collective.apply(x, _identity, _all_reduce, 0, group)
 
 
 def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
-    return _ReduceFromGroup.apply(x, group)
+    return _Collective.apply(x, _all_reduce, _identity, 0, group)
 
 
 def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    return _GatherSeq.apply(x, dim, group)
+    return _Collective.apply(x, _all_gather, _reduce_scatter, dim, group)
 
 
 def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    return _ReduceScatterSeq.apply(x, dim, group)
+    return _Collective.apply(x, _reduce_scatter, _all_gather, dim, group)
 
 
 def split_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    return _SplitSeq.apply(x, dim, group)
+    return _Collective.apply(x, _split, _all_gather, dim, group)
 
 
 def gather_seq_no_reduce(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    return _GatherSeqNoReduce.apply(x, dim, group)
+    return _Collective.apply(x, _all_gather, _split, dim, group)
