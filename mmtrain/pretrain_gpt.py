@@ -36,11 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         from mmtrain.data.index_cache import IndexCacheTimeout
         from mmtrain.data.splits import SplitError
         from mmtrain.train.checkpoint import CheckpointError
+        from mmtrain.train.faults import NonFiniteError
         from mmtrain.train.loop import train_gpt
 
         try:
             train_gpt(cfg, mesh, device)
-        except (CheckpointError, ConfigError, BlendSpecError, SplitError, IndexCacheTimeout) as exc:
+        except (CheckpointError, ConfigError, BlendSpecError, SplitError, IndexCacheTimeout, NonFiniteError) as exc:
             log.error(f"error: {exc}")
             return 2
     finally:

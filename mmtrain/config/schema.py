@@ -128,6 +128,9 @@ class TrainConfig:
     eval_every: int = doc(0, "Evaluate on the valid split every N steps; 0 disables.")
     eval_steps: int = doc(4, "Global batches per evaluation (the same samples whatever the parallel layout).")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "Where to run; auto picks cuda when available.")
+    nan_policy: Literal["skip", "stop"] = doc("skip", "On a NaN/Inf loss or gradient norm: skip the step's update, "
+                                                      "or stop with a report naming the step and ranks.")
+    max_skipped_steps: int = doc(10, "With nan_policy=skip: stop once more than this many steps were skipped.")
 
 
 @dataclass

@@ -26,6 +26,7 @@ from mmtrain.parallel.expert import update_router_biases
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from mmtrain.train.faults import NonFiniteError, PreemptionWatch, nonfinite_report
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
 from mmtrain.train.lr import lr_at
 from mmtrain.train.metrics import MetricsLogger
@@ -58,6 +59,7 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     val_losses: dict[int, float] = field(default_factory=dict)
+    preempted: bool = False
     model: GPTModel | None = None
 
 
@@ -188,6 +190,8 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
              f"{cfg.data.seq_length} tokens = {num_micro} micro-batch(es) of {cfg.train.micro_batch_size} per DP rank")
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
     result = TrainResult(model=stage)
+    skipped = 0
+    preemption = PreemptionWatch()
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.train.steps, cfg.optim)
@@ -196,14 +200,24 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         micro_batches = [batches.next() for _ in range(num_micro)]
         for b in buckets:
             b.reset()
-        stats = reduce_loss_stats(run_micro_batches(stage, micro_batches, mesh, cfg, device, buckets, eod_id), mesh)
+        local = run_micro_batches(stage, micro_batches, mesh, cfg, device, buckets, eod_id)
+        stats = reduce_loss_stats(local.clone(), mesh)
         finalize_grads(stage, mesh, buckets, optimizer, stats[1].item())
         grad_norm = clip_grad_norm(stage, mesh, optimizer, cfg.optim.grad_clip)
-        optimizer.step()
+        loss = (stats[0] / stats[1]).item()
+        problem = nonfinite_report(step, loss, grad_norm, local[0], device)
+        if problem is not None:
+            skipped += 1
+            if cfg.train.nan_policy == "stop" or skipped > cfg.train.max_skipped_steps:
+                raise NonFiniteError(f"{problem}; stopping (train.nan_policy={cfg.train.nan_policy}, "
+                                     f"{skipped} step(s) skipped, train.max_skipped_steps={cfg.train.max_skipped_steps})")
+            log.warning(f"{problem}; update skipped ({skipped} of at most {cfg.train.max_skipped_steps})")
+        else:
+            optimizer.step()
+        loads = None
         if cfg.model.num_experts:  # ranks that saw different tokens: dp×cp, and tp under sequence parallelism
             sp_tp = mesh.tp_group if cfg.parallel.sequence_parallel else None
             loads = update_router_biases(stage, [mesh.dp_cp_group, sp_tp])
-        loss = (stats[0] / stats[1]).item()
         dt = time.perf_counter() - t0  # the .item() calls above synchronize with the device
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
@@ -215,7 +229,9 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             row["mfu"] = row["tflops"] / cfg.logging.peak_tflops
         if device.type == "cuda":
             row["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        if cfg.model.num_experts and loads:
+        if problem is not None:
+            row["skipped"] = 1
+        if loads:
             per_layer = [max(v) * len(v) / max(sum(v), 1) for v in loads.values()]
             row["moe_max_load"] = max(per_layer)  # busiest expert / mean expert, worst layer (1.0 = balanced)
             row["moe_load"] = loads
@@ -223,8 +239,14 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             row["val_loss"] = result.val_losses[step] = evaluate(stage, val_batches, mesh, cfg, device, eod_id, num_micro)
         metrics.log_step(step, row)
         c = cfg.checkpoint
-        if (c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps):
+        preempted = preemption.agreed(mesh, device)
+        if (c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps) or preempted:
             save_checkpoint(ckpt_root, step, mesh, stage, optimizer, batches.state_dict(), device, c.keep_last,
                             dataclasses.asdict(cfg))
+        if preempted:
+            log.warning(f"SIGTERM received: saved step {step} to {ckpt_root}; exiting (a restart resumes from it)")
+            result.preempted = True
+            break
+    preemption.close()
     metrics.close()
     return result

@@ -1,0 +1,79 @@
+"""Fault handling: NaN/Inf skip or stop naming step and rank; SIGTERM saves a checkpoint and exits 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmtrain.config import GPTRunConfig, load_config
+from mmtrain.parallel import ParallelDims
+from mmtrain.testing import DistributedTestFailure, run_distributed
+from mmtrain.train import loop
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=5",
+        "train.micro_batch_size=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.vocab_size=64",
+        "checkpoint.save_final=false"]
+
+
+def _train_with_nan(rank: int, world_size: int, run_dir: str, extra: list[str]):
+    """Rank 1's loss is NaN in the forward of step 3."""
+    original = loop.build_gpt_stage
+
+    def build(cfg, mesh, device):
+        stage = original(cfg, mesh, device)
+        calls = {"n": 0}
+
+        def poison(module, args, out):
+            calls["n"] += 1
+            return out * float("nan") if (rank == 1 and calls["n"] == 3) else out
+        stage.register_forward_hook(poison)
+        return stage
+
+    loop.build_gpt_stage = build
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "parallel.dp=2", *extra])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+    return loop.train_gpt(cfg, mesh, torch.device("cpu")).losses
+
+
+def test_nan_step_is_skipped_and_training_goes_on(tmp_path):
+    losses = run_distributed(_train_with_nan, 2, str(tmp_path), [])[0]
+    assert len(losses) == 5 and torch.isnan(torch.tensor(losses[2]))
+    assert all(torch.isfinite(torch.tensor(losses[:2] + losses[3:])))
+
+
+def test_nan_policy_stop_names_step_and_rank(tmp_path):
+    with pytest.raises(DistributedTestFailure, match=r"NonFiniteError: step 3: loss nan.*non-finite loss on rank\(s\) \[1\]"):
+        run_distributed(_train_with_nan, 2, str(tmp_path), ["train.nan_policy=stop"])
+    with pytest.raises(DistributedTestFailure, match="1 step\\(s\\) skipped, train.max_skipped_steps=0"):
+        run_distributed(_train_with_nan, 2, str(tmp_path / "b"), ["train.max_skipped_steps=0"])
+
+
+def test_sigterm_saves_and_exits_zero_then_restart_resumes(tmp_path):
+    cmd = [sys.executable, "-u", "-m", "mmtrain.pretrain_gpt", "--config", str(REPO / "configs/gpt/tiny_cpu.yaml"),
+           "train.steps=100000", f"logging.run_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        seen.append(line)
+        if "step 3/100000" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+        assert time.monotonic() < deadline, "".join(seen)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, "".join(seen) + out
+    assert "SIGTERM received: saved step" in out
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    saved_step = int(latest.split("_")[1])
+    assert saved_step >= 3
+    again = subprocess.run(cmd[:-2] + [f"train.steps={saved_step + 2}", f"logging.run_dir={tmp_path}"],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"(step {saved_step})" in again.stdout and f"step {saved_step + 2}/{saved_step + 2}" in again.stdout
