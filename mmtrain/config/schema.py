@@ -150,6 +150,8 @@ class CheckpointConfig:
     save_every: int = doc(0, "Save a checkpoint every N steps; 0 saves only at the end if `save_final`.")
     save_final: bool = doc(True, "Save a checkpoint after the last step.")
     keep_last: int = doc(2, "Keep only the newest N checkpoints; 0 keeps all.")
+    async_save: bool = doc(False, "Write checkpoints in a background thread; the step waits only for a copy to "
+                                  "pinned host memory.")
     load: str = doc("", "Checkpoint folder to resume from; empty resumes from run_dir/checkpoints/latest if present.")
 
 

@@ -8,13 +8,15 @@ Folder layout under ``<run_dir>/checkpoints/``::
 
 Every file is written atomically, so a crash during a save never damages an earlier checkpoint, and loading
 uses ``torch.load(weights_only=True)``: nothing in a checkpoint is unpickled as code.
-(Resharding to another layout and asynchronous saves belong to the checkpoint issue.)
+With ``checkpoint.async_save`` the step only waits for a copy to host memory; files are written in the
+background (``CheckpointWriter``). (Resharding to another layout is not supported yet.)
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,38 +46,128 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(root: Path, step: int, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any,
-                    loader_state: dict, device: torch.device, keep_last: int = 0,
-                    config: dict | None = None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint folder."""
-    start = time.perf_counter()
-    folder = Path(root) / f"step_{step:08d}"
+def _snapshot(step: int, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any, loader_state: dict,
+              device: torch.device) -> dict:
+    """Everything this rank saves, copied to host memory (pinned when on GPU) so training may go on at once."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t.detach().clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t.detach(), non_blocking=True)
+        return out
+
     state = {
         "step": step,
         "layout": _layout(mesh),
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        "optimizer_masters": [pc.master.detach().cpu() for pc in optimizer.pieces] if optimizer.master_weights else [],
+        "model": {k: host(v) for k, v in model.state_dict().items()},
+        "optimizer": _map_tensors(optimizer.state_dict(), host),
+        "optimizer_masters": [host(pc.master) for pc in optimizer.pieces] if optimizer.master_weights else [],
         "loader": loader_state,
         "rng": _rng_state(device),
     }
-    with atomic_open(folder / f"rank_{mesh.rank:05d}.pt", "wb") as f:
-        torch.save(state, f)
-    if dist.is_initialized():
-        dist.barrier()
-    if mesh.rank == 0:
-        atomic_write_text(folder / "complete.json", json.dumps({
-            "step": step, "layout": _layout(mesh), "mmtrain_version": mmtrain.__version__,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config or {}}, indent=1))
-        atomic_write_text(Path(root) / "latest", folder.name + "\n")
-        if keep_last > 0:
-            done = sorted(p for p in Path(root).glob("step_*") if (p / "complete.json").exists())
-            for old in done[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        get_logger("checkpoint").info(f"saved checkpoint {folder} in {time.perf_counter() - start:.2f}s")
-    if dist.is_initialized():
-        dist.barrier()
-    return folder
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the non-blocking copies must land before anyone reads them
+    return state
+
+
+def _map_tensors(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def _finalize(root: Path, folder: Path, step: int, layout: dict, keep_last: int, config: dict | None) -> None:
+    """Rank 0, once every rank's file is complete: the marker, then ``latest``, then retention."""
+    atomic_write_text(folder / "complete.json", json.dumps({
+        "step": step, "layout": layout, "mmtrain_version": mmtrain.__version__,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config or {}}, indent=1))
+    atomic_write_text(Path(root) / "latest", folder.name + "\n")
+    if keep_last > 0:
+        done = sorted(p for p in Path(root).glob("step_*") if (p / "complete.json").exists())
+        for old in done[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """Saves checkpoints, synchronously or in a background thread (``async_save``).
+
+    Async: the tensors are first copied to pinned host memory (the only part the step waits for), then a thread
+    writes this rank's file and a ``rank_R.done`` marker; rank 0's thread waits for every marker before writing
+    ``complete.json`` and ``latest``. At most one save is in flight: the next one (and ``close``) waits for it.
+    """
+
+    def __init__(self, root: Path, mesh: ParallelMesh, async_save: bool = False, timeout_s: float = 1800.0) -> None:
+        self.root, self.mesh, self.async_save, self.timeout_s = Path(root), mesh, async_save, timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.log = get_logger("checkpoint")
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: Any, loader_state: dict, device: torch.device,
+             keep_last: int = 0, config: dict | None = None, force_sync: bool = False) -> Path:
+        self.wait()
+        start = time.perf_counter()
+        folder = self.root / f"step_{step:08d}"
+        state = _snapshot(step, self.mesh, model, optimizer, loader_state, device)
+        if not self.async_save or force_sync:
+            with atomic_open(folder / f"rank_{self.mesh.rank:05d}.pt", "wb") as f:
+                torch.save(state, f)
+            if dist.is_initialized():
+                dist.barrier()
+            if self.mesh.rank == 0:
+                _finalize(self.root, folder, step, state["layout"], keep_last, config)
+                self.log.info(f"saved checkpoint {folder} in {time.perf_counter() - start:.2f}s")
+            if dist.is_initialized():
+                dist.barrier()
+            return folder
+        blocked = time.perf_counter() - start
+        self._thread = threading.Thread(target=self._write_async, daemon=True,
+                                        args=(folder, state, keep_last, config, start, blocked))
+        self._thread.start()
+        return folder
+
+    def _write_async(self, folder: Path, state: dict, keep_last: int, config: dict | None, start: float,
+                     blocked: float) -> None:
+        try:
+            with atomic_open(folder / f"rank_{self.mesh.rank:05d}.pt", "wb") as f:
+                torch.save(state, f)
+            atomic_write_text(folder / f"rank_{self.mesh.rank:05d}.done", "")
+            if self.mesh.rank != 0:
+                return
+            deadline = time.monotonic() + self.timeout_s
+            world = self.mesh.dims.world_size
+            while sum(1 for _ in folder.glob("rank_*.done")) < world:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{folder}: waited {self.timeout_s:.0f}s for all {world} ranks' files")
+                time.sleep(0.05)
+            _finalize(self.root, folder, state["step"], state["layout"], keep_last, config)
+            for marker in folder.glob("rank_*.done"):
+                marker.unlink(missing_ok=True)
+            self.log.info(f"saved checkpoint {folder} asynchronously: the step waited {blocked:.3f}s, the "
+                          f"background write took {time.perf_counter() - start:.2f}s")
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) finished; raise what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
+
+    close = wait
+
+
+def save_checkpoint(root: Path, step: int, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any,
+                    loader_state: dict, device: torch.device, keep_last: int = 0,
+                    config: dict | None = None) -> Path:
+    """Synchronous save (collective: every rank calls it). Returns the checkpoint folder."""
+    return CheckpointWriter(root, mesh).save(step, model, optimizer, loader_state, device, keep_last, config)
 
 
 def find_checkpoint(load: str, run_dir: str) -> Path | None:

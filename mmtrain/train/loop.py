@@ -25,7 +25,7 @@ from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import update_router_biases
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
-from mmtrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, load_checkpoint
 from mmtrain.train.faults import NonFiniteError, PreemptionWatch, nonfinite_report
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
 from mmtrain.train.lr import lr_at
@@ -192,6 +192,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     result = TrainResult(model=stage)
     skipped = 0
     preemption = PreemptionWatch()
+    writer = CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save)
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.train.steps, cfg.optim)
@@ -241,12 +242,13 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         c = cfg.checkpoint
         preempted = preemption.agreed(mesh, device)
         if (c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps) or preempted:
-            save_checkpoint(ckpt_root, step, mesh, stage, optimizer, batches.state_dict(), device, c.keep_last,
-                            dataclasses.asdict(cfg))
+            writer.save(step, stage, optimizer, batches.state_dict(), device, c.keep_last, dataclasses.asdict(cfg),
+                        force_sync=preempted)
         if preempted:
             log.warning(f"SIGTERM received: saved step {step} to {ckpt_root}; exiting (a restart resumes from it)")
             result.preempted = True
             break
+    writer.close()
     preemption.close()
     metrics.close()
     return result

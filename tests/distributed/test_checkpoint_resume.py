@@ -25,7 +25,8 @@ def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
     return train_gpt(cfg, mesh, torch.device("cpu")).losses
 
 
-@pytest.mark.parametrize("world_size, layout", [(2, ["parallel.dp=2"]), (2, ["parallel.pp=2"])])
+@pytest.mark.parametrize("world_size, layout", [(2, ["parallel.dp=2"]), (2, ["parallel.pp=2"]),
+                                                (2, ["parallel.dp=2", "checkpoint.async_save=true"])])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, world_size, layout):
     full = run_distributed(_train, world_size, str(tmp_path / "full"), layout)[0]
     assert len(full) == 6
@@ -42,3 +43,46 @@ def test_layout_change_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="saved with layout .*resharding"):
         run_distributed(_train, 2, str(tmp_path), ["parallel.dp=2", "train.steps=6"])
     assert issubclass(CheckpointError, RuntimeError)
+
+
+def _metrics(run_dir) -> dict[int, float]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}  # a resumed run appends: the last value of a step wins
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
+    import random
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[2] / "configs/gpt/tiny_cpu.yaml"
+    args = ["train.steps=14", "checkpoint.save_every=2", "checkpoint.keep_last=0", "logging.log_every=1"]
+    cmd = lambda d: [sys.executable, "-u", "-m", "mmtrain.pretrain_gpt", "--config", str(config), *args,  # noqa: E731
+                     f"logging.run_dir={d}"]
+    subprocess.run(cmd(tmp_path / "full"), check=True, capture_output=True, timeout=300)
+    kill_at = random.Random().randint(3, 11)
+    proc = subprocess.Popen(cmd(tmp_path / "killed"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if f"step {kill_at}/14" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    subprocess.run(cmd(tmp_path / "killed"), check=True, capture_output=True, timeout=300)
+    assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "full")  # bit for bit, every step
+
+
+def test_a_save_cut_short_never_hides_the_previous_checkpoint(tmp_path):
+    from mmtrain.train.checkpoint import find_checkpoint
+
+    root = tmp_path / "checkpoints"
+    (root / "step_00000002").mkdir(parents=True)
+    (root / "step_00000002" / "complete.json").write_text("{}")
+    (root / "latest").write_text("step_00000002\n")
+    (root / "step_00000004").mkdir()  # a save killed half-way: a rank file, no marker, latest not moved
+    (root / "step_00000004" / ".rank_00000.pt.abc.tmp").write_bytes(b"partial")
+    assert find_checkpoint("", str(tmp_path)) == root / "step_00000002"
