@@ -1,3 +1,65 @@
-"""mmtrain: from raw text, images, video and audio to a trained GPT or vision-language model on many GPUs."""
+"""mmtrain: from raw text, images, video and audio to a trained GPT or vision-language model on many GPUs.
+
+The public API — everything a custom training loop needs — is importable from here (loaded lazily, so
+``import mmtrain`` stays cheap and the prep tools never pay for torch):
+
+Layout and processes
+    ParallelDims, ParallelMesh, init_distributed, pick_device, shutdown_distributed
+Configuration
+    GPTRunConfig, ModelConfig, load_config, save_config, validate_gpt_config, ConfigError
+Models and parallel plans
+    GPTModel, build_gpt_stage, apply_tensor_parallel, apply_context_parallel, apply_expert_parallel
+Forward-backward schedule
+    run_micro_batches, reduce_loss_stats
+Gradients and optimizer
+    GradBuckets, MixedPrecisionAdamW, finalize_grads, clip_grad_norm, lr_at
+Data
+    MicroBatches, MockGPTSamples, GPTSamples, build_gpt_samples_from_config, IndexedDataset
+Checkpoints
+    save_checkpoint, load_checkpoint, find_checkpoint, CheckpointWriter
+The whole loop
+    train_gpt
+
+Anything not listed is internal and may change without notice.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "ParallelDims": "mmtrain.parallel.dims", "ParallelMesh": "mmtrain.parallel.dims",
+    "init_distributed": "mmtrain.parallel.launch", "pick_device": "mmtrain.parallel.launch",
+    "shutdown_distributed": "mmtrain.parallel.launch",
+    "GPTRunConfig": "mmtrain.config.schema", "ModelConfig": "mmtrain.config.schema",
+    "load_config": "mmtrain.config.loader", "save_config": "mmtrain.config.loader",
+    "ConfigError": "mmtrain.config.loader", "validate_gpt_config": "mmtrain.config.validate",
+    "GPTModel": "mmtrain.model.gpt", "build_gpt_stage": "mmtrain.train.build",
+    "apply_tensor_parallel": "mmtrain.parallel.tensor", "apply_context_parallel": "mmtrain.parallel.context",
+    "apply_expert_parallel": "mmtrain.parallel.expert",
+    "run_micro_batches": "mmtrain.train.loop", "reduce_loss_stats": "mmtrain.train.loop",
+    "GradBuckets": "mmtrain.parallel.data", "MixedPrecisionAdamW": "mmtrain.parallel.data",
+    "finalize_grads": "mmtrain.train.grads", "clip_grad_norm": "mmtrain.train.grads", "lr_at": "mmtrain.train.lr",
+    "MicroBatches": "mmtrain.data.loader", "MockGPTSamples": "mmtrain.data.mock",
+    "GPTSamples": "mmtrain.data.gpt_dataset", "build_gpt_samples_from_config": "mmtrain.data.gpt_dataset",
+    "IndexedDataset": "mmtrain.data.indexed",
+    "save_checkpoint": "mmtrain.train.checkpoint", "load_checkpoint": "mmtrain.train.checkpoint",
+    "find_checkpoint": "mmtrain.train.checkpoint", "CheckpointWriter": "mmtrain.train.checkpoint",
+    "train_gpt": "mmtrain.train.loop",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mmtrain' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

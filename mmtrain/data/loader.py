@@ -13,6 +13,8 @@ import torch
 
 
 class MicroBatches:
+    """``next()`` gives this data-parallel rank's next micro-batch; ``state_dict()`` resumes the global order."""
+
     def __init__(self, samples: Sequence[torch.Tensor], micro_batch_size: int, dp_rank: int, dp_size: int,
                  consumed_samples: int = 0) -> None:
         self.samples = samples

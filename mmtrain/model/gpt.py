@@ -33,6 +33,9 @@ def token_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> to
 
 
 class GPTModel(nn.Module):
+    """Decoder-only LM (or one pipeline stage of it: ``layer_range``, ``pre_process`` = holds the embedding,
+    ``post_process`` = holds the final norm, output layer and loss). Call ``init_weights(seed)`` after building."""
+
     def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True) -> None:
         super().__init__()

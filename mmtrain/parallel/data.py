@@ -36,6 +36,10 @@ class Bucket:
 
 
 class GradBuckets:
+    """This rank's parameters in one contiguous buffer and their gradients in bucketed fp32 (or param-dtype)
+    buffers, reduced over ``group`` as backward finishes (all-reduce, or reduce-scatter with the distributed
+    optimizer). Per step: ``reset()``, ``last_backward()`` before the last micro-batch's backward, ``finish(n)``."""
+
     def __init__(self, params: list[nn.Parameter], group, distributed_optimizer: bool, param_dtype: torch.dtype,
                  bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True,
                  grad_dtype: torch.dtype = torch.float32) -> None:

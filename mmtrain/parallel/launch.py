@@ -40,5 +40,6 @@ def init_distributed(backend: str = "auto", device: torch.device | None = None, 
 
 
 def shutdown_distributed() -> None:
+    """Destroy the default process group (and with it every group the mesh built), if any."""
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -56,6 +56,8 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
 
 
 def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> GPTModel | StageChunks:
+    """This rank's model: its pipeline stage (or virtual-stage chunks) with whole-model initial values, sharded
+    over tensor, context and expert parallelism per ``mesh``, with recompute/compile flags, on ``device``."""
     pp, stage, v = mesh.dims.pp, mesh.coord.pp, cfg.parallel.virtual_pp
     ranges = stage_layer_ranges(cfg.model.num_layers, pp * v, cfg.parallel.pipeline_layers)
     chunks = []

@@ -31,6 +31,8 @@ def tied_embedding_params(stage: nn.Module) -> list[nn.Parameter]:
 @torch.no_grad()
 def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: list[GradBuckets], optimizer: MixedPrecisionAdamW,
                    num_tokens: float) -> None:
+    """After the step's backward: sum tied embeddings over the first/last stage, reduce over data (and
+    context, or expert-data) parallel ranks, divide by the global loss-token count, sum TP partial gradients."""
     for p in tied_embedding_params(stage):
         dist.all_reduce(p.main_grad, group=mesh.group("embd"))
     for b in buckets:

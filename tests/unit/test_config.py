@@ -137,3 +137,11 @@ def test_every_shipped_config_loads(path):
         validate_gpt_config(cfg)
     else:
         assert yaml.safe_load(path.read_text()) is not None
+
+
+def test_config_reference_is_up_to_date():
+    from mmtrain.config.reference import reference_markdown
+
+    committed = (REPO / "docs" / "config-reference.md").read_text()
+    assert committed == reference_markdown(), (
+        "docs/config-reference.md is stale: run `python -m mmtrain.config.reference > docs/config-reference.md`")
