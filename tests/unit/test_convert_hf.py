@@ -28,8 +28,8 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 
 def _random_hf(kind: str, path, **overrides):
-    """A tiny random HF model saved to ``path``; norm weights and biases made non-trivial so that a swapped
-    or dropped tensor shows in the logits."""
+    """A tiny random HF model saved to ``path``; norm weights and biases made non-trivial and q/k scaled up
+    (sharp attention, so that RoPE details such as the llama3 scaling show in the logits)."""
     torch.manual_seed(0)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SMALL, **overrides}))
@@ -40,18 +40,20 @@ def _random_hf(kind: str, path, **overrides):
             **{**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(25.0)
+            elif p.ndim == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return model.eval()
 
 
-def _mmtrain_logits(ckpt, ids):
+def _mmtrain_logits(ckpt, ids, positions):
     full, cfg, _ = read_full_state(ckpt)
     model = GPTModel(cfg)
     model.load_state_dict(full, strict=True)
     with torch.no_grad():
-        return model.eval()(ids), cfg
+        return model.eval()(ids, position_ids_BS=positions), cfg
 
 
 CASES = {
@@ -68,9 +70,11 @@ def test_logits_match_hf_and_round_trip_is_exact(case, tmp_path):
     hf_model = _random_hf(kind, tmp_path / "hf", **overrides)
     hf_to_mmtrain(tmp_path / "hf", tmp_path / "ckpt", tp=2, pp=2)
     ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
-    ours, cfg = _mmtrain_logits(tmp_path / "ckpt", ids)
+    # far positions: the llama3 scaling changes only long wavelengths, invisible at positions 0..23
+    positions = (torch.arange(24) + 3000).expand(2, 24)
+    ours, cfg = _mmtrain_logits(tmp_path / "ckpt", ids, positions)
     with torch.no_grad():
-        theirs = hf_model(ids).logits
+        theirs = hf_model(ids, position_ids=positions).logits
     assert (ours - theirs).abs().max().item() < 1e-4
     if "rope_scaling" in overrides:
         assert cfg.rope_scaling_factor == 8.0 and cfg.rope_theta == 500000.0
@@ -84,7 +88,7 @@ def test_logits_match_hf_and_round_trip_is_exact(case, tmp_path):
         assert torch.equal(t, back[name]), name
     reloaded = type(hf_model).from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, theirs)
+        assert torch.equal(reloaded(ids, position_ids=positions).logits, theirs)
 
 
 @pytest.mark.parametrize("tp,pp,layers", [(2, 2, None), (4, 3, None), (2, 2, [1, 2]), (1, 3, None)])
