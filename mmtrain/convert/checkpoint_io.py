@@ -27,6 +27,11 @@ from mmtrain.parallel.tensor import tp_partition, tp_shard_of
 from mmtrain.utils.atomic import atomic_open, atomic_write_text
 
 EXPERT_PARAMS = ("experts.w_up", "experts.w_down")
+# ModelConfig fields that change what the weights compute; a run loading weights must agree on all of them.
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                       "vocab_size", "norm", "norm_eps", "activation", "rope_theta", "rope_scaling_factor",
+                       "tie_embeddings", "add_bias", "qkv_bias", "qk_norm", "num_experts", "moe_top_k",
+                       "moe_ffn_hidden_size", "moe_router", "moe_shared_ffn_hidden_size")
 
 
 class ConvertError(ValueError):
@@ -182,11 +187,19 @@ def read_full_state(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelCon
 
 
 @torch.no_grad()
-def load_model_weights(path: str | Path, mesh, model: torch.nn.Module) -> dict[str, Any]:
+def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
+                       run_model_cfg: ModelConfig | None = None) -> dict[str, Any]:
     """Copy this rank's part of a checkpoint's weights (any TP/PP layout) into ``model`` (a stage of this run,
     TP/EP plans applied). Returns complete.json. Optimizer, loader and RNG are left as the fresh run made them:
-    training starts at step 0 from these weights."""
+    training starts at step 0 from these weights, so call it before the optimizer copies its fp32 masters.
+    ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's."""
     full, cfg, meta = read_full_state(path)
+    if run_model_cfg is not None:
+        differ = [f"model.{k}: run {getattr(run_model_cfg, k)!r}, checkpoint {getattr(cfg, k)!r}"
+                  for k in ARCHITECTURE_FIELDS if getattr(run_model_cfg, k) != getattr(cfg, k)]
+        if differ:
+            raise ConvertError(f"{path} does not fit this run's model config (include its model.yaml): "
+                               + "; ".join(differ))
     tp, tp_rank = mesh.dims.tp, mesh.coord.tp
     ep, ep_rank = mesh.dims.ep, mesh.coord.ep
     own = model.state_dict()

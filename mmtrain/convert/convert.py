@@ -32,5 +32,6 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     hf_config = hf_config_from_model_config(cfg, base=meta.get("hf_config"))
     some = next(iter(tensors.values()))
-    hf_config["torch_dtype"] = str(some.dtype).removeprefix("torch.")
+    # "torch_dtype" for transformers 4, "dtype" for transformers 5
+    hf_config["torch_dtype"] = hf_config["dtype"] = str(some.dtype).removeprefix("torch.")
     return write_hf_folder(out, hf_config, tensors)

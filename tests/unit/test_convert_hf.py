@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -126,8 +127,10 @@ def test_written_layout_reads_back_and_loads_into_one_rank(tmp_path):
     names = dict(zip(expected, (getattr(holder, f"b{i}") for i in range(len(expected)))))
     holder.state_dict = lambda: names
     mesh = SimpleNamespace(dims=SimpleNamespace(tp=2, ep=1), coord=SimpleNamespace(tp=1, ep=0))
-    load_model_weights(tmp_path / "ckpt", mesh, holder)
+    load_model_weights(tmp_path / "ckpt", mesh, holder, run_model_cfg=cfg)
     assert all(torch.equal(names[n], expected[n]) for n in expected)
+    with pytest.raises(ValueError, match="model.rope_theta"):
+        load_model_weights(tmp_path / "ckpt", mesh, holder, run_model_cfg=dataclasses.replace(cfg, rope_theta=1.0))
 
 
 def test_cli_round_trip(tmp_path, capsys):
@@ -155,3 +158,39 @@ def test_unsupported_hf_config_names_the_key(change, key):
           "num_attention_heads": 4, "vocab_size": 96, **change}
     with pytest.raises(UnsupportedHFConfig, match=key):
         model_config_from_hf(hf)
+
+
+def test_sharded_hf_folder_in_and_out(tmp_path):
+    from mmtrain.convert.hf_files import INDEX_NAME, read_hf_config, write_hf_folder
+
+    hf_model = _random_hf("llama", tmp_path / "hf")
+    tensors = read_hf_tensors(tmp_path / "hf")
+    write_hf_folder(tmp_path / "sharded", read_hf_config(tmp_path / "hf"), tensors, max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "sharded" / INDEX_NAME).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    hf_to_mmtrain(tmp_path / "sharded", tmp_path / "ckpt")
+    mmtrain_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    back = read_hf_tensors(tmp_path / "back")
+    assert all(torch.equal(t, back[n]) for n, t in tensors.items())
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 8))
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "sharded").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
+
+
+def test_training_checkpoint_with_data_and_expert_parallel_ranks_merges(tmp_path):
+    """A checkpoint as a dp=2, ep=2 run saves it: each rank holds half of the experts, the rest replicated."""
+    _random_hf("mixtral", tmp_path / "hf")
+    folder = hf_to_mmtrain(tmp_path / "hf", tmp_path / "ckpt")
+    full, cfg, meta = read_full_state(folder)
+    dense = split_full_state(full, cfg, 1, 1)[(0, 0)]
+    train = tmp_path / "train" / "step_00000007"
+    train.mkdir(parents=True)
+    for rank in range(2):
+        model = {n: (t.chunk(2)[rank] if n.endswith(("experts.w_up", "experts.w_down")) else t)
+                 for n, t in dense.items()}
+        torch.save({"step": 7, "model": model, "optimizer": {}}, train / f"rank_{rank:05d}.pt")
+    layout = {"world_size": 2, "tp": 1, "pp": 1, "cp": 1, "dp": 2, "ep": 2}
+    (train / "complete.json").write_text(json.dumps({"step": 7, "layout": layout, "config": meta["config"]}))
+    merged, _, _ = read_full_state(train)
+    assert sorted(merged) == sorted(full) and all(torch.equal(merged[n], full[n]) for n in full)
