@@ -13,7 +13,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import yaml
@@ -67,16 +67,28 @@ def _full_tensor_for(name: str, full: dict[str, torch.Tensor], cfg: ModelConfig)
     return full[name]
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with storage of its own size: torch.save writes a view's whole storage, which would put the full
+    tensor into every rank file."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
+                     pipeline_layers: list[int] | None = None) -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]:
+    """((tp_rank, pp_rank), that rank's model state dict) for a TP x PP layout, one rank at a time (so writing
+    a large model holds one rank's shards besides the full tensors)."""
+    for stage in range(pp):
+        names = stage_parameter_names(cfg, pp, stage, pipeline_layers)
+        for r in range(tp):
+            yield (r, stage), {name: _compact(tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, r, tp))
+                               for name in names}
+
+
 def split_full_state(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
                      pipeline_layers: list[int] | None = None) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
     """{(tp_rank, pp_rank): that rank's model state dict} for a TP x PP layout."""
-    shards = {}
-    for stage in range(pp):
-        for name in stage_parameter_names(cfg, pp, stage, pipeline_layers):
-            tensor = _full_tensor_for(name, full, cfg)
-            for r in range(tp):
-                shards.setdefault((r, stage), {})[name] = tp_shard_of(name, tensor, cfg, r, tp).clone()
-    return shards
+    return dict(iter_rank_states(full, cfg, tp, pp, pipeline_layers))
 
 
 def merge_tp_shards(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
@@ -121,7 +133,7 @@ def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cf
     root = Path(root)
     folder = root / f"step_{step:08d}"
     layout = layout_dict(tp, pp)
-    for (r, stage), model_state in split_full_state(full, cfg, tp, pp, pipeline_layers).items():
+    for (r, stage), model_state in iter_rank_states(full, cfg, tp, pp, pipeline_layers):
         state = {"step": step, "layout": layout, "weights_only": True, "model": model_state}
         with atomic_open(folder / f"rank_{rank_of(r, stage, tp):05d}.pt", "wb") as f:
             torch.save(state, f)

@@ -105,8 +105,9 @@ def hf_model_type_of(cfg: ModelConfig) -> str:
 def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """An HF ``config.json`` mapping for ``cfg``. ``base`` (the config the checkpoint was converted from, if
     any) supplies the fields mmtrain does not model, e.g. token ids and max_position_embeddings."""
-    unsupported = {"norm": ("rmsnorm",), "activation": ("swiglu",), "add_bias": (False,), "qk_norm": (False,),
-                   "moe_shared_ffn_hidden_size": (0,), "moe_router": ("softmax",)}
+    unsupported = {"norm": ("rmsnorm",), "activation": ("swiglu",), "add_bias": (False,), "qk_norm": (False,)}
+    if cfg.num_experts:
+        unsupported.update({"moe_shared_ffn_hidden_size": (0,), "moe_router": ("softmax",)})
     for key, allowed in unsupported.items():
         if getattr(cfg, key) not in allowed:
             raise UnsupportedHFConfig(f"model.{key}={getattr(cfg, key)!r} has no Llama/Qwen2/Mixtral equivalent; "

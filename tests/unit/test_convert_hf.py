@@ -194,3 +194,12 @@ def test_training_checkpoint_with_data_and_expert_parallel_ranks_merges(tmp_path
     (train / "complete.json").write_text(json.dumps({"step": 7, "layout": layout, "config": meta["config"]}))
     merged, _, _ = read_full_state(train)
     assert sorted(merged) == sorted(full) and all(torch.equal(merged[n], full[n]) for n in full)
+
+
+@pytest.mark.parametrize("field,value", [("norm", "layernorm"), ("activation", "gelu"), ("qk_norm", True)])
+def test_mmtrain_model_without_hf_equivalent_is_refused(field, value):
+    from mmtrain.config.schema import ModelConfig
+    from mmtrain.convert.hf_llama import hf_config_from_model_config
+
+    with pytest.raises(UnsupportedHFConfig, match=f"model.{field}"):
+        hf_config_from_model_config(ModelConfig(**{field: value}))
