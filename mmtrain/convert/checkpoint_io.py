@@ -74,8 +74,11 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
+RankStates = Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]
+
+
 def iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
-                     pipeline_layers: list[int] | None = None) -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]:
+                     pipeline_layers: list[int] | None = None) -> RankStates:
     """((tp_rank, pp_rank), that rank's model state dict) for a TP x PP layout, one rank at a time (so writing
     a large model holds one rank's shards besides the full tensors)."""
     for stage in range(pp):
@@ -181,19 +184,19 @@ def read_full_state(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelCon
     meta, cfg, _ = read_checkpoint_meta(folder)
     lay = meta["layout"]
     tp, pp, cp, dp, ep = lay["tp"], lay["pp"], lay["cp"], lay["dp"], lay.get("ep", 1)
+    def load(rank: int) -> dict[str, torch.Tensor]:
+        return torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)["model"]
+
     shards = {}
     for stage in range(pp):
         for r in range(tp):
-            state = torch.load(folder / f"rank_{rank_of(r, stage, tp, cp, dp):05d}.pt", map_location="cpu",
-                               weights_only=True)["model"]
-            if ep > 1:  # expert slices live on the dp*cp ranks with ep coordinates 0..ep-1 (dpcp = 0..ep-1)
+            first = rank_of(r, stage, tp, cp, dp)
+            state = load(first)
+            if ep > 1:
+                # expert slice e lives on the rank whose cp + cp_size * dp = e (ParallelDims.coord): rank + tp * e
+                slices = [state] + [load(first + tp * e) for e in range(1, ep)]
                 for name in [n for n in state if n.endswith(EXPERT_PARAMS)]:
-                    slices = []
-                    for dpcp in range(ep):
-                        other = rank_of(r, stage, tp, cp, dp) + tp * dpcp  # ParallelDims.rank with cp + cp_size*dp = dpcp
-                        slices.append(torch.load(folder / f"rank_{other:05d}.pt", map_location="cpu",
-                                                 weights_only=True)["model"][name])
-                    state[name] = torch.cat(slices)
+                    state[name] = torch.cat([s[name] for s in slices])
             shards[(r, stage)] = state
     return merge_shards(shards, cfg), cfg, meta
 
@@ -216,8 +219,6 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     ep, ep_rank = mesh.dims.ep, mesh.coord.ep
     own = model.state_dict()
     for name, target in own.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
         value = tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, tp_rank, tp)
         if name.endswith(EXPERT_PARAMS) and ep > 1:
             value = value.chunk(ep)[ep_rank]
