@@ -1,0 +1,47 @@
+"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf} ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mmtrain.convert",
+                                     description="Convert Hugging Face Llama/Qwen2/Mixtral folders to and from "
+                                                 "mmtrain checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    to_ours = sub.add_parser("hf-to-mmtrain", help="HF folder (config.json + safetensors) -> weights-only checkpoint")
+    to_ours.add_argument("--hf", required=True, help="Hugging Face model folder")
+    to_ours.add_argument("--out", required=True, help="checkpoints root to create (step_00000000/, latest, model.yaml)")
+    to_ours.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the written layout")
+    to_ours.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the written layout")
+    to_ours.add_argument("--pipeline-layers", type=int, nargs="*", default=None,
+                         help="layers per pipeline stage (as parallel.pipeline_layers); default even")
+    to_hf = sub.add_parser("mmtrain-to-hf", help="mmtrain checkpoint (any TP/PP) -> HF folder")
+    to_hf.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
+    to_hf.add_argument("--out", required=True, help="Hugging Face folder to write")
+    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as stored)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "hf-to-mmtrain":
+        folder = hf_to_mmtrain(args.hf, args.out, args.tp, args.pp, args.pipeline_layers)
+        print(f"wrote weights-only checkpoint {folder} (tp={args.tp}, pp={args.pp}); model config in "
+              f"{folder.parent / 'model.yaml'}")
+    else:
+        folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None)
+        print(f"wrote Hugging Face folder {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

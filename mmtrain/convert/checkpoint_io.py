@@ -1,0 +1,229 @@
+"""Full model tensors <-> mmtrain's per-rank checkpoint layout (``mmtrain.train.checkpoint``), at any TP/PP.
+
+Splitting uses the same helpers as training (``tp_shard_of``, ``stage_layer_ranges``) and the parameter
+names a stage of ``GPTModel`` really has (built on the meta device, so nothing is allocated): a checkpoint
+written here is exactly what a run of that layout would have saved, minus optimizer, loader and RNG state.
+Such a *weights-only* checkpoint says so with ``"weights_only": true`` in ``complete.json`` and in each rank
+file; ``load_model_weights`` starts a run from it (or from any training checkpoint) at any TP/PP layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import yaml
+
+import mmtrain
+from mmtrain.config.loader import apply_mapping
+from mmtrain.config.schema import GPTRunConfig, ModelConfig, ParallelConfig
+from mmtrain.model.gpt import GPTModel
+from mmtrain.parallel.pipeline import stage_layer_ranges
+from mmtrain.parallel.tensor import tp_partition, tp_shard_of
+from mmtrain.utils.atomic import atomic_open, atomic_write_text
+
+EXPERT_PARAMS = ("experts.w_up", "experts.w_down")
+# ModelConfig fields that change what the weights compute; a run loading weights must agree on all of them.
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                       "vocab_size", "norm", "norm_eps", "activation", "rope_theta", "rope_scaling_factor",
+                       "tie_embeddings", "add_bias", "qkv_bias", "qk_norm", "num_experts", "moe_top_k",
+                       "moe_ffn_hidden_size", "moe_router", "moe_shared_ffn_hidden_size")
+
+
+class ConvertError(ValueError):
+    """A checkpoint that cannot be converted; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------- layout
+def layout_dict(tp: int, pp: int) -> dict[str, int]:
+    """The ``layout`` record of a checkpoint written by the converter (one replica: no DP/CP/EP)."""
+    return {"world_size": tp * pp, "tp": tp, "pp": pp, "cp": 1, "dp": 1, "ep": 1}
+
+
+def rank_of(tp_rank: int, pp_rank: int, tp: int, cp: int = 1, dp: int = 1) -> int:
+    """Global rank of (tp, cp=0, dp=0, pp) — the numbering of ``ParallelDims.rank``."""
+    return tp_rank + tp * cp * dp * pp_rank
+
+
+def stage_parameter_names(cfg: ModelConfig, pp: int, stage: int, pipeline_layers: list[int] | None = None) -> list[str]:
+    """The state-dict names of pipeline stage ``stage`` (built on the meta device: no memory, exact names)."""
+    ranges = stage_layer_ranges(cfg.num_layers, pp, pipeline_layers)
+    with torch.device("meta"):
+        model = GPTModel(cfg, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
+    return list(model.state_dict().keys())
+
+
+def _full_tensor_for(name: str, full: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    if name == "output.weight" and cfg.tie_embeddings:
+        return full["embed.weight"]  # the last stage's copy of a tied embedding
+    if name.endswith("mlp.router.expert_bias") and name not in full:
+        return torch.zeros(cfg.num_experts)  # sigmoid-router balancing state; HF models have none
+    if name not in full:
+        raise ConvertError(f"parameter {name} is missing from the converted weights")
+    return full[name]
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with storage of its own size: torch.save writes a view's whole storage, which would put the full
+    tensor into every rank file."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+RankStates = Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]
+
+
+def iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
+                     pipeline_layers: list[int] | None = None) -> RankStates:
+    """((tp_rank, pp_rank), that rank's model state dict) for a TP x PP layout, one rank at a time (so writing
+    a large model holds one rank's shards besides the full tensors)."""
+    for stage in range(pp):
+        names = stage_parameter_names(cfg, pp, stage, pipeline_layers)
+        for r in range(tp):
+            yield (r, stage), {name: _compact(tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, r, tp))
+                               for name in names}
+
+
+def split_full_state(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
+                     pipeline_layers: list[int] | None = None) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """{(tp_rank, pp_rank): that rank's model state dict} for a TP x PP layout."""
+    return dict(iter_rank_states(full, cfg, tp, pp, pipeline_layers))
+
+
+def merge_tp_shards(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The full tensor of ``name`` from its TP shards in rank order (the inverse of ``tp_shard_of``)."""
+    spec = tp_partition(name, cfg)
+    if spec is None or len(pieces) == 1:
+        return pieces[0]
+    dim, parts = spec
+    n = len(pieces)
+    if parts is None:
+        return torch.cat(pieces, dim=dim)
+    # each shard is [part0/n | part1/n | ...]: regroup the slices part by part
+    local_sizes = [p // n for p in parts]
+    split = [piece.split(local_sizes, dim=dim) for piece in pieces]
+    return torch.cat([torch.cat([split[r][i] for r in range(n)], dim=dim) for i in range(len(parts))], dim=dim)
+
+
+def merge_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full tensors from {(tp_rank, pp_rank): state dict}. A tied model's last-stage output copy is dropped."""
+    tp = 1 + max(r for r, _ in shards)
+    pp = 1 + max(s for _, s in shards)
+    full: dict[str, torch.Tensor] = {}
+    for stage in range(pp):
+        for name in shards[(0, stage)]:
+            if name == "output.weight" and cfg.tie_embeddings:
+                continue
+            full[name] = merge_tp_shards(name, [shards[(r, stage)][name] for r in range(tp)], cfg)
+    return full
+
+
+# ----------------------------------------------------------------------------------------------- write
+def run_config_dict(cfg: ModelConfig, tp: int, pp: int, pipeline_layers: list[int] | None) -> dict[str, Any]:
+    run = GPTRunConfig(model=cfg, parallel=ParallelConfig(tp=tp, pp=pp, pipeline_layers=list(pipeline_layers or [])))
+    return dataclasses.asdict(run)
+
+
+def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int = 1,
+                             pp: int = 1, pipeline_layers: list[int] | None = None, step: int = 0,
+                             extra_meta: dict[str, Any] | None = None) -> Path:
+    """Write ``root/step_XXXXXXXX/rank_*.pt`` + ``complete.json`` + ``root/latest`` + ``root/model.yaml`` (the
+    model section to include in a run config). Returns the step folder."""
+    root = Path(root)
+    folder = root / f"step_{step:08d}"
+    layout = layout_dict(tp, pp)
+    for (r, stage), model_state in iter_rank_states(full, cfg, tp, pp, pipeline_layers):
+        state = {"step": step, "layout": layout, "weights_only": True, "model": model_state}
+        with atomic_open(folder / f"rank_{rank_of(r, stage, tp):05d}.pt", "wb") as f:
+            torch.save(state, f)
+    meta = {"step": step, "layout": layout, "weights_only": True, "mmtrain_version": mmtrain.__version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": run_config_dict(cfg, tp, pp, pipeline_layers),
+            **(extra_meta or {})}
+    atomic_write_text(folder / "complete.json", json.dumps(meta, indent=1))
+    atomic_write_text(root / "model.yaml", "# Model shape of the converted checkpoint; include it in a run config.\n"
+                      + yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False))
+    atomic_write_text(root / "latest", folder.name + "\n")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ read
+def resolve_checkpoint_folder(path: str | Path) -> Path:
+    """A step folder itself, or a checkpoints root through its ``latest`` file."""
+    path = Path(path)
+    if (path / "complete.json").is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_file() and (path / latest.read_text().strip() / "complete.json").is_file():
+        return path / latest.read_text().strip()
+    raise ConvertError(f"{path}: not a complete mmtrain checkpoint (no complete.json, no latest naming one)")
+
+
+def read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[int]]:
+    """(complete.json, its ModelConfig, its parallel.pipeline_layers)."""
+    meta = json.loads((folder / "complete.json").read_text(encoding="utf-8"))
+    run = meta.get("config") or {}
+    if "model" not in run:
+        raise ConvertError(f"{folder}/complete.json records no model config; cannot interpret its tensors")
+    cfg = ModelConfig()
+    apply_mapping(cfg, run["model"], f"{folder}/complete.json model config")
+    parallel = run.get("parallel", {})
+    if parallel.get("virtual_pp", 1) != 1:
+        raise ConvertError(f"{folder} was saved with parallel.virtual_pp={parallel['virtual_pp']}; converting "
+                           "interleaved-pipeline checkpoints is not supported")
+    return meta, cfg, list(parallel.get("pipeline_layers") or [])
+
+
+def read_full_state(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
+    """Full tensors, ModelConfig and complete.json of a checkpoint of any TP/PP layout (weights-only or a
+    training checkpoint: data-parallel replicas are read once, expert-parallel slices are concatenated)."""
+    folder = resolve_checkpoint_folder(path)
+    meta, cfg, _ = read_checkpoint_meta(folder)
+    lay = meta["layout"]
+    tp, pp, cp, dp, ep = lay["tp"], lay["pp"], lay["cp"], lay["dp"], lay.get("ep", 1)
+    def load(rank: int) -> dict[str, torch.Tensor]:
+        return torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)["model"]
+
+    shards = {}
+    for stage in range(pp):
+        for r in range(tp):
+            first = rank_of(r, stage, tp, cp, dp)
+            state = load(first)
+            if ep > 1:
+                # expert slice e lives on the rank whose cp + cp_size * dp = e (ParallelDims.coord): rank + tp * e
+                slices = [state] + [load(first + tp * e) for e in range(1, ep)]
+                for name in [n for n in state if n.endswith(EXPERT_PARAMS)]:
+                    state[name] = torch.cat([s[name] for s in slices])
+            shards[(r, stage)] = state
+    return merge_shards(shards, cfg), cfg, meta
+
+
+@torch.no_grad()
+def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
+                       run_model_cfg: ModelConfig | None = None) -> dict[str, Any]:
+    """Copy this rank's part of a checkpoint's weights (any TP/PP layout) into ``model`` (a stage of this run,
+    TP/EP plans applied). Returns complete.json. Optimizer, loader and RNG are left as the fresh run made them:
+    training starts at step 0 from these weights, so call it before the optimizer copies its fp32 masters.
+    ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's."""
+    full, cfg, meta = read_full_state(path)
+    if run_model_cfg is not None:
+        differ = [f"model.{k}: run {getattr(run_model_cfg, k)!r}, checkpoint {getattr(cfg, k)!r}"
+                  for k in ARCHITECTURE_FIELDS if getattr(run_model_cfg, k) != getattr(cfg, k)]
+        if differ:
+            raise ConvertError(f"{path} does not fit this run's model config (include its model.yaml): "
+                               + "; ".join(differ))
+    tp, tp_rank = mesh.dims.tp, mesh.coord.tp
+    ep, ep_rank = mesh.dims.ep, mesh.coord.ep
+    own = model.state_dict()
+    for name, target in own.items():
+        value = tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, tp_rank, tp)
+        if name.endswith(EXPERT_PARAMS) and ep > 1:
+            value = value.chunk(ep)[ep_rank]
+        if value.shape != target.shape:
+            raise ConvertError(f"{name}: checkpoint gives shape {tuple(value.shape)}, the model has "
+                               f"{tuple(target.shape)} (does the run's model config match {path}?)")
+        target.copy_(value)
+    return meta

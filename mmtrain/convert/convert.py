@@ -1,0 +1,37 @@
+"""The two conversions end to end: HF folder -> mmtrain checkpoint, and mmtrain checkpoint -> HF folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mmtrain.convert.checkpoint_io import read_full_state, write_weights_checkpoint
+from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder
+from mmtrain.convert.hf_llama import (hf_config_from_model_config, hf_state_from_mmtrain, mmtrain_state_from_hf,
+                                      model_config_from_hf)
+
+
+def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
+                  pipeline_layers: list[int] | None = None) -> Path:
+    """Convert a Hugging Face folder into a weights-only mmtrain checkpoint root ``out``; returns the step
+    folder. Tensors keep their stored dtype."""
+    hf_config = read_hf_config(hf_dir)
+    cfg = model_config_from_hf(hf_config)
+    full = mmtrain_state_from_hf(read_hf_tensors(hf_dir), cfg)
+    return write_weights_checkpoint(out, full, cfg, tp, pp, pipeline_layers,
+                                    extra_meta={"hf_config": hf_config, "converted_from": str(hf_dir)})
+
+
+def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Convert an mmtrain checkpoint (a step folder or a checkpoints root with ``latest``; weights-only or from
+    training, any TP/PP) into a Hugging Face folder ``out``. ``dtype`` casts floating tensors when given."""
+    full, cfg, meta = read_full_state(ckpt)
+    tensors = hf_state_from_mmtrain(full, cfg)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    hf_config = hf_config_from_model_config(cfg, base=meta.get("hf_config"))
+    some = next(iter(tensors.values()))
+    # "torch_dtype" for transformers 4, "dtype" for transformers 5
+    hf_config["torch_dtype"] = hf_config["dtype"] = str(some.dtype).removeprefix("torch.")
+    return write_hf_folder(out, hf_config, tensors)

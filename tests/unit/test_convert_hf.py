@@ -1,0 +1,205 @@
+"""The Hugging Face bridge: logits parity with tiny random HF models, exact round trips, TP/PP split+merge."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from mmtrain.convert import hf_to_mmtrain, mmtrain_to_hf  # noqa: E402
+from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
+from mmtrain.convert.checkpoint_io import (load_model_weights, merge_shards, read_full_state,  # noqa: E402
+                                           split_full_state)
+from mmtrain.convert.hf_files import read_hf_tensors  # noqa: E402
+from mmtrain.convert.hf_llama import UnsupportedHFConfig, model_config_from_hf  # noqa: E402
+from mmtrain.model.gpt import GPTModel  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def _random_hf(kind: str, path, **overrides):
+    """A tiny random HF model saved to ``path``; norm weights and biases made non-trivial and q/k scaled up
+    (sharp attention, so that RoPE details such as the llama3 scaling show in the logits)."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SMALL, **overrides}))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**SMALL, **overrides}))
+    else:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **{**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(25.0)
+            elif p.ndim == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def _mmtrain_logits(ckpt, ids, positions):
+    full, cfg, _ = read_full_state(ckpt)
+    model = GPTModel(cfg)
+    model.load_state_dict(full, strict=True)
+    with torch.no_grad():
+        return model.eval()(ids, position_ids_BS=positions), cfg
+
+
+CASES = {
+    "llama_gqa_untied_llama3_rope": ("llama", dict(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)),
+    "llama_tied": ("llama", dict(tie_word_embeddings=True)),
+    "qwen2_qkv_bias_tied": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "mixtral_moe": ("mixtral", dict()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_hf_and_round_trip_is_exact(case, tmp_path):
+    kind, overrides = CASES[case]
+    hf_model = _random_hf(kind, tmp_path / "hf", **overrides)
+    hf_to_mmtrain(tmp_path / "hf", tmp_path / "ckpt", tp=2, pp=2)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    # far positions: the llama3 scaling changes only long wavelengths, invisible at positions 0..23
+    positions = (torch.arange(24) + 3000).expand(2, 24)
+    ours, cfg = _mmtrain_logits(tmp_path / "ckpt", ids, positions)
+    with torch.no_grad():
+        theirs = hf_model(ids, position_ids=positions).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+    if "rope_scaling" in overrides:
+        assert cfg.rope_scaling_factor == 8.0 and cfg.rope_theta == 500000.0
+
+    mmtrain_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    original, back = read_hf_tensors(tmp_path / "hf"), read_hf_tensors(tmp_path / "back")
+    if overrides.get("tie_word_embeddings"):
+        original.pop("lm_head.weight", None)
+    assert sorted(original) == sorted(back)
+    for name, t in original.items():
+        assert torch.equal(t, back[name]), name
+    reloaded = type(hf_model).from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, position_ids=positions).logits, theirs)
+
+
+@pytest.mark.parametrize("tp,pp,layers", [(2, 2, None), (4, 3, None), (2, 2, [1, 2]), (1, 3, None)])
+def test_tp_pp_split_then_merge_is_exact(tp, pp, layers, tmp_path):
+    _random_hf("qwen2", tmp_path / "hf", tie_word_embeddings=True)
+    cfg = model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    full, _, _ = read_full_state(hf_to_mmtrain(tmp_path / "hf", tmp_path / "ckpt1"))
+    shards = split_full_state(full, cfg, tp, pp, layers)
+    assert sorted(shards) == [(r, s) for r in range(tp) for s in range(pp)]
+    # a tied last stage without the embedding holds its own copy, as in training
+    assert ("output.weight" in shards[(0, pp - 1)]) == (pp > 1)
+    assert shards[(1 % tp, 0)]["embed.weight"].shape[0] == cfg.vocab_size // tp
+    merged = merge_shards(shards, cfg)
+    assert sorted(merged) == sorted(full)
+    assert all(torch.equal(merged[n], full[n]) for n in full)
+
+
+def test_written_layout_reads_back_and_loads_into_one_rank(tmp_path):
+    _random_hf("llama", tmp_path / "hf")
+    folder = hf_to_mmtrain(tmp_path / "hf", tmp_path / "ckpt", tp=2, pp=2)
+    meta = json.loads((folder / "complete.json").read_text())
+    assert meta["weights_only"] is True and meta["layout"]["tp"] == 2 and meta["layout"]["pp"] == 2
+    assert meta["config"]["parallel"]["tp"] == 2 and (tmp_path / "ckpt" / "latest").read_text().strip() == folder.name
+    assert sorted(p.name for p in folder.glob("rank_*.pt")) == [f"rank_{r:05d}.pt" for r in range(4)]
+    rank3 = torch.load(folder / "rank_00003.pt", weights_only=True)  # tp=1, pp=1: the last stage
+    assert rank3["weights_only"] and "output.weight" in rank3["model"] and "embed.weight" not in rank3["model"]
+    assert "optimizer" not in rank3
+
+    full, cfg, _ = read_full_state(tmp_path / "ckpt")
+    expected = split_full_state(full, cfg, 2, 2)[(1, 1)]
+    # a stand-in for a TP=2/PP=2 rank's stage: a module whose state holds tensors of that rank's shapes
+    holder = torch.nn.Module()
+    for i, (name, t) in enumerate(expected.items()):
+        holder.register_buffer(f"b{i}", torch.zeros_like(t))
+    names = dict(zip(expected, (getattr(holder, f"b{i}") for i in range(len(expected)))))
+    holder.state_dict = lambda: names
+    mesh = SimpleNamespace(dims=SimpleNamespace(tp=2, ep=1), coord=SimpleNamespace(tp=1, ep=0))
+    load_model_weights(tmp_path / "ckpt", mesh, holder, run_model_cfg=cfg)
+    assert all(torch.equal(names[n], expected[n]) for n in expected)
+    with pytest.raises(ValueError, match="model.rope_theta"):
+        load_model_weights(tmp_path / "ckpt", mesh, holder, run_model_cfg=dataclasses.replace(cfg, rope_theta=1.0))
+
+
+def test_cli_round_trip(tmp_path, capsys):
+    _random_hf("llama", tmp_path / "hf", tie_word_embeddings=True)
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c"),
+                         "--tp", "2"]) == 0
+    assert convert_main(["mmtrain-to-hf", "--ckpt", str(tmp_path / "c"), "--out", str(tmp_path / "o")]) == 0
+    assert "wrote Hugging Face folder" in capsys.readouterr().out
+    assert (tmp_path / "c" / "model.yaml").is_file()
+    back = read_hf_tensors(tmp_path / "o")
+    assert all(torch.equal(t, back[n]) for n, t in read_hf_tensors(tmp_path / "hf").items() if n != "lm_head.weight")
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ({"rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 2.0}}, "high_freq_factor"),
+    ({"rope_scaling": {**LLAMA3_SCALING, "original_max_position_embeddings": 4096}}, "original_max_position"),
+    ({"model_type": "gemma"}, "model_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"head_dim": 16}, "head_dim"),
+])
+def test_unsupported_hf_config_names_the_key(change, key):
+    hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "vocab_size": 96, **change}
+    with pytest.raises(UnsupportedHFConfig, match=key):
+        model_config_from_hf(hf)
+
+
+def test_sharded_hf_folder_in_and_out(tmp_path):
+    from mmtrain.convert.hf_files import INDEX_NAME, read_hf_config, write_hf_folder
+
+    hf_model = _random_hf("llama", tmp_path / "hf")
+    tensors = read_hf_tensors(tmp_path / "hf")
+    write_hf_folder(tmp_path / "sharded", read_hf_config(tmp_path / "hf"), tensors, max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "sharded" / INDEX_NAME).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    hf_to_mmtrain(tmp_path / "sharded", tmp_path / "ckpt")
+    mmtrain_to_hf(tmp_path / "ckpt", tmp_path / "back")
+    back = read_hf_tensors(tmp_path / "back")
+    assert all(torch.equal(t, back[n]) for n, t in tensors.items())
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 8))
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "sharded").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
+
+
+def test_training_checkpoint_with_data_and_expert_parallel_ranks_merges(tmp_path):
+    """A checkpoint as a dp=2, ep=2 run saves it: each rank holds half of the experts, the rest replicated."""
+    _random_hf("mixtral", tmp_path / "hf")
+    folder = hf_to_mmtrain(tmp_path / "hf", tmp_path / "ckpt")
+    full, cfg, meta = read_full_state(folder)
+    dense = split_full_state(full, cfg, 1, 1)[(0, 0)]
+    train = tmp_path / "train" / "step_00000007"
+    train.mkdir(parents=True)
+    for rank in range(2):
+        model = {n: (t.chunk(2)[rank] if n.endswith(("experts.w_up", "experts.w_down")) else t)
+                 for n, t in dense.items()}
+        torch.save({"step": 7, "model": model, "optimizer": {}}, train / f"rank_{rank:05d}.pt")
+    layout = {"world_size": 2, "tp": 1, "pp": 1, "cp": 1, "dp": 2, "ep": 2}
+    (train / "complete.json").write_text(json.dumps({"step": 7, "layout": layout, "config": meta["config"]}))
+    merged, _, _ = read_full_state(train)
+    assert sorted(merged) == sorted(full) and all(torch.equal(merged[n], full[n]) for n in full)
+
+
+@pytest.mark.parametrize("field,value", [("norm", "layernorm"), ("activation", "gelu"), ("qk_norm", True)])
+def test_mmtrain_model_without_hf_equivalent_is_refused(field, value):
+    from mmtrain.config.schema import ModelConfig
+    from mmtrain.convert.hf_llama import hf_config_from_model_config
+
+    with pytest.raises(UnsupportedHFConfig, match=f"model.{field}"):
+        hf_config_from_model_config(ModelConfig(**{field: value}))
