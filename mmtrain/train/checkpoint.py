@@ -170,9 +170,7 @@ def save_checkpoint(root: Path, step: int, mesh: ParallelMesh, model: torch.nn.M
     return CheckpointWriter(root, mesh).save(step, model, optimizer, loader_state, device, keep_last, config)
 
 
-def find_checkpoint(load: str, run_dir: str) -> Path | None:
-    """``load`` if given (a step folder or a checkpoints root with ``latest``), else run_dir/checkpoints/latest."""
-    root = Path(load) if load else Path(run_dir) / "checkpoints"
+def _complete_in(root: Path) -> Path | None:
     if (root / "complete.json").exists():
         return root
     latest = root / "latest"
@@ -181,9 +179,27 @@ def find_checkpoint(load: str, run_dir: str) -> Path | None:
         if (folder / "complete.json").exists():
             return folder
         raise CheckpointError(f"{latest} names {folder}, which is not a complete checkpoint")
-    if load:
-        raise CheckpointError(f"checkpoint.load={load}: no complete checkpoint there (no complete.json or latest)")
     return None
+
+
+def is_weights_only(folder: Path) -> bool:
+    """A converted (e.g. Hugging Face) checkpoint: weights at any layout, no optimizer/loader/RNG state."""
+    return bool(json.loads((folder / "complete.json").read_text()).get("weights_only", False))
+
+
+def find_checkpoint(load: str, run_dir: str) -> Path | None:
+    """What a run resumes from: ``load`` if given (a step folder, or a root with ``latest``), else
+    run_dir/checkpoints/latest. A run started from weights-only ``load`` resumes its own checkpoints once it has
+    some, so restarting with the same config continues instead of starting over."""
+    own = _complete_in(Path(run_dir) / "checkpoints")
+    if not load:
+        return own
+    target = _complete_in(Path(load))
+    if target is None:
+        raise CheckpointError(f"checkpoint.load={load}: no complete checkpoint there (no complete.json or latest)")
+    if own is not None and is_weights_only(target):
+        return own
+    return target
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import update_router_biases
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
-from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, load_checkpoint
+from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
 from mmtrain.train.faults import NonFiniteError, PreemptionWatch, nonfinite_report
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
 from mmtrain.train.lr import lr_at
@@ -155,6 +155,13 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     dims = mesh.dims
     torch.manual_seed(cfg.train.seed)
     stage = build_gpt_stage(cfg, mesh, device)
+    found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
+    weights_only = found is not None and is_weights_only(found)
+    if weights_only:  # converted weights, any layout: loaded before the optimizer copies its fp32 masters
+        from mmtrain.convert.checkpoint_io import load_model_weights
+
+        load_model_weights(found, mesh, stage, run_model_cfg=cfg.model)
+        log.info(f"initialized from weights-only checkpoint {found}; training starts at step 0")
     params = [p for p in stage.parameters() if p.requires_grad]
     o = cfg.optim
     pdtype = param_dtype_for(cfg.train.precision)
@@ -178,8 +185,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
                                    mesh.coord.dp, dims.dp)
     start_step = 0
     ckpt_root = Path(cfg.logging.run_dir) / "checkpoints"
-    found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
-    if found is not None:
+    if found is not None and not weights_only:
         restored = load_checkpoint(found, mesh, stage, optimizer, device)
         start_step = restored["step"]
         batches.load_state_dict(restored["loader"])
