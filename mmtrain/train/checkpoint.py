@@ -9,7 +9,8 @@ Folder layout under ``<run_dir>/checkpoints/``::
 Every file is written atomically, so a crash during a save never damages an earlier checkpoint, and loading
 uses ``torch.load(weights_only=True)``: nothing in a checkpoint is unpickled as code.
 With ``checkpoint.async_save`` the step only waits for a copy to host memory; files are written in the
-background (``CheckpointWriter``). (Resharding to another layout is not supported yet.)
+background (``CheckpointWriter``). Loading at another layout reshards weights and optimizer state
+(``mmtrain.train.reshard``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 import mmtrain
 from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.train.reshard import piece_records, piece_states, reshard_optimizer
 from mmtrain.utils.atomic import atomic_open, atomic_write_text
 from mmtrain.utils.log import get_logger
 
@@ -62,6 +64,9 @@ def _snapshot(step: int, mesh: ParallelMesh, model: torch.nn.Module, optimizer: 
         "model": {k: host(v) for k, v in model.state_dict().items()},
         "optimizer": _map_tensors(optimizer.state_dict(), host),
         "optimizer_masters": [host(pc.master) for pc in optimizer.pieces] if optimizer.master_weights else [],
+        # per piece: which parameter and which flat range of it, and its Adam state: what resharding needs
+        "pieces": piece_records(model, optimizer),
+        "piece_state": piece_states(optimizer, host),
         "loader": loader_state,
         "rng": _rng_state(device),
     }
@@ -187,6 +192,19 @@ def is_weights_only(folder: Path) -> bool:
     return bool(json.loads((folder / "complete.json").read_text()).get("weights_only", False))
 
 
+def _load_resharded(folder: Path, meta: dict, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any) -> dict:
+    from mmtrain.convert.checkpoint_io import load_model_weights
+
+    if meta.get("config", {}).get("parallel", {}).get("virtual_pp", 1) != 1:
+        raise CheckpointError(f"{folder}: resharding a checkpoint saved with virtual pipeline stages is not supported")
+    load_model_weights(folder, mesh, model, run_model_cfg=model.cfg)
+    reshard_optimizer(folder, mesh, model, optimizer)
+    rank0 = torch.load(folder / "rank_00000.pt", map_location="cpu", weights_only=True)
+    get_logger("checkpoint").info(f"resumed from {folder} (step {rank0['step']}), resharded from layout "
+                                  f"{meta['layout']} to {_layout(mesh)}")
+    return {"step": rank0["step"], "loader": rank0["loader"]}
+
+
 def find_checkpoint(load: str, run_dir: str) -> Path | None:
     """What a run resumes from: ``load`` if given (a step folder, or a root with ``latest``), else
     run_dir/checkpoints/latest. A run started from weights-only ``load`` resumes its own checkpoints once it has
@@ -205,11 +223,11 @@ def find_checkpoint(load: str, run_dir: str) -> Path | None:
 @torch.no_grad()
 def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any,
                     device: torch.device) -> dict:
-    """Restore this rank's state; returns {"step", "loader"}. The layout must match the saving run's."""
+    """Restore this rank's state; returns {"step", "loader"}. At the saving run's layout everything is restored
+    bit for bit; at another layout weights and optimizer state are resharded (``mmtrain.train.reshard``)."""
     meta = json.loads((folder / "complete.json").read_text())
     if meta["layout"] != _layout(mesh):
-        raise CheckpointError(f"{folder} was saved with layout {meta['layout']}, this run is {_layout(mesh)}; "
-                              "loading into another layout (resharding) is not supported yet")
+        return _load_resharded(folder, meta, mesh, model, optimizer)
     state = torch.load(folder / f"rank_{mesh.rank:05d}.pt", map_location="cpu", weights_only=True)
     own = model.state_dict()
     for name, value in state["model"].items():

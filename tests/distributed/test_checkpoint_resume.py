@@ -10,7 +10,6 @@ import torch
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.parallel import ParallelDims
 from mmtrain.testing import run_distributed
-from mmtrain.train.checkpoint import CheckpointError
 from mmtrain.train.loop import train_gpt
 
 BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=6",
@@ -36,13 +35,6 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, world_size, layout):
     (resumed_dir / "latest").write_text("step_00000003\n")
     tail = run_distributed(_train, world_size, str(tmp_path / "resumed"), layout)[0]
     assert tail == full[3:]  # bit for bit
-
-
-def test_layout_change_is_a_clear_error(tmp_path):
-    run_distributed(_train, 1, str(tmp_path), ["train.steps=3"])
-    with pytest.raises(Exception, match="saved with layout .*resharding"):
-        run_distributed(_train, 2, str(tmp_path), ["parallel.dp=2", "train.steps=6"])
-    assert issubclass(CheckpointError, RuntimeError)
 
 
 def _metrics(run_dir) -> dict[int, float]:

@@ -1,0 +1,43 @@
+"""Save at one layout, resume at another: the continuation matches the run that never changed layout
+(weights and Adam state resharded; 1e-5 relative, the fp32 reduction-order noise of the new layout)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from mmtrain.config import GPTRunConfig, load_config
+from mmtrain.parallel import ParallelDims
+from mmtrain.testing import run_distributed
+from mmtrain.train.loop import train_gpt
+
+BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=5",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "optim.warmup_steps=2", "optim.lr=3e-3",
+        "model.num_layers=4", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
+        "model.vocab_size=64", "checkpoint.save_every=3", "checkpoint.keep_last=0"]
+MOE = ["model.num_experts=4", "model.moe_ffn_hidden_size=32"]
+
+
+def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", *extra])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+    return train_gpt(cfg, mesh, torch.device("cpu")).losses
+
+
+@pytest.mark.parametrize("saved, loaded, model", [
+    ((4, ["parallel.tp=2", "parallel.pp=2"]), (1, []), []),
+    ((2, ["parallel.tp=2"]), (4, ["parallel.tp=4"]), []),
+    ((2, ["parallel.dp=2"]), (1, []), []),
+    ((2, ["parallel.dp=2", "parallel.ep=2"]), (1, []), MOE),
+    ((1, []), (4, ["parallel.pp=2", "parallel.dp=2", "parallel.tp=1"]), ["model.tie_embeddings=true"]),
+], ids=["tp2pp2-to-1", "tp2-to-tp4", "dp2-to-1", "ep2-to-ep1", "1-to-pp2dp2-tied"])
+def test_resume_at_another_layout(tmp_path, saved, loaded, model):
+    (n_saved, saved_layout), (n_loaded, loaded_layout) = saved, loaded
+    full = run_distributed(_train, n_saved, str(tmp_path / "a"), [*saved_layout, *model])[0]
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000003", tmp_path / "b" / "checkpoints" / "step_00000003")
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step_00000003\n")
+    tail = run_distributed(_train, n_loaded, str(tmp_path / "b"), [*loaded_layout, *model])[0]
+    torch.testing.assert_close(torch.tensor(tail), torch.tensor(full[3:]), rtol=1e-5, atol=0)
