@@ -201,3 +201,14 @@ def test_bad_sources_name_the_problem(data, tmp_path):
         energon_source(spec)
     with pytest.raises(ValueError, match="leaves no room"):
         settings(data, num_image_tokens=96)
+
+
+def test_resume_with_a_worker_process(data):
+    opts = LoaderOptions(micro_batch_size=2, num_workers=1)
+    first = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts)
+    take(first, 3)
+    state = first.state_dict()
+    expected = take(first, 4)
+    resumed = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts)
+    resumed.load_state_dict(state)
+    assert all(same(a, b) for a, b in zip(expected, take(resumed, 4)))
