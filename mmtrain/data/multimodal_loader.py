@@ -139,3 +139,32 @@ class MultimodalLoader:
                              "per-rank states resume only on the same data-parallel layout")
         self.loader.restore_state_rank(state["energon"])
         self.batches_yielded = int(state["batches_yielded"])
+
+
+def settings_from_config(data_cfg) -> MultimodalSettings:
+    """``MultimodalSettings`` from ``cfg.data`` (its ``mm_*`` fields and ``seq_length``)."""
+    if not data_cfg.mm_tokenizer:
+        raise ValueError("data.mm_tokenizer is empty; multimodal training needs the tokenizer of the captions")
+    if data_cfg.mm_image_token_id < 0:
+        raise ValueError("data.mm_image_token_id is not set; give the placeholder token id of image features")
+    return MultimodalSettings(
+        tokenizer=data_cfg.mm_tokenizer, seq_length=data_cfg.seq_length, image_token_id=data_cfg.mm_image_token_id,
+        num_image_tokens=data_cfg.mm_num_image_tokens, image_size=data_cfg.mm_image_size,
+        image_mean=tuple(data_cfg.mm_image_mean), image_std=tuple(data_cfg.mm_image_std),
+        audio_token_id=None if data_cfg.mm_audio_token_id < 0 else data_cfg.mm_audio_token_id,
+        num_audio_tokens=data_cfg.mm_num_audio_tokens, audio_rate=data_cfg.mm_audio_rate,
+        max_audio_seconds=data_cfg.mm_max_audio_seconds, video_frames=data_cfg.mm_video_frames,
+        pack=data_cfg.mm_pack)
+
+
+def build_multimodal_loader(cfg, mesh=None, split: str = "train") -> MultimodalLoader:
+    """This rank's loader for a run config: source ``cfg.data.blend``, micro-batch ``cfg.train.micro_batch_size``,
+    ``cfg.data.num_workers`` workers, energon's shuffling seeded by ``cfg.data.seed``."""
+    d = cfg.data
+    if not d.blend:
+        raise ValueError("data.blend is empty; point it at a media shard folder, an energon metadataset YAML or a "
+                         "blend spec with type: energon entries")
+    options = LoaderOptions(micro_batch_size=cfg.train.micro_batch_size, num_workers=d.num_workers,
+                            shuffle_buffer_size=d.mm_shuffle_buffer_size, packing_buffer_size=d.mm_packing_buffer_size,
+                            seed_offset=d.seed)
+    return MultimodalLoader(d.blend, settings_from_config(d), options, mesh=mesh, split=split)

@@ -212,3 +212,16 @@ def test_resume_with_a_worker_process(data):
     resumed = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts)
     resumed.load_state_dict(state)
     assert all(same(a, b) for a, b in zip(expected, take(resumed, 4)))
+
+
+def test_loader_from_run_config(data):
+    from mmtrain.config.schema import GPTRunConfig
+    from mmtrain.data.multimodal_loader import build_multimodal_loader
+
+    cfg = GPTRunConfig()
+    cfg.data.blend, cfg.data.mm_tokenizer, cfg.data.mm_image_token_id = str(data["root"] / "a"), data["tokenizer"], IMAGE_ID
+    cfg.data.mm_image_size, cfg.data.mm_num_image_tokens, cfg.data.seq_length, cfg.data.mm_pack = 32, 8, 128, True
+    cfg.train.micro_batch_size = 2
+    batch = next(build_multimodal_loader(cfg))
+    assert batch.tokens.shape == (2, 128) and batch.images.shape[1:] == (3, 32, 32)
+    assert int(batch.document_ids.max()) >= 1  # packed
