@@ -225,3 +225,38 @@ def test_loader_from_run_config(data):
     batch = next(build_multimodal_loader(cfg))
     assert batch.tokens.shape == (2, 128) and batch.images.shape[1:] == (3, 32, 32)
     assert int(batch.document_ids.max()) >= 1  # packed
+
+
+def test_data_parallel_ranks_read_disjoint_samples(data):
+    from types import SimpleNamespace
+
+    def mesh(rank):
+        return SimpleNamespace(coord=SimpleNamespace(dp=rank), dims=SimpleNamespace(dp=2), dp_group=None)
+
+    opts = LoaderOptions(micro_batch_size=2, shuffle_buffer_size=0)
+    keys = [{k for batch in take(MultimodalLoader(data["root"] / "a", settings(data), opts, mesh=mesh(r)), 5)
+             for k in batch.__key__} for r in (0, 1)]
+    assert len(keys[0]) == len(keys[1]) == 10 and not keys[0] & keys[1]
+
+
+def test_list_images_and_undecoded_video(data, tmp_path):
+    """An ``images`` row (img000, img001 parts) and a video without stored frames (decoded, 4 of 16 frames)."""
+    src = data["root"] / "in"
+    rows = [{"id": "pair", "images": ["images/img-00000.jpg", "images/img-00001.png"], "caption": "Two shapes."},
+            {"id": "slide", "video": "video/slide-000.mp4", "caption": "A red square slides."}]
+    (src / "extra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert prep(["media", "--input", str(src / "extra.jsonl"), "--output", str(tmp_path / "x"), "--no-progress",
+                 "--val-ratio", "0", "--workers", "1"]) == 0
+    loader = MultimodalLoader(tmp_path / "x", settings(data), LoaderOptions(micro_batch_size=2, shuffle_buffer_size=0))
+    batch = next(loader)
+    counts = dict(zip(batch.__key__, batch.image_counts.tolist()))
+    assert counts == {"pair": 2, "slide": 4} and batch.images.shape == (6, 3, 32, 32)
+
+
+def test_sample_errors_are_raised_not_skipped(data):
+    from mmtrain.data.multimodal_media import MediaSampleError
+
+    loader = MultimodalLoader(data["root"] / "mixed", settings(data, audio_token_id=None),
+                              LoaderOptions(micro_batch_size=1, shuffle_buffer_size=0))
+    with pytest.raises(MediaSampleError, match="clip-000.*no audio_token_id"):
+        take(loader, 29)
