@@ -1,6 +1,6 @@
 """Benchmark the multimodal (energon) loader: samples/s per configuration, with and without packing.
 
-    python bench/data_multimodal.py [--images 400] [--image-size 224] [--batches 40] [--workers 0 1] [--out DIR]
+    python bench/data_multimodal.py [--images 400] [--image-size 224] [--batches 40] [--workers 0 1] [--repeats 3] [--out DIR]
 
 Writes the sample media set (``dataprep.samples_media``: images with grain, so files have photo-like sizes, at
 320x240..640x480) with ``mmtrain-prep media`` under ``--out`` (outside the repository; reused when present),
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,20 +73,26 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--batches", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the table shows medians")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-data-multimodal")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     args.out.mkdir(parents=True, exist_ok=True)
     shards, tokenizer = prepare(args.out, args.images)
+    configs = [(w, pack) for w in args.workers for pack in (False, True)]
+    results: dict = {c: [] for c in configs}
+    for _ in range(args.repeats):  # interleaved, so every configuration sees the same machine load
+        for c in configs:
+            results[c].append(measure(shards, tokenizer, args, *c))
     rows = []
-    for workers in args.workers:
-        for pack in (False, True):
-            sps, bps = measure(shards, tokenizer, args, workers, pack)
-            rows.append((workers, "yes" if pack else "no", sps, sps / max(workers, 1), bps))
+    for (workers, pack), runs in results.items():
+        sps, bps = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        rows.append((workers, "yes" if pack else "no", sps, sps / max(workers, 1), bps))
     print(f"\n{args.images} images (320x240..640x480 JPEG/PNG) -> {args.image_size}px, {args.image_tokens} image "
-          f"tokens, seq_length {args.seq_length}, micro-batch {args.micro_batch_size}, {args.batches} batches")
+          f"tokens, seq_length {args.seq_length}, micro-batch {args.micro_batch_size}, {args.batches} batches, "
+          f"median of {args.repeats} interleaved rounds")
     print("| workers | packing | samples/s | samples/s per worker | batches/s |")
     print("|---|---|---|---|---|")
     for w, pk, sps, spw, bps in rows:

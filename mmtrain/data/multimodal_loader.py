@@ -106,8 +106,7 @@ class MultimodalLoader:
             max_samples_per_sequence=options.max_samples_per_sequence,
             packing_buffer_size=options.packing_buffer_size if settings.pack else None,
             task_encoder=self.task_encoder)
-        self.loader = get_savable_loader(self.dataset, prefetch_factor=options.prefetch_factor,
-                                         checkpoint_every_min_n_samples=1)
+        self.loader = get_savable_loader(self.dataset, prefetch_factor=options.prefetch_factor)
         self._iter: Iterator | None = None
         self.batches_yielded = 0
 
