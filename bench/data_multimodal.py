@@ -1,6 +1,7 @@
 """Benchmark the multimodal (energon) loader: samples/s per configuration, with and without packing.
 
-    python bench/data_multimodal.py [--images 400] [--image-size 224] [--batches 40] [--workers 0 1] [--repeats 3] [--out DIR]
+    python bench/data_multimodal.py [--images 400] [--image-size 224] [--batches 40] [--workers 0 1]
+                                    [--repeats 3] [--out DIR]
 
 Writes the sample media set (``dataprep.samples_media``: images with grain, so files have photo-like sizes, at
 320x240..640x480) with ``mmtrain-prep media`` under ``--out`` (outside the repository; reused when present),

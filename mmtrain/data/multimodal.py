@@ -177,7 +177,8 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         labels[~torch.tensor(train[1:], dtype=torch.bool)] = IGNORE_INDEX
         n = len(ids) - 1
         return EncodedMultimodalSample.derive_from(
-            sample, tokens=seq[:-1], labels=labels, position_ids=torch.arange(n), document_ids=torch.zeros(n, dtype=torch.int64),
+            sample, tokens=seq[:-1], labels=labels, position_ids=torch.arange(n),
+            document_ids=torch.zeros(n, dtype=torch.int64),
             images=[self._image(im) for im in sample.images],
             audio=[self._audio(w, r) for w, r in zip(sample.audio, sample.audio_rates)])
 

@@ -92,8 +92,8 @@ class MultimodalLoader:
     """An endless iterator of ``MultimodalBatch`` for one data-parallel rank, resumable exactly:
     ``load_state_dict(state_dict())`` on a fresh loader (before its first batch) continues the same stream."""
 
-    def __init__(self, source: str | os.PathLike, settings: MultimodalSettings, options: LoaderOptions = LoaderOptions(),
-                 mesh=None, split: str = "train") -> None:
+    def __init__(self, source: str | os.PathLike, settings: MultimodalSettings,
+                 options: LoaderOptions = LoaderOptions(), mesh=None, split: str = "train") -> None:
         from megatron.energon import get_savable_loader, get_train_dataset
 
         self.settings, self.options, self.split = settings, options, split

@@ -41,7 +41,8 @@ def data(tmp_path_factory):
     _write_captions(rows, root / "in" / "a.jsonl", "a-")
     _write_captions(rows, root / "in" / "b.jsonl", "b-")
     common = ["--no-progress", "--val-ratio", "0", "--workers", "1"]
-    assert prep(["media", "--input", str(manifest), "--output", str(root / "mixed"), "--video-frames", "3", *common]) == 0
+    assert prep(["media", "--input", str(manifest), "--output", str(root / "mixed"), "--video-frames", "3",
+                 *common]) == 0
     assert prep(["media", "--input", str(root / "in" / "a.jsonl"), "--output", str(root / "a"), "--shard-size", "20KB",
                  *common]) == 0
     assert prep(["media", "--input", str(root / "in" / "b.jsonl"), "--output", str(root / "b"), *common]) == 0
@@ -157,7 +158,8 @@ def test_blend_spec_weights_are_respected(data, tmp_path):
 def test_energon_metadataset_yaml_is_accepted(data, tmp_path):
     mds = tmp_path / "mds.yaml"
     mds.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
-                   f"      - {{path: {data['root'] / 'a'}, weight: 1}}\n      - {{path: {data['root'] / 'b'}, weight: 1}}\n")
+                   f"      - {{path: {data['root'] / 'a'}, weight: 1}}\n"
+                   f"      - {{path: {data['root'] / 'b'}, weight: 1}}\n")
     assert energon_source(mds) == str(mds.resolve())
     keys = {k[0] for batch in take(MultimodalLoader(mds, settings(data), LoaderOptions(micro_batch_size=8)), 5)
             for k in batch.__key__}
@@ -196,7 +198,8 @@ def test_bad_sources_name_the_problem(data, tmp_path):
     (tmp_path / "text.bin").write_bytes(b"")
     (tmp_path / "text.idx").write_bytes(b"")
     spec = tmp_path / "blend.yaml"
-    spec.write_text(f"train:\n  - {{path: text, weight: 1}}\n  - {{path: {data['root'] / 'a'}, weight: 1, type: energon}}\n")
+    spec.write_text("train:\n  - {path: text, weight: 1}\n"
+                    f"  - {{path: {data['root'] / 'a'}, weight: 1, type: energon}}\n")
     with pytest.raises(BlendSpecError, match="indexed text dataset"):
         energon_source(spec)
     with pytest.raises(ValueError, match="leaves no room"):
@@ -219,7 +222,8 @@ def test_loader_from_run_config(data):
     from mmtrain.data.multimodal_loader import build_multimodal_loader
 
     cfg = GPTRunConfig()
-    cfg.data.blend, cfg.data.mm_tokenizer, cfg.data.mm_image_token_id = str(data["root"] / "a"), data["tokenizer"], IMAGE_ID
+    cfg.data.blend, cfg.data.mm_tokenizer = str(data["root"] / "a"), data["tokenizer"]
+    cfg.data.mm_image_token_id = IMAGE_ID
     cfg.data.mm_image_size, cfg.data.mm_num_image_tokens, cfg.data.seq_length, cfg.data.mm_pack = 32, 8, 128, True
     cfg.train.micro_batch_size = 2
     batch = next(build_multimodal_loader(cfg))
