@@ -89,31 +89,38 @@ class LoaderOptions:
 
 
 class MultimodalLoader:
-    """An endless iterator of ``MultimodalBatch`` for one data-parallel rank, resumable exactly:
-    ``load_state_dict(state_dict())`` on a fresh loader (before its first batch) continues the same stream."""
+    """``MultimodalBatch``-es for one data-parallel rank. ``split="train"``: an endless shuffled iterator, resumable
+    exactly (``load_state_dict(state_dict())`` on a fresh loader, before its first batch, continues the same
+    stream). ``"valid"``/``"test"`` (energon's ``val``/``test`` shards): one ordered pass per ``for`` loop."""
 
     def __init__(self, source: str | os.PathLike, settings: MultimodalSettings,
                  options: LoaderOptions = LoaderOptions(), mesh=None, split: str = "train") -> None:
-        from megatron.energon import get_savable_loader, get_train_dataset
+        from megatron.energon import get_loader, get_savable_loader, get_train_dataset, get_val_dataset
 
         self.settings, self.options, self.split = settings, options, split
+        self.training = split == "train"
         self.source = energon_source(source, split)
         self.task_encoder = MultimodalTaskEncoder(settings)
         self.worker_config = worker_config_for(mesh, options.num_workers, options.seed_offset)
-        self.dataset = get_train_dataset(
-            self.source, split_part={"valid": "val"}.get(split, split), worker_config=self.worker_config,
-            batch_size=options.micro_batch_size, shuffle_buffer_size=options.shuffle_buffer_size or None,
-            max_samples_per_sequence=options.max_samples_per_sequence,
-            packing_buffer_size=options.packing_buffer_size if settings.pack else None,
-            task_encoder=self.task_encoder)
-        self.loader = get_savable_loader(self.dataset, prefetch_factor=options.prefetch_factor)
+        common = dict(split_part={"valid": "val"}.get(split, split), worker_config=self.worker_config,
+                      batch_size=options.micro_batch_size, task_encoder=self.task_encoder,
+                      packing_buffer_size=options.packing_buffer_size if settings.pack else None)
+        if self.training:
+            self.dataset = get_train_dataset(self.source, shuffle_buffer_size=options.shuffle_buffer_size or None,
+                                             max_samples_per_sequence=options.max_samples_per_sequence, **common)
+            self.loader = get_savable_loader(self.dataset, prefetch_factor=options.prefetch_factor)
+        else:  # evaluation: one ordered pass per ``for`` loop, the same batches every time
+            self.dataset = get_val_dataset(self.source, **common)
+            self.loader = get_loader(self.dataset, prefetch_factor=options.prefetch_factor)
         self._iter: Iterator | None = None
         self.batches_yielded = 0
 
-    def __iter__(self) -> "MultimodalLoader":
-        return self
+    def __iter__(self):
+        return self if self.training else iter(self.loader)
 
     def __next__(self) -> MultimodalBatch:
+        if not self.training:
+            raise TypeError(f"the {self.split!r} loader is finite: iterate it with a for loop (one pass each)")
         if self._iter is None:
             self._iter = iter(self.loader)
         batch = next(self._iter)
@@ -122,6 +129,8 @@ class MultimodalLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Energon's per-rank loader state (picklable; save it with the rank's checkpoint)."""
+        if not self.training:
+            raise TypeError(f"the {self.split!r} loader has no state: every pass reads the same batches")
         return {"version": STATE_VERSION, "energon": self.loader.save_state_rank(),
                 "batches_yielded": self.batches_yielded, "dp_rank": self.worker_config.rank,
                 "dp_size": self.worker_config.world_size}

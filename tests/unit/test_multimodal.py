@@ -264,3 +264,12 @@ def test_sample_errors_are_raised_not_skipped(data):
                               LoaderOptions(micro_batch_size=1, shuffle_buffer_size=0))
     with pytest.raises(MediaSampleError, match="clip-000.*no audio_token_id"):
         take(loader, 29)
+
+
+def test_validation_loader_is_one_ordered_pass(data, tmp_path):
+    assert prep(["media", "--input", str(data["root"] / "in" / "a.jsonl"), "--output", str(tmp_path / "v"),
+                 "--no-progress", "--val-ratio", "0.5", "--workers", "1"]) == 0
+    n_val = json.loads((tmp_path / "v" / "manifest.json").read_text())["counts"]["splits"]["val"]
+    loader = MultimodalLoader(tmp_path / "v", settings(data), LoaderOptions(micro_batch_size=4), split="valid")
+    passes = [[k for batch in loader for k in batch.__key__] for _ in range(2)]
+    assert passes[0] == passes[1] and len(passes[0]) == len(set(passes[0])) == n_val > 0
