@@ -92,6 +92,23 @@ class DataConfig:
     eod_mask_loss: bool = doc(False, "Mask the loss where the input token is the end-of-document token.")
     index_build_timeout_s: float = doc(1800.0, "Seconds a process waits for LOCAL_RANK 0 to build the sample indices.")
     num_workers: int = doc(0, "Loader worker processes per rank.")
+    mm_tokenizer: str = doc("", "Multimodal: tokenizer of the text (SentencePiece .model, tokenizer.json or its folder); "
+                                "the sources are data.blend: energon entries of a blend spec, an energon metadataset "
+                                "YAML, or one mmtrain-prep media folder.")
+    mm_image_size: int = doc(224, "Multimodal: images (and video frames) are resized to this square size, CHW float.")
+    mm_image_mean: list[float] = doc([0.5, 0.5, 0.5], "Multimodal: per-channel mean subtracted from [0, 1] pixels.")
+    mm_image_std: list[float] = doc([0.5, 0.5, 0.5], "Multimodal: per-channel std the pixels are divided by.")
+    mm_image_token_id: int = doc(-1, "Multimodal: placeholder token id where an image's features go; required.")
+    mm_num_image_tokens: int = doc(64, "Multimodal: placeholder tokens per image (the vision encoder's output length).")
+    mm_audio_token_id: int = doc(-1, "Multimodal: placeholder token id of an audio clip; -1 refuses audio samples.")
+    mm_num_audio_tokens: int = doc(32, "Multimodal: placeholder tokens per audio clip.")
+    mm_audio_rate: int = doc(16000, "Multimodal: waveforms are resampled (linearly) to this rate in Hz.")
+    mm_max_audio_seconds: float = doc(30.0, "Multimodal: waveforms are cut to this many seconds.")
+    mm_video_frames: int = doc(4, "Multimodal: evenly spaced frames taken from each video (each is an image).")
+    mm_pack: bool = doc(False, "Multimodal: pack several samples into each seq_length sequence (document ids and "
+                               "position ids per sample).")
+    mm_packing_buffer_size: int = doc(32, "Multimodal: samples the packer chooses from when filling sequences.")
+    mm_shuffle_buffer_size: int = doc(100, "Multimodal: energon's sample shuffle buffer; 0 disables it.")
 
 
 @dataclass

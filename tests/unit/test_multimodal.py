@@ -1,0 +1,275 @@
+"""Multimodal loading with the real megatron-energon on shards written by `mmtrain-prep media`: shapes, captions
+back from tokens, cooked audio/video, exact resume, determinism, blend weights, packing."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.energon")
+pytestmark = pytest.mark.filterwarnings("ignore:'pin_memory' argument:UserWarning",
+                                        "ignore:Video container unit is seconds:RuntimeWarning")
+
+from dataprep.cli import main as prep  # noqa: E402
+from dataprep.samples_media import write_media_samples  # noqa: E402
+from mmtrain.data.blend_spec import BlendSpecError  # noqa: E402
+from mmtrain.data.multimodal import IGNORE_INDEX, MultimodalSettings  # noqa: E402
+from mmtrain.data.multimodal_loader import LoaderOptions, MultimodalLoader, energon_source  # noqa: E402
+
+VOCAB = 300
+IMAGE_ID, AUDIO_ID = VOCAB, VOCAB + 1  # ids the tokenizer never produces
+
+
+def _write_captions(rows, path: Path, prefix: str) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            if "image" in row and "caption" in row:
+                f.write(json.dumps({**row, "id": prefix + row["id"]}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("mm")
+    manifest = write_media_samples(root / "in", num_images=24, num_audio=4, video=True)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    _write_captions(rows, root / "in" / "a.jsonl", "a-")
+    _write_captions(rows, root / "in" / "b.jsonl", "b-")
+    common = ["--no-progress", "--val-ratio", "0", "--workers", "1"]
+    assert prep(["media", "--input", str(manifest), "--output", str(root / "mixed"), "--video-frames", "3",
+                 *common]) == 0
+    assert prep(["media", "--input", str(root / "in" / "a.jsonl"), "--output", str(root / "a"), "--shard-size", "20KB",
+                 *common]) == 0
+    assert prep(["media", "--input", str(root / "in" / "b.jsonl"), "--output", str(root / "b"), *common]) == 0
+    texts = [r.get("caption") or r.get("text") or r["conversation"][-1]["content"] for r in rows]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts * 4), model_prefix=str(root / "sp"), vocab_size=VOCAB, model_type="bpe",
+        byte_fallback=True, hard_vocab_limit=False, minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        num_threads=1)
+    captions = {r["id"]: r.get("caption") for r in rows}
+    return {"root": root, "captions": captions, "tokenizer": str(root / "sp.model")}
+
+
+def settings(data, **kw) -> MultimodalSettings:
+    base = dict(tokenizer=data["tokenizer"], seq_length=96, image_token_id=IMAGE_ID, num_image_tokens=8,
+                image_size=32, audio_token_id=AUDIO_ID, num_audio_tokens=4, video_frames=4)
+    return MultimodalSettings(**{**base, **kw})
+
+
+def take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def same(a, b) -> bool:
+    return a.__key__ == b.__key__ and all(torch.equal(getattr(a, f), getattr(b, f)) for f in (
+        "tokens", "labels", "position_ids", "document_ids", "images", "audio"))
+
+
+def test_batches_have_fixed_shapes_and_captions_decode_back(data):
+    from dataprep.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(data["tokenizer"])
+    loader = MultimodalLoader(data["root"] / "a", settings(data), LoaderOptions(micro_batch_size=3))
+    for batch in take(loader, 4):
+        assert batch.tokens.shape == batch.labels.shape == batch.position_ids.shape == (3, 96)
+        assert batch.images.shape == (3, 3, 32, 32) and batch.images.dtype == torch.float32
+        assert batch.image_counts.tolist() == [1, 1, 1]
+        assert -1.01 <= float(batch.images.min()) and float(batch.images.max()) <= 1.01  # (x - 0.5) / 0.5
+        for row, key in enumerate(batch.__key__):
+            tokens, labels = batch.tokens[row], batch.labels[row]
+            assert tokens[:8].tolist() == [IMAGE_ID] * 8 and IMAGE_ID not in tokens[8:].tolist()
+            assert (labels[:7] == IGNORE_INDEX).all()  # targets inside the image placeholders are masked
+            target = labels[labels != IGNORE_INDEX].tolist()
+            assert target[-1] == tok.eod_id
+            assert tok.decode(target[:-1]) == data["captions"][key.removeprefix("a-")]
+            assert torch.equal(batch.loss_mask[row], (labels != IGNORE_INDEX).float())
+
+
+def test_crude_audio_and_video_are_cooked(data):
+    loader = MultimodalLoader(data["root"] / "mixed", settings(data), LoaderOptions(micro_batch_size=4,
+                                                                                    shuffle_buffer_size=0))
+    seen = {}
+    for batch in take(loader, 8):  # 29 samples in order: one pass
+        audio_at, image_at = 0, 0
+        for row, key in enumerate(batch.__key__):
+            n_img, n_audio = int(batch.image_counts[row]), int(batch.audio_counts[row])
+            assert batch.tokens[row].tolist().count(IMAGE_ID) == 8 * n_img
+            assert batch.tokens[row].tolist().count(AUDIO_ID) == 4 * n_audio
+            seen[key] = (n_img, n_audio, batch.audio_lengths[audio_at:audio_at + n_audio].tolist())
+            audio_at, image_at = audio_at + n_audio, image_at + n_img
+        assert batch.images.shape[0] == image_at and batch.audio.shape[0] == audio_at
+    assert seen["slide-000"][:2] == (3, 0)  # the 3 frames prep stored
+    for key in ("clip-000", "clip-001", "clip-002", "clip-003"):  # wav, flac, mp3, ogg (PyAV fallback)
+        n_img, n_audio, lengths = seen[key]
+        assert (n_img, n_audio) == (0, 1) and lengths[0] > 0.45 * 16000, key
+    assert seen["img-00023"] == (1, 0, [])  # a conversation row
+
+
+def test_conversation_prompt_is_masked(data):
+    from dataprep.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(data["tokenizer"])
+    loader = MultimodalLoader(data["root"] / "mixed", settings(data), LoaderOptions(micro_batch_size=1,
+                                                                                    shuffle_buffer_size=0))
+    for batch in take(loader, 29):
+        if batch.__key__[0] == "img-00023":
+            break
+    labels = batch.labels[0]
+    target = labels[labels != IGNORE_INDEX].tolist()
+    answer = tok.decode(target[:-1])
+    assert "What is in the picture" not in answer and answer.startswith("A ") and answer.endswith(".")
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_resume_mid_epoch_continues_identically(data, pack):
+    opts = LoaderOptions(micro_batch_size=2, packing_buffer_size=8)
+    first = MultimodalLoader(data["root"] / "a", settings(data, pack=pack), opts)
+    take(first, 3)
+    state = first.state_dict()
+    expected = take(first, 5)
+    resumed = MultimodalLoader(data["root"] / "a", settings(data, pack=pack), opts)
+    resumed.load_state_dict(state)
+    got = take(resumed, 5)
+    assert all(same(a, b) for a, b in zip(expected, got))
+    assert resumed.batches_yielded == 8
+
+
+def test_same_batches_across_runs(data):
+    runs = [take(MultimodalLoader(data["root"] / "mixed", settings(data, pack=True), LoaderOptions()), 4)
+            for _ in range(2)]
+    assert all(same(a, b) for a, b in zip(*runs))
+
+
+def test_blend_spec_weights_are_respected(data, tmp_path):
+    spec = tmp_path / "blend.yaml"
+    spec.write_text(f"train:\n  - {{path: {data['root'] / 'a'}, weight: 0.8, type: energon}}\n"
+                    f"  - {{path: {data['root'] / 'b'}, weight: 0.2, type: energon}}\n")
+    loader = MultimodalLoader(spec, settings(data), LoaderOptions(micro_batch_size=20))
+    counts = Counter(key[0] for batch in take(loader, 20) for key in batch.__key__)
+    share = counts["a"] / (counts["a"] + counts["b"])
+    assert abs(share - 0.8) < 0.07, counts  # 400 draws: standard deviation 0.02
+
+
+def test_energon_metadataset_yaml_is_accepted(data, tmp_path):
+    mds = tmp_path / "mds.yaml"
+    mds.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+                   f"      - {{path: {data['root'] / 'a'}, weight: 1}}\n"
+                   f"      - {{path: {data['root'] / 'b'}, weight: 1}}\n")
+    assert energon_source(mds) == str(mds.resolve())
+    keys = {k[0] for batch in take(MultimodalLoader(mds, settings(data), LoaderOptions(micro_batch_size=8)), 5)
+            for k in batch.__key__}
+    assert keys == {"a", "b"}
+
+
+def test_packing_keeps_images_whole_and_within_budget(data):
+    loader = MultimodalLoader(data["root"] / "mixed", settings(data, pack=True, seq_length=128),
+                              LoaderOptions(micro_batch_size=2, packing_buffer_size=16))
+    packed_rows = 0
+    for batch in take(loader, 10):
+        image_at = 0
+        for row in range(2):
+            docs = batch.document_ids[row]
+            used = int((docs >= 0).sum())
+            assert used <= 128 and (docs[used:] == -1).all() and (batch.labels[row][used:] == IGNORE_INDEX).all()
+            ids = docs[:used]
+            assert (ids[1:] - ids[:-1] >= 0).all() and (ids[1:] - ids[:-1] <= 1).all()  # contiguous documents
+            n_docs = int(ids.max()) + 1
+            packed_rows += n_docs > 1
+            for d in range(n_docs):
+                where = (ids == d).nonzero().view(-1)
+                assert batch.position_ids[row][where].tolist() == list(range(len(where)))
+                doc_tokens = batch.tokens[row][where].tolist()
+                n_img = doc_tokens.count(IMAGE_ID)
+                assert n_img % 8 == 0 and doc_tokens[:n_img] == [IMAGE_ID] * n_img  # whole runs, at the start
+                image_at += n_img // 8
+            assert int(batch.image_counts[row]) * 8 == batch.tokens[row][:used].tolist().count(IMAGE_ID)
+        assert batch.images.shape[0] == image_at
+    assert packed_rows > 5
+
+
+def test_bad_sources_name_the_problem(data, tmp_path):
+    with pytest.raises(BlendSpecError, match="no .nv-meta"):
+        energon_source(tmp_path)
+    (tmp_path / "text.bin").write_bytes(b"")
+    (tmp_path / "text.idx").write_bytes(b"")
+    spec = tmp_path / "blend.yaml"
+    spec.write_text("train:\n  - {path: text, weight: 1}\n"
+                    f"  - {{path: {data['root'] / 'a'}, weight: 1, type: energon}}\n")
+    with pytest.raises(BlendSpecError, match="indexed text dataset"):
+        energon_source(spec)
+    with pytest.raises(ValueError, match="leaves no room"):
+        settings(data, num_image_tokens=96)
+
+
+def test_resume_with_a_worker_process(data):
+    opts = LoaderOptions(micro_batch_size=2, num_workers=1)
+    first = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts)
+    take(first, 3)
+    state = first.state_dict()
+    expected = take(first, 4)
+    resumed = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts)
+    resumed.load_state_dict(state)
+    assert all(same(a, b) for a, b in zip(expected, take(resumed, 4)))
+
+
+def test_loader_from_run_config(data):
+    from mmtrain.config.schema import GPTRunConfig
+    from mmtrain.data.multimodal_loader import build_multimodal_loader
+
+    cfg = GPTRunConfig()
+    cfg.data.blend, cfg.data.mm_tokenizer = str(data["root"] / "a"), data["tokenizer"]
+    cfg.data.mm_image_token_id = IMAGE_ID
+    cfg.data.mm_image_size, cfg.data.mm_num_image_tokens, cfg.data.seq_length, cfg.data.mm_pack = 32, 8, 128, True
+    cfg.train.micro_batch_size = 2
+    batch = next(build_multimodal_loader(cfg))
+    assert batch.tokens.shape == (2, 128) and batch.images.shape[1:] == (3, 32, 32)
+    assert int(batch.document_ids.max()) >= 1  # packed
+
+
+def test_data_parallel_ranks_read_disjoint_samples(data):
+    from types import SimpleNamespace
+
+    def mesh(rank):
+        return SimpleNamespace(coord=SimpleNamespace(dp=rank), dims=SimpleNamespace(dp=2), dp_group=None)
+
+    opts = LoaderOptions(micro_batch_size=2, shuffle_buffer_size=0)
+    keys = [{k for batch in take(MultimodalLoader(data["root"] / "a", settings(data), opts, mesh=mesh(r)), 5)
+             for k in batch.__key__} for r in (0, 1)]
+    assert len(keys[0]) == len(keys[1]) == 10 and not keys[0] & keys[1]
+
+
+def test_list_images_and_undecoded_video(data, tmp_path):
+    """An ``images`` row (img000, img001 parts) and a video without stored frames (decoded, 4 of 16 frames)."""
+    src = data["root"] / "in"
+    rows = [{"id": "pair", "images": ["images/img-00000.jpg", "images/img-00001.png"], "caption": "Two shapes."},
+            {"id": "slide", "video": "video/slide-000.mp4", "caption": "A red square slides."}]
+    (src / "extra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert prep(["media", "--input", str(src / "extra.jsonl"), "--output", str(tmp_path / "x"), "--no-progress",
+                 "--val-ratio", "0", "--workers", "1"]) == 0
+    loader = MultimodalLoader(tmp_path / "x", settings(data), LoaderOptions(micro_batch_size=2, shuffle_buffer_size=0))
+    batch = next(loader)
+    counts = dict(zip(batch.__key__, batch.image_counts.tolist()))
+    assert counts == {"pair": 2, "slide": 4} and batch.images.shape == (6, 3, 32, 32)
+
+
+def test_sample_errors_are_raised_not_skipped(data):
+    from mmtrain.data.multimodal_media import MediaSampleError
+
+    loader = MultimodalLoader(data["root"] / "mixed", settings(data, audio_token_id=None),
+                              LoaderOptions(micro_batch_size=1, shuffle_buffer_size=0))
+    with pytest.raises(MediaSampleError, match="clip-000.*no audio_token_id"):
+        take(loader, 29)
+
+
+def test_validation_loader_is_one_ordered_pass(data, tmp_path):
+    assert prep(["media", "--input", str(data["root"] / "in" / "a.jsonl"), "--output", str(tmp_path / "v"),
+                 "--no-progress", "--val-ratio", "0.5", "--workers", "1"]) == 0
+    n_val = json.loads((tmp_path / "v" / "manifest.json").read_text())["counts"]["splits"]["val"]
+    loader = MultimodalLoader(tmp_path / "v", settings(data), LoaderOptions(micro_batch_size=4), split="valid")
+    passes = [[k for batch in loader for k in batch.__key__] for _ in range(2)]
+    assert passes[0] == passes[1] and len(passes[0]) == len(set(passes[0])) == n_val > 0
