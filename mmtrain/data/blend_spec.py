@@ -13,8 +13,8 @@ or one blend per split (each dataset used whole)::
     valid: "1 wiki_valid"                  # Megatron's list form: weight path weight path ...
     test:  [1, wiki_test]                  # the same as a YAML list
 
-Entries may say ``type: energon`` (a prepared multimodal shard folder); they are parsed and checked here, but
-GPT training cannot use them yet. Weights are normalized per split; leaving every weight out weighs each
+Entries may say ``type: energon`` (a prepared multimodal shard folder); they are parsed and checked here; GPT
+text training rejects them and the multimodal loader (``mmtrain.data.multimodal_loader``) reads them. Weights are normalized per split; leaving every weight out weighs each
 dataset by its token count in the split. Everything wrong is a ``BlendSpecError`` naming the file and entry.
 """
 

@@ -62,7 +62,8 @@ def _snapshot(step: int, mesh: ParallelMesh, model: torch.nn.Module, optimizer: 
         "step": step,
         "layout": _layout(mesh),
         "model": {k: host(v) for k, v in model.state_dict().items()},
-        "optimizer": _map_tensors(optimizer.state_dict(), host),
+        # AdamW hyper-parameters only: the moments are saved once, per piece, in "piece_state"
+        "optimizer": {"param_groups": optimizer.state_dict()["param_groups"]},
         "optimizer_masters": [host(pc.master) for pc in optimizer.pieces] if optimizer.master_weights else [],
         # per piece: which parameter and which flat range of it, and its Adam state: what resharding needs
         "pieces": piece_records(model, optimizer),
@@ -73,16 +74,6 @@ def _snapshot(step: int, mesh: ParallelMesh, model: torch.nn.Module, optimizer: 
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the non-blocking copies must land before anyone reads them
     return state
-
-
-def _map_tensors(obj: Any, fn) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
 
 
 def _finalize(root: Path, folder: Path, step: int, layout: dict, keep_last: int, config: dict | None) -> None:
@@ -232,7 +223,11 @@ def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, op
     own = model.state_dict()
     for name, value in state["model"].items():
         own[name].copy_(value)
-    optimizer.load_state_dict(state["optimizer"])
+    fused = bool(optimizer.optimizer.defaults.get("fused"))
+    for pc, piece_state in zip(optimizer.pieces, state["piece_state"]):
+        if piece_state:
+            optimizer.optimizer.state[pc.master] = {
+                k: v.to("cpu" if k == "step" and not fused else pc.master.device) for k, v in piece_state.items()}
     for pc, master in zip(optimizer.pieces, state["optimizer_masters"]):
         pc.master.copy_(master)
     torch.set_rng_state(state["rng"]["cpu"])
