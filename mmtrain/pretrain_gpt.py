@@ -25,10 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mmtrain.pretrain_gpt: config error: {exc}", file=sys.stderr)
         return 2
     device = pick_device(cfg.train.device)
-    rank, world_size = init_distributed(cfg.parallel.backend, device)
+    rank, world_size = init_distributed(cfg.parallel.backend, device, cfg.parallel.collective_timeout_s)
     log = setup_logging(rank)
     try:
-        mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+        mesh = ParallelDims.from_config(cfg.parallel, world_size).build(timeout_s=cfg.parallel.collective_timeout_s)
         if rank == 0:
             save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
         log.info(f"layout: {mesh.dims.describe()} on {device}; resolved config in {cfg.logging.run_dir}/config.yaml")
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         from mmtrain.data.index_cache import IndexCacheTimeout
         from mmtrain.data.splits import SplitError
         from mmtrain.train.checkpoint import CheckpointError
-        from mmtrain.train.faults import NonFiniteError
+        from mmtrain.train.faults import CollectiveTimeout, NonFiniteError
         from mmtrain.train.loop import train_gpt
 
         try:
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         except (CheckpointError, ConfigError, BlendSpecError, SplitError, IndexCacheTimeout, NonFiniteError) as exc:
             log.error(f"error: {exc}")
             return 2
+        except CollectiveTimeout as exc:
+            log.error(f"error: {exc}")
+            return 1
     finally:
         shutdown_distributed()
     return 0

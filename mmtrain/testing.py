@@ -34,7 +34,7 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, backend: str, results: Any,
-            env: dict[str, str]) -> None:
+            env: dict[str, str], pg_timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -45,7 +45,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, ba
     try:
         import datetime
 
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
         value = fn(rank, world_size, *args)
         # Serialize to bytes: torch's queue pickling shares tensor storage through file descriptors, which
         # vanish when this process exits before the parent has read them.
@@ -63,12 +63,13 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, ba
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 300.0,
-                    env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns the per-rank results."""
+                    env: dict[str, str] | None = None, pg_timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns the per-rank results.
+    ``pg_timeout_s``: how long a collective may wait (the process group's timeout)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, backend, results, env or {}),
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, backend, results, env or {}, pg_timeout_s),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -71,6 +71,8 @@ class ParallelConfig:
     virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.")
     distributed_optimizer: bool = doc(True, "Shard optimizer state and fp32 master weights over data-parallel ranks.")
     backend: Literal["auto", "nccl", "gloo"] = doc("auto", "torch.distributed backend; auto picks nccl on GPU, gloo on CPU.")
+    collective_timeout_s: float = doc(600.0, "Seconds a collective may wait before the run stops with a report "
+                                             "naming the rank and the operation.")
 
 
 @dataclass

@@ -146,9 +146,15 @@ class ParallelDims:
                 f"ep={self.ep} (expert-dp={self.edp})")
 
     # ------------------------------------------------------------------------------------------- processes
-    def build(self, rank: int | None = None, backend: str | None = None) -> "ParallelMesh":
-        """Create every process group (collective over all ranks: call once, on every rank, in the same order)."""
+    def build(self, rank: int | None = None, backend: str | None = None,
+              timeout_s: float | None = None) -> "ParallelMesh":
+        """Create every process group (collective over all ranks: call once, on every rank, in the same order).
+        ``timeout_s``: how long a collective on these groups may wait (torch's default otherwise: 30 min)."""
+        import datetime
+
         import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
 
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call mmtrain.parallel.init_distributed() first")
@@ -159,12 +165,12 @@ class ParallelDims:
         mine: dict[str, Any] = {}
         for name in GROUP_NAMES:
             for ranks in self.group_ranks(name):
-                group = dist.new_group(ranks, backend=backend)
+                group = dist.new_group(ranks, backend=backend, timeout=timeout)
                 if rank in ranks:
                     mine[name] = (group, ranks)
         # Tied embeddings under PP: the first and last stage of each pipeline keep their copies equal.
         for ranks in self.embedding_group_ranks():
-            group = dist.new_group(ranks, backend=backend)
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 mine["embd"] = (group, ranks)
         return ParallelMesh(dims=self, rank=rank, coord=self.coord(rank), _groups=mine)

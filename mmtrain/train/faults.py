@@ -15,6 +15,22 @@ import torch.distributed as dist
 from mmtrain.parallel.dims import ParallelMesh
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time; the message names this rank, the step and what it was doing."""
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, (dist.DistBackendError, RuntimeError)) and ("timed out" in text or "timeout" in text)
+
+
+def collective_timeout_report(exc: BaseException, rank: int, step: int, phase: str, timeout_s: float) -> str:
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    return (f"rank {rank}: a collective during {phase} of step {step} did not complete within {timeout_s:.0f}s "
+            f"(parallel.collective_timeout_s). Backend says: {first}. Usually another rank died or is stuck: "
+            "look for the first error in the other ranks' logs.")
+
+
 class NonFiniteError(RuntimeError):
     """Training stopped on a non-finite loss or gradient norm; the message names the step and the ranks."""
 

@@ -26,7 +26,8 @@ from mmtrain.parallel.expert import update_router_biases
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
-from mmtrain.train.faults import NonFiniteError, PreemptionWatch, nonfinite_report
+from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, PreemptionWatch, collective_timeout_report,
+                                  is_collective_timeout, nonfinite_report)
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
 from mmtrain.train.lr import lr_at
 from mmtrain.train.metrics import MetricsLogger
@@ -194,31 +195,81 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     n_params = sum(p.numel() for p in stage.parameters())
     log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters on this rank; global batch {gbs} x "
              f"{cfg.data.seq_length} tokens = {num_micro} micro-batch(es) of {cfg.train.micro_batch_size} per DP rank")
-    flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
-    result = TrainResult(model=stage)
-    skipped = 0
-    preemption = PreemptionWatch()
-    writer = CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save)
-    for step in range(start_step + 1, cfg.train.steps + 1):
+    run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, eod_id, metrics,
+               CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), PreemptionWatch(),
+               TrainResult(model=stage), gbs, num_micro, flops_per_token(cfg.model, cfg.data.seq_length))
+    try:
+        run.steps(start_step)
+    finally:
+        run.writer.close()
+        run.preemption.close()
+        metrics.close()
+    return run.result
+
+
+@dataclass
+class _Run:
+    """Everything one training run's step needs, and the phase it is in (for failure reports)."""
+
+    cfg: GPTRunConfig
+    mesh: ParallelMesh
+    device: torch.device
+    stage: GPTModel
+    buckets: list
+    optimizer: MixedPrecisionAdamW
+    batches: MicroBatches
+    val_batches: MicroBatches | None
+    eod_id: int | None
+    metrics: MetricsLogger
+    writer: CheckpointWriter
+    preemption: PreemptionWatch
+    result: TrainResult
+    gbs: int
+    num_micro: int
+    flops_tok: float
+    skipped: int = 0
+    phase: str = "start-up"
+
+    def steps(self, start_step: int) -> None:
+        """The step loop; a collective that times out is re-raised naming rank, step and phase."""
+        step = start_step
+        try:
+            for step in range(start_step + 1, self.cfg.train.steps + 1):
+                if not self.step(step):
+                    break
+        except RuntimeError as exc:
+            if is_collective_timeout(exc):
+                raise CollectiveTimeout(collective_timeout_report(
+                    exc, self.mesh.rank, step, self.phase, self.cfg.parallel.collective_timeout_s)) from exc
+            raise
+
+    def step(self, step: int) -> bool:
+        """One optimizer step (plus logging, evaluation, checkpoint); False when the run must stop (preempted)."""
+        cfg, mesh, device, stage, optimizer = self.cfg, self.mesh, self.device, self.stage, self.optimizer
+        log, dims = get_logger("train"), mesh.dims
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        micro_batches = [batches.next() for _ in range(num_micro)]
-        for b in buckets:
+        micro_batches = [self.batches.next() for _ in range(self.num_micro)]
+        for b in self.buckets:
             b.reset()
-        local = run_micro_batches(stage, micro_batches, mesh, cfg, device, buckets, eod_id)
+        self.phase = "forward/backward"
+        local = run_micro_batches(stage, micro_batches, mesh, cfg, device, self.buckets, self.eod_id)
+        self.phase = "gradient reduction"
         stats = reduce_loss_stats(local.clone(), mesh)
-        finalize_grads(stage, mesh, buckets, optimizer, stats[1].item())
+        finalize_grads(stage, mesh, self.buckets, optimizer, stats[1].item())
+        self.phase = "gradient clipping and optimizer step"
         grad_norm = clip_grad_norm(stage, mesh, optimizer, cfg.optim.grad_clip)
         loss = (stats[0] / stats[1]).item()
         problem = nonfinite_report(step, loss, grad_norm, local[0], device)
         if problem is not None:
-            skipped += 1
-            if cfg.train.nan_policy == "stop" or skipped > cfg.train.max_skipped_steps:
-                raise NonFiniteError(f"{problem}; stopping (train.nan_policy={cfg.train.nan_policy}, "
-                                     f"{skipped} step(s) skipped, train.max_skipped_steps={cfg.train.max_skipped_steps})")
-            log.warning(f"{problem}; update skipped ({skipped} of at most {cfg.train.max_skipped_steps})")
+            self.skipped += 1
+            t = cfg.train
+            if t.nan_policy == "stop" or self.skipped > t.max_skipped_steps:
+                raise NonFiniteError(f"{problem}; stopping (train.nan_policy={t.nan_policy}, {self.skipped} step(s) "
+                                     f"skipped, train.max_skipped_steps={t.max_skipped_steps})")
+            log.warning(f"{problem}; update skipped ({self.skipped} of at most {t.max_skipped_steps})")
         else:
             optimizer.step()
         loads = None
@@ -226,12 +277,12 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             sp_tp = mesh.tp_group if cfg.parallel.sequence_parallel else None
             loads = update_router_biases(stage, [mesh.dp_cp_group, sp_tp])
         dt = time.perf_counter() - t0  # the .item() calls above synchronize with the device
-        result.losses.append(loss)
-        result.grad_norms.append(grad_norm)
-        result.step_times.append(dt)
-        tokens_per_s = gbs * cfg.data.seq_length / dt / dims.world_size  # per device
+        self.result.losses.append(loss)
+        self.result.grad_norms.append(grad_norm)
+        self.result.step_times.append(dt)
+        tokens_per_s = self.gbs * cfg.data.seq_length / dt / dims.world_size  # per device
         row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-               "tflops": tokens_per_s * flops_tok / 1e12, "step_time_s": dt}
+               "tflops": tokens_per_s * self.flops_tok / 1e12, "step_time_s": dt}
         if cfg.logging.peak_tflops:
             row["mfu"] = row["tflops"] / cfg.logging.peak_tflops
         if device.type == "cuda":
@@ -242,19 +293,19 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             per_layer = [max(v) * len(v) / max(sum(v), 1) for v in loads.values()]
             row["moe_max_load"] = max(per_layer)  # busiest expert / mean expert, worst layer (1.0 = balanced)
             row["moe_load"] = loads
-        if val_batches is not None and step % cfg.train.eval_every == 0:
-            row["val_loss"] = result.val_losses[step] = evaluate(stage, val_batches, mesh, cfg, device, eod_id, num_micro)
-        metrics.log_step(step, row)
+        if self.val_batches is not None and step % cfg.train.eval_every == 0:
+            self.phase = "evaluation"
+            row["val_loss"] = self.result.val_losses[step] = evaluate(stage, self.val_batches, mesh, cfg, device,
+                                                                       self.eod_id, self.num_micro)
+        self.metrics.log_step(step, row)
         c = cfg.checkpoint
-        preempted = preemption.agreed(mesh, device)
+        self.phase = "checkpoint save"
+        preempted = self.preemption.agreed(mesh, device)
         if (c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps) or preempted:
-            writer.save(step, stage, optimizer, batches.state_dict(), device, c.keep_last, dataclasses.asdict(cfg),
-                        force_sync=preempted)
+            self.writer.save(step, stage, optimizer, self.batches.state_dict(), device, c.keep_last,
+                             dataclasses.asdict(cfg), force_sync=preempted)
         if preempted:
-            log.warning(f"SIGTERM received: saved step {step} to {ckpt_root}; exiting (a restart resumes from it)")
-            result.preempted = True
-            break
-    writer.close()
-    preemption.close()
-    metrics.close()
-    return result
+            log.warning(f"SIGTERM received: saved step {step} to {self.writer.root}; exiting (a restart resumes)")
+            self.result.preempted = True
+            return False
+        return True

@@ -77,3 +77,27 @@ def test_sigterm_saves_and_exits_zero_then_restart_resumes(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"(step {saved_step})" in again.stdout and f"step {saved_step + 2}/{saved_step + 2}" in again.stdout
+
+
+def _stuck_peer(rank: int, world_size: int, run_dir: str):
+    import time as _time
+
+    original = loop.build_gpt_stage
+
+    def build(cfg, mesh, device):
+        stage = original(cfg, mesh, device)
+        if rank == 1:
+            _time.sleep(20)  # rank 1 hangs; rank 0 waits in its first collective
+        return stage
+
+    loop.build_gpt_stage = build
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "parallel.dp=2",
+                                           "parallel.collective_timeout_s=3"])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build(timeout_s=cfg.parallel.collective_timeout_s)
+    return loop.train_gpt(cfg, mesh, torch.device("cpu")).losses
+
+
+def test_collective_timeout_names_rank_step_and_phase(tmp_path):
+    with pytest.raises(DistributedTestFailure, match=r"(?s)rank 0 of 2 failed.*CollectiveTimeout: rank 0: a collective "
+                                                     r"during .* of step 1 did not complete within 3s"):
+        run_distributed(_stuck_peer, 2, str(tmp_path), pg_timeout_s=3)
