@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
-import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
