@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.parallel.expert import permute_by_expert, unpermute_and_combine
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -118,20 +119,16 @@ def capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: float
 def local_dispatch(x_ND: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, experts: Experts,
                    num_experts: int, keep_NK: torch.Tensor | None = None) -> torch.Tensor:
     """Sort assignments by expert, run the experts, scatter back and combine with the routing weights."""
-    N, K = ids_NK.shape
-    flat_ids = ids_NK.flatten()
-    if keep_NK is not None:  # dropped assignments go to a virtual expert past the end and are zeroed
-        flat_ids = torch.where(keep_NK.flatten(), flat_ids, num_experts)
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
+    order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
+    counts = counts.tolist()
     kept = sum(counts[:num_experts])
-    y_sorted = experts(x_ND[order[:kept] // K], counts[:num_experts])
-    y = x_ND.new_zeros(N * K, x_ND.shape[-1])
-    y = y.index_copy(0, order[:kept], y_sorted.to(y.dtype))
-    return (y.view(N, K, -1) * weights_NK[..., None].to(y.dtype)).sum(dim=1)
+    y_sorted = experts(x_ND[order[:kept] // ids_NK.shape[1]], counts[:num_experts])
+    return unpermute_and_combine(y_sorted, order, weights_NK, x_ND)
 
 
 class MoELayer(nn.Module):
+    is_moe_layer = True  # how the expert-parallel plan finds these layers without importing model code
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -231,5 +231,3 @@ class MixedPrecisionAdamW:
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)

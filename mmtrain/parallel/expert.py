@@ -42,22 +42,34 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-def ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *, group):
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    local = num_experts // ep
-    N, K = ids_NK.shape
+def permute_by_expert(ids_NK: torch.Tensor, num_experts: int, keep_NK: torch.Tensor | None = None):
+    """Order of the (token, k) assignments sorted by expert (dropped ones last) and tokens per expert (E + 1,);
+    ``order[:kept] // K`` are the token rows to gather."""
     flat_ids = ids_NK.flatten()
-    if keep_NK is not None:
+    if keep_NK is not None:  # dropped assignments go to a virtual expert past the end and are zeroed
         flat_ids = torch.where(keep_NK.flatten(), flat_ids, num_experts)
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1)
+    return flat_ids.argsort(stable=True), torch.bincount(flat_ids, minlength=num_experts + 1)
+
+
+def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights_NK: torch.Tensor,
+                          like_ND: torch.Tensor) -> torch.Tensor:
+    """Scatter expert outputs back to their (token, k) slots and sum them with the routing weights."""
+    N, K = weights_NK.shape
+    y = like_ND.new_zeros(N * K, like_ND.shape[-1]).index_copy(0, order[:len(y_sorted)], y_sorted.to(like_ND.dtype))
+    return (y.view(N, K, -1) * weights_NK[..., None].to(y.dtype)).sum(dim=1)
+
+
+def ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *, group):
+    ep = dist.get_world_size(group)
+    local = num_experts // ep
+    order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
     kept = int(counts[:num_experts].sum())
     send_counts = counts[:num_experts].view(ep, local)  # [destination rank, its local expert]
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)  # [source rank, my local expert]
     send_splits = send_counts.sum(dim=1).tolist()
     recv_splits = recv_counts.sum(dim=1).tolist()
-    x_recv = all_to_all(x_ND[order[:kept] // K], recv_splits, send_splits, group)
+    x_recv = all_to_all(x_ND[order[:kept] // ids_NK.shape[1]], recv_splits, send_splits, group)
     # received: grouped by source rank, then local expert -> regroup by local expert, then source rank
     rc = recv_counts.tolist()
     starts, pos = [], 0
@@ -73,9 +85,7 @@ def ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *,
     y_local = experts(x_recv[regroup], per_expert)
     y_recv = torch.empty_like(y_local).index_copy(0, regroup, y_local) if len(regroup) else y_local
     y_sorted = all_to_all(y_recv, send_splits, recv_splits, group)
-    y = x_ND.new_zeros(N * K, x_ND.shape[-1]).index_copy(0, order[:kept], y_sorted.to(x_ND.dtype))
-    del rank
-    return (y.view(N, K, -1) * weights_NK[..., None].to(y.dtype)).sum(dim=1)
+    return unpermute_and_combine(y_sorted, order, weights_NK, x_ND)
 
 
 def apply_expert_parallel(model: nn.Module, group, sequence_parallel_tp: bool = False,
@@ -83,12 +93,10 @@ def apply_expert_parallel(model: nn.Module, group, sequence_parallel_tp: bool = 
     """Keep this rank's slice of every MoE layer's experts and route tokens over ``group`` (all-to-all).
     Marks expert parameters ``expert=True`` (reduced over the expert-data-parallel group). ``token_groups``:
     the groups a micro-batch's tokens are split over (TP under sequence parallelism, CP) for the balance loss."""
-    from mmtrain.model.moe import MoELayer
-
     ep = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if ep > 1 else 0
     for module in model.modules():
-        if not isinstance(module, MoELayer):
+        if not getattr(module, "is_moe_layer", False):
             continue
         if module.cfg.num_experts % ep:
             raise ValueError(f"model.num_experts ({module.cfg.num_experts}) must be divisible by parallel.ep ({ep})")
@@ -112,11 +120,9 @@ def apply_expert_parallel(model: nn.Module, group, sequence_parallel_tp: bool = 
 def update_router_biases(model: nn.Module, groups: list) -> dict[str, list[int]]:
     """After a step: sum each MoE layer's expert load over ``groups`` (ranks that saw different tokens),
     nudge sigmoid routers' biases toward balance (DeepSeek-V3), and return the loads for logging."""
-    from mmtrain.model.moe import MoELayer
-
     loads = {}
     for name, module in model.named_modules():
-        if not isinstance(module, MoELayer) or module.step_load is None:
+        if not getattr(module, "is_moe_layer", False) or module.step_load is None:
             continue
         load = module.step_load.float()
         for g in groups:
