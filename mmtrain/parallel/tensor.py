@@ -48,10 +48,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(shard_parts(full.bias.data, self.part_sizes, r, n)) if full.bias is not None else None
         _mark(self.weight, tp_sharded=True)
         _mark(self.bias, tp_sharded=True)
+        self.matmul = F.linear  # an F.linear-like hook: FP8 (mmtrain.model.fp8) swaps in its own matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -65,9 +66,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(full.bias.data.clone()) if full.bias is not None else None
         _mark(self.weight, tp_sharded=True)
         _mark(self.bias, tp_partial_grad=sequence_parallel)
+        self.matmul = F.linear  # as in ColumnParallelLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, self.weight, None)
         y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_group(y, self.group)
         return y + self.bias if self.bias is not None else y
 

@@ -195,6 +195,10 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     n_params = sum(p.numel() for p in stage.parameters())
     log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters on this rank; global batch {gbs} x "
              f"{cfg.data.seq_length} tokens = {num_micro} micro-batch(es) of {cfg.train.micro_batch_size} per DP rank")
+    fp8 = getattr(stage, "fp8_runtime", None)
+    if fp8 is not None:
+        log.info(fp8.describe())
+        fp8.weights_changed()  # from here on the loop says when the FP8 weight copies are stale
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, eod_id, metrics,
                CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), PreemptionWatch(),
                TrainResult(model=stage), gbs, num_micro, flops_per_token(cfg.model, cfg.data.seq_length))
@@ -256,6 +260,9 @@ class _Run:
             b.reset()
         self.phase = "forward/backward"
         local = run_micro_batches(stage, micro_batches, mesh, cfg, device, self.buckets, self.eod_id)
+        fp8 = getattr(stage, "fp8_runtime", None)
+        if fp8 is not None:  # delayed scaling: the step's amaxes, one scale for each tensor over tp x dp x cp
+            fp8.after_backward([mesh.tp_group, mesh.dp_cp_group])
         self.phase = "gradient reduction"
         stats = reduce_loss_stats(local.clone(), mesh)
         finalize_grads(stage, mesh, self.buckets, optimizer, stats[1].item())
@@ -272,6 +279,8 @@ class _Run:
             log.warning(f"{problem}; update skipped ({self.skipped} of at most {t.max_skipped_steps})")
         else:
             optimizer.step()
+            if fp8 is not None:
+                fp8.weights_changed()
         loads = None
         if cfg.model.num_experts:  # ranks that saw different tokens: dp×cp, and tp under sequence parallelism
             sp_tp = mesh.tp_group if cfg.parallel.sequence_parallel else None
