@@ -22,7 +22,10 @@ MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64
 def _two_steps(rank: int, world_size: int, recipe: str, sp: bool):
     from mmtrain.model.fp8 import Fp8Runtime, apply_native_fp8
     from mmtrain.model.gpt import GPTModel
-    from mmtrain.parallel.tensor import allreduce_tp_partial_grads, apply_tensor_parallel
+    from mmtrain.parallel.tensor import (
+        allreduce_tp_partial_grads,
+        apply_tensor_parallel,
+    )
 
     extra = [f"parallel.tp={world_size}", f"parallel.sequence_parallel={str(sp).lower()}"]
     cfg = load_config(GPTRunConfig, None, [*MODEL, "train.precision=fp8", f"fp8.recipe={recipe}", *extra])
@@ -71,7 +74,7 @@ def test_tp2_sp_delayed_scaling_equals_one_process(single):
 
 
 def _train_bf16_then_fp8(rank: int, world_size: int, run_dir: str):
-    import mmtrain.train.build as build
+    from mmtrain.train import build
     from mmtrain.train.loop import train_gpt
 
     build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)

@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from mmtrain.config import ConfigError, GPTRunConfig, load_config, validate_gpt_config
-from mmtrain.model.fp8 import Fp8Runtime, apply_native_fp8, fp8_layer_indices, resolve_fp8_backend
+from mmtrain.model.fp8 import (
+    Fp8Runtime,
+    apply_native_fp8,
+    fp8_layer_indices,
+    resolve_fp8_backend,
+)
 from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, scaled_mm
 from mmtrain.model.fp8_scaling import (
     E4M3,
