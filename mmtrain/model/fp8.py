@@ -19,7 +19,7 @@ from torch import nn
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul
-from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes, tensor_amax
+from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes
 
 FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
 
@@ -136,7 +136,8 @@ class Fp8Runtime:
     def refresh(self, matmuls: list[Fp8Matmul]) -> None:
         per_tensor = [m for m in matmuls if m.recipe != "rowwise"]
         if per_tensor:
-            amax = torch.stack([tensor_amax(m.weight_ref) for m in per_tensor])
+            amax = torch.stack(torch._foreach_norm([m.weight_ref.detach() for m in per_tensor], float("inf")))
+            amax = amax.float()  # one multi-tensor kernel for all weights
             if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
             for m, a in zip(per_tensor, amax.unbind(0)):

@@ -14,7 +14,8 @@ numbers, so nothing syncs. Outputs are in the input dtype (bf16 in training).
 
 Recipes: ``tensorwise`` scales each tensor by its current amax; ``delayed`` casts inputs and gradients with
 scales from the amax history (``fp8_scaling.AmaxHistory``; the step's amaxes are recorded into buffers in
-place, which torch.compile keeps in-graph), weights always by their current amax; ``rowwise`` gives every row
+place, which torch.compile keeps in-graph; the first step, with no history yet, uses current amaxes), weights
+always by their current amax (they are cast in a separate pass anyway); ``rowwise`` gives every row
 of each GEMM operand its own scale along the contraction dimension (E4M3, bf16 out), casting x and g again
 for the backward GEMMs (their contraction dimension differs), so it saves x in bf16.
 
@@ -48,44 +49,36 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torc
     return torch._scaled_mm(a, b, a_inv, b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def _current_or(scale: torch.Tensor, x: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """The delayed scale when set (> 0), else the current-amax scale of ``x`` (the first steps)."""
-    return torch.where(scale > 0, scale, scale_from_amax(tensor_amax(x), fp8_max))
-
-
 class _TensorwiseFp8Linear(torch.autograd.Function):
-    """Per-tensor scaled FP8 GEMMs. ``scales`` (2,) / ``amax_g`` are the delayed-scaling buffers (None for
-    tensorwise); ``amax_g`` is raised in place to this micro-batch's gradient amax."""
+    """Per-tensor scaled FP8 GEMMs. ``x_scale`` / ``g_scale``: the delayed scales, or None to scale by the
+    tensor's current amax; ``amax_g`` (delayed scaling) is raised in place to this micro-batch's gradient amax."""
 
     @staticmethod
-    def forward(ctx, x2, weight, w_fp8, w_t_fp8, w_inv, scales, amax_g, fwd_dtype, grad_dtype):
-        fmax = FP8_MAX[fwd_dtype]
-        if scales is None:
-            x_scale = scale_from_amax(tensor_amax(x2), fmax)
-        else:
-            x_scale = _current_or(scales[0], x2, fmax)
+    def forward(ctx, x2, weight, w_fp8, w_t_fp8, w_inv, x_scale, g_scale, amax_g, fwd_dtype, grad_dtype):
+        if x_scale is None:
+            x_scale = scale_from_amax(tensor_amax(x2), FP8_MAX[fwd_dtype])
         x_fp8 = quantize(x2, x_scale, fwd_dtype)
         x_inv = x_scale.reciprocal().reshape(1)
         y = scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv, x2.dtype, fast_accum=True)
-        ctx.save_for_backward(x_fp8, x_inv, w_t_fp8, w_inv, scales, amax_g)
+        ctx.save_for_backward(x_fp8, x_inv, w_t_fp8, w_inv, g_scale, amax_g)
         ctx.grad_dtype, ctx.out_dtype, ctx.w_dtype = grad_dtype, x2.dtype, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, g2):
-        x_fp8, x_inv, w_t_fp8, w_inv, scales, amax_g = ctx.saved_tensors
-        gmax = FP8_MAX[ctx.grad_dtype]
+        x_fp8, x_inv, w_t_fp8, w_inv, g_scale, amax_g = ctx.saved_tensors
         g2 = g2.contiguous()
-        if scales is None:
-            g_scale = scale_from_amax(tensor_amax(g2), gmax)
-        else:
-            amax_g.copy_(torch.maximum(amax_g, tensor_amax(g2).reshape(1)))
-            g_scale = _current_or(scales[1], g2, gmax)
+        if amax_g is not None or g_scale is None:
+            g_amax = tensor_amax(g2)
+            if amax_g is not None:
+                amax_g.copy_(torch.maximum(amax_g, g_amax.reshape(1)))
+            if g_scale is None:
+                g_scale = scale_from_amax(g_amax, FP8_MAX[ctx.grad_dtype])
         g_fp8 = quantize(g2, g_scale, ctx.grad_dtype)
         g_inv = g_scale.reciprocal().reshape(1)
         dx = scaled_mm(g_fp8, w_t_fp8.t(), g_inv, w_inv, ctx.out_dtype)
         dw = scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(), g_inv, x_inv, ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 class _RowwiseFp8Linear(torch.autograd.Function):
@@ -112,6 +105,26 @@ class _RowwiseFp8Linear(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+def _cast_weight_pair(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+    """W and W^T (contiguous) in FP8 with one scale, and the inverse scale: one fused kernel when compiled."""
+    scale = scale_from_amax(amax, FP8_MAX[dtype])
+    a = quantize(w, scale, dtype)
+    return a, a.t().contiguous(), scale.reciprocal().reshape(1)
+
+
+_compiled_cast = None
+
+
+def cast_weight_pair(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+    """``_cast_weight_pair``, compiled on the GPU (64 linears x 4 eager kernels would cost ~ms per step)."""
+    global _compiled_cast
+    if not w.is_cuda:
+        return _cast_weight_pair(w, amax, dtype)
+    if _compiled_cast is None:
+        _compiled_cast = torch.compile(_cast_weight_pair, dynamic=False)
+    return _compiled_cast(w, amax, dtype)
+
+
 class Fp8Matmul(nn.Module):
     """``F.linear`` in FP8 for one weight: the weight's cached FP8 copies and, for delayed scaling, the
     scale/amax buffers (all non-persistent: checkpoints are the same as in BF16)."""
@@ -125,8 +138,9 @@ class Fp8Matmul(nn.Module):
         self.weight_stale = True
         for name in ("w_a", "w_a_inv", "w_b", "w_b_inv"):  # FP8 weight copies, sized at the first refresh
             self.register_buffer(name, torch.empty(0), persistent=False)
+        self.delayed_ready = False  # set by AmaxHistory.update: until then delayed scaling uses current amaxes
         if recipe == "delayed":
-            self.register_buffer("scales", torch.zeros(2), persistent=False)
+            self.register_buffer("scales", torch.ones(2), persistent=False)
             self.register_buffer("amax_x", torch.zeros(1), persistent=False)
             self.register_buffer("amax_g", torch.zeros(1), persistent=False)
 
@@ -144,10 +158,8 @@ class Fp8Matmul(nn.Module):
             b_inv = b_inv.t()  # (1, K)
             b = b.contiguous()
         else:
-            scale = scale_from_amax(tensor_amax(w) if amax is None else amax, FP8_MAX[self.fwd_dtype])
-            a = quantize(w, scale, self.fwd_dtype)
-            b = a.t().contiguous()
-            a_inv = b_inv = scale.reciprocal().reshape(1)
+            a, b, a_inv = cast_weight_pair(w, tensor_amax(w) if amax is None else amax.float(), self.fwd_dtype)
+            b_inv = a_inv
         for name, value in (("w_a", a), ("w_a_inv", a_inv), ("w_b", b), ("w_b_inv", b_inv)):
             buf = getattr(self, name)
             if buf.shape == value.shape and buf.dtype == value.dtype and buf.device == value.device:
@@ -167,12 +179,14 @@ class Fp8Matmul(nn.Module):
             y = _RowwiseFp8Linear.apply(x2, weight, self.w_a, self.w_a_inv, self.w_b, self.w_b_inv)
         else:
             delayed = self.recipe == "delayed"
-            if delayed and self.training:
+            record = delayed and self.training
+            if record:
                 with torch.no_grad():
                     self.amax_x.copy_(torch.maximum(self.amax_x, tensor_amax(x2).reshape(1)))
-            y = _TensorwiseFp8Linear.apply(x2, weight, self.w_a, self.w_b, self.w_a_inv,
-                                           self.scales if delayed else None, self.amax_g if delayed else None,
-                                           self.fwd_dtype, self.grad_dtype)
+            # known scales (delayed, after the first update) let the cast fuse with whatever produced x
+            x_scale, g_scale = (self.scales[0], self.scales[1]) if delayed and self.delayed_ready else (None, None)
+            y = _TensorwiseFp8Linear.apply(x2, weight, self.w_a, self.w_b, self.w_a_inv, x_scale, g_scale,
+                                           self.amax_g if record else None, self.fwd_dtype, self.grad_dtype)
         y = y.view(*x.shape[:-1], out_f)
         return y + bias if bias is not None else y
 

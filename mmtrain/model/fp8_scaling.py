@@ -62,8 +62,9 @@ class AmaxHistory:
     """Delayed scaling for a list of FP8 matmuls, updated once per optimizer step (``update``).
 
     Each matmul owns three fp32 buffers that its (compiled) forward and backward read and write in place:
-    ``scales`` (2,) = [input scale, gradient scale] used by the casts, and ``amax_x`` / ``amax_g`` (1,), the
-    largest magnitude seen this step (max over micro-batches). The history itself, (M, 2, L) for M matmuls,
+    ``scales`` (2,) = [input scale, gradient scale] used by the casts once ``delayed_ready`` (before the first
+    update there is no history and casts use current amaxes), and ``amax_x`` / ``amax_g`` (1,), the largest
+    magnitude seen this step (max over micro-batches). The history itself, (M, 2, L) for M matmuls,
     lives here and never enters a compiled graph. ``update``: one all-reduce (MAX) of this step's amaxes over
     each of ``groups``, history ring step, new scales from the max (or most recent) amax, amaxes zeroed.
     """
@@ -93,11 +94,12 @@ class AmaxHistory:
         self.pos = (self.pos + 1) % self.history_len
         self.history[:, :, self.pos] = amax_now
         amax = self.history.amax(dim=-1) if self.algo == "max" else amax_now
-        scales = scale_from_amax(amax, 1.0, self.margin) * self.fp8_max  # (M, 2)
-        seen = amax > 0  # a tensor never seen non-zero keeps scale 0 = "use the current amax" (first steps)
-        scales = torch.where(seen, scales, torch.zeros_like(scales))
+        scales = scale_from_amax(amax, 1.0, self.margin) * self.fp8_max  # (M, 2); fp8_max where amax is 0
+        scales = torch.where(amax > 0, scales, torch.ones_like(scales))
         torch._foreach_copy_([m.scales for m in self.matmuls], list(scales.unbind(0)))
         torch._foreach_zero_([t for m in self.matmuls for t in (m.amax_x, m.amax_g)])
+        for m in self.matmuls:
+            m.delayed_ready = True  # a Python flag: compiled graphs specialize on it (one recompile, first step)
 
     def state_dict(self) -> dict:
         return {"history": self.history, "pos": self.pos}

@@ -94,7 +94,7 @@ def test_amax_history_ring_max_and_most_recent():
             assert m.amax_x.item() == 0.0 and m.amax_g.item() == 0.0  # the next step starts afresh
     fresh = _Bufs()
     AmaxHistory([fresh], 4, "max", 0, E4M3, E5M2).update()
-    assert fresh.scales.tolist() == [0.0, 0.0]  # never seen: 0 = "use the current amax"
+    assert fresh.scales.tolist() == [1.0, 1.0] and fresh.delayed_ready  # never seen non-zero: neutral scale
 
 
 # ------------------------------------------------------------------------------------------ the linear
@@ -136,6 +136,7 @@ def test_delayed_records_amaxes_and_uses_the_scales():
     assert m.amax_g.item() == pytest.approx(0.5)
     AmaxHistory([m], 8, "max", 0, E4M3, E5M2).update()
     assert m.scales.tolist() == pytest.approx([448.0 / x.abs().max().item(), 57344.0 / 0.5])
+    assert m.delayed_ready
     m.scales.fill_(1.0)  # a deliberately bad delayed scale clamps inputs beyond 448: the scales really are used
     with torch.no_grad():
         assert rel(lin(x * 1000), nn.functional.linear(x * 1000, lin.weight)) > 0.3
