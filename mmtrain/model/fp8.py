@@ -55,6 +55,9 @@ def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
         raise ConfigError(f"fp8.recipe={f.recipe} needs Transformer Engine (fp8.backend=te), which "
                           f"{'is not installed' if not te_importable() else 'was not chosen'}; the native backend "
                           f"offers {', '.join(NATIVE_FP8_RECIPES)}")
+    if backend == "te" and cfg.train.activation_checkpointing == "full":
+        raise ConfigError("train.activation_checkpointing=full recomputes blocks outside TE's FP8 autocast; with "
+                          "fp8.backend=te use selective or none, or fp8.backend=native")
     if f.recipe == "mxfp8" and major < 10:
         raise ConfigError(f"fp8.recipe=mxfp8 needs a Blackwell GPU (sm_100+), this one is sm_{major}{minor}; use "
                           "fp8.recipe=blockwise (TE), tensorwise or delayed")
