@@ -60,13 +60,16 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
         x_fp8 = quantize(x2, x_scale, fwd_dtype)
         x_inv = x_scale.reciprocal().reshape(1)
         y = scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv, x2.dtype, fast_accum=True)
-        ctx.save_for_backward(x_fp8, x_inv, w_t_fp8, w_inv, g_scale, amax_g)
+        ctx.save_for_backward(x_fp8, x_inv, w_t_fp8, w_inv, g_scale)
+        # not saved: saved tensors are version-checked, and another micro-batch's backward may raise it first
+        ctx.amax_g = amax_g
         ctx.grad_dtype, ctx.out_dtype, ctx.w_dtype = grad_dtype, x2.dtype, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, g2):
-        x_fp8, x_inv, w_t_fp8, w_inv, g_scale, amax_g = ctx.saved_tensors
+        x_fp8, x_inv, w_t_fp8, w_inv, g_scale = ctx.saved_tensors
+        amax_g = ctx.amax_g
         g2 = g2.contiguous()
         if amax_g is not None or g_scale is None:
             g_amax = tensor_amax(g2)
