@@ -86,7 +86,19 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per variant")
     ap.add_argument("--mcore", action="store_true", help="also run the Megatron-Core+TE FP8 anchor")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--budget", type=float, default=560.0,
+                    help="seconds for the whole call: no new run starts when less than --reserve is left")
+    ap.add_argument("--reserve", type=float, default=110.0, help="seconds one run needs at least")
     a = ap.parse_args()
+    t0 = time.monotonic()
+
+    def time_left() -> bool:
+        left = a.budget - (time.monotonic() - t0)
+        if left < a.reserve:
+            print(f"### stopping: {left:.0f}s of the --budget left, less than --reserve {a.reserve:.0f}s", flush=True)
+            return False
+        return True
+
     have_te = te_imports()
     print(f"transformer_engine.pytorch imports: {have_te}", flush=True)
     rows: list[dict] = []
@@ -105,11 +117,13 @@ def main() -> None:
         if "fp8.backend=te" in overrides and not have_te:
             print(f"### {name}: skipped (Transformer Engine does not import)", flush=True)
             continue
+        if not time_left():
+            break
         start = time.monotonic()
         cmd = [sys.executable, "bench/train_gpt.py", "--label", name, "--steps", str(a.steps),
                "--warmup", str(a.warmup), *COMMON, *overrides]
         print(f"### {name}: {' '.join(cmd[1:])}", flush=True)
-        res, notes = run_json(cmd, a.timeout)
+        res, notes = run_json(cmd, min(a.timeout, int(a.budget - (time.monotonic() - t0)) - 5))
         for n in notes:
             print(f"    {n}", flush=True)
         row = {"name": name, **(res or {"why": "; ".join(notes[-2:]) or "no result"})}
@@ -125,6 +139,8 @@ def main() -> None:
         anchors.append(("Megatron-Core+TE fp8 (anchor, same call)",
                         [sys.executable, ".device/mcore_llama_anchor.py", "fp8"]))
     for name, cmd in anchors:
+        if not time_left():
+            break
         print(f"### {name}", flush=True)
         res, notes = run_json(cmd, a.timeout)
         rows.append({"name": name, **(res or {"why": "; ".join(notes[-2:]) or "no result"})})
