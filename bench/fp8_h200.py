@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per variant")
     ap.add_argument("--mcore", action="store_true", help="also run the Megatron-Core+TE FP8 anchor")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--shape", nargs="*", default=[], help="extra bench/train_gpt.py arguments (--model F, "
+                                                            "--batch N, --seq N, key=value) for a smaller run")
     ap.add_argument("--budget", type=float, default=560.0,
                     help="seconds for the whole call: no new run starts when less than --reserve is left")
     ap.add_argument("--reserve", type=float, default=110.0, help="seconds one run needs at least")
@@ -121,12 +123,12 @@ def main() -> None:
             break
         start = time.monotonic()
         cmd = [sys.executable, "bench/train_gpt.py", "--label", name, "--steps", str(a.steps),
-               "--warmup", str(a.warmup), *COMMON, *overrides]
+               "--warmup", str(a.warmup), *COMMON, *overrides, *a.shape]
         print(f"### {name}: {' '.join(cmd[1:])}", flush=True)
         res, notes = run_json(cmd, min(a.timeout, int(a.budget - (time.monotonic() - t0)) - 5))
         for n in notes:
             print(f"    {n}", flush=True)
-        row = {"name": name, **(res or {"why": "; ".join(notes[-2:]) or "no result"})}
+        row = {"name": name, **(res or {"why": (notes or ["no result"])[-1]})}
         rows.append(row)
         if name == "bf16" and res:
             bf16_tps = res["tokens_per_s"]
@@ -142,7 +144,7 @@ def main() -> None:
         if not time_left():
             break
         print(f"### {name}", flush=True)
-        res, notes = run_json(cmd, a.timeout)
+        res, notes = run_json(cmd, min(a.timeout, int(a.budget - (time.monotonic() - t0)) - 5))
         rows.append({"name": name, **(res or {"why": "; ".join(notes[-2:]) or "no result"})})
         if res and name.startswith("HF"):
             hf_tps = res["tokens_per_s"]
