@@ -171,13 +171,17 @@ class Fp8Matmul(nn.Module):
                 setattr(self, name, value)
         self.weight_stale = False
 
+    @torch.compiler.disable
+    def _refresh_outside_graph(self, weight: torch.Tensor) -> None:
+        self.refresh_weight(weight)
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out_f, in_f = weight.shape
         x2 = x.reshape(-1, in_f)
         if x.is_cuda and (x2.shape[0] % 16 or in_f % 16 or out_f % 16):
             return F.linear(x, weight, bias)  # _scaled_mm needs every dimension a multiple of 16
-        if self.weight_stale:
-            self.refresh_weight(weight)
+        if self.weight_stale:  # only when called outside a GPTModel forward (whose pre-hook re-casts)
+            self._refresh_outside_graph(weight)
         if self.recipe == "rowwise":
             y = _RowwiseFp8Linear.apply(x2, weight, self.w_a, self.w_a_inv, self.w_b, self.w_b_inv)
         else:
