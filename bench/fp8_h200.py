@@ -60,20 +60,26 @@ def run_json(cmd: list[str], timeout: int) -> tuple[dict | None, list[str]]:
     return json.loads(rows[-1]), notes
 
 
+def loss_span(r: dict) -> str:
+    """First and last training loss of a run (the sanity check that a fast row still learns)."""
+    losses = r.get("losses")
+    return f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else str(r.get("loss", ""))
+
+
 def table(rows: list[dict], bf16_tps: float | None, hf_tps: float | None) -> str:
     hf_ref = hf_tps or HF
-    lines = [("| run | tokens/s | step ms | model TFLOP/s | MFU (bf16 736) | of fp8 ceiling (1330) | peak GiB | "
+    lines = [("| run | tokens/s | step ms | model TFLOP/s | MFU (bf16 736) | of fp8 ceiling (1330) | peak GiB | loss (first → last) | "
               f"vs our BF16 | vs MCore+TE FP8 ({MCORE_FP8 / 1e3:.1f}k) | vs HF ({hf_ref / 1e3:.1f}k) |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tps = r.get("tokens_per_s")
         if tps is None:
-            lines.append(f"| {r['name']} | failed: {r.get('why', '')[:120]} |||||||||")
+            lines.append(f"| {r['name']} | failed: {r.get('why', '')[:120]} ||||||||||")
             continue
         tf = r.get("model_tflops", 0.0)
         vs_bf16 = f"{tps / bf16_tps:.3f}x" if bf16_tps else ""
         lines.append(f"| {r['name']} | {tps:,} | {r.get('step_ms', '')} | {tf} | {tf / BF16_CEILING:.1%} | "
-                     f"{tf / FP8_CEILING:.1%} | {r.get('peak_mem_gib', '')} | {vs_bf16} | {tps / MCORE_FP8:.3f}x | "
+                     f"{tf / FP8_CEILING:.1%} | {r.get('peak_mem_gib', '')} | {loss_span(r)} | {vs_bf16} | {tps / MCORE_FP8:.3f}x | "
                      f"{tps / hf_ref:.3f}x |")
     return "\n".join(lines)
 
@@ -123,7 +129,7 @@ def main() -> None:
             break
         start = time.monotonic()
         cmd = [sys.executable, "bench/train_gpt.py", "--label", name, "--steps", str(a.steps),
-               "--warmup", str(a.warmup), *COMMON, *overrides, *a.shape]
+               "--warmup", str(a.warmup), "--print-losses", *COMMON, *overrides, *a.shape]
         print(f"### {name}: {' '.join(cmd[1:])}", flush=True)
         res, notes = run_json(cmd, min(a.timeout, int(a.budget - (time.monotonic() - t0)) - 5))
         for n in notes:

@@ -208,7 +208,7 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
         if hasattr(linear, "part_sizes"):
             self.part_sizes = linear.part_sizes
-        self.matmul = Fp8Matmul(recipe, fmt)
+        self.matmul = Fp8Matmul(recipe, fmt).to(linear.weight.device)  # its amax/scale buffers beside the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)
