@@ -131,7 +131,9 @@ def vocab_parallel_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tens
 
 
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
-    """Shard a ``GPTModel`` (or one pipeline stage of it) in place over the TP ``group``."""
+    """Shard a ``GPTModel`` (or one pipeline stage of it) in place over the TP ``group``. Any module with
+    ``layers`` of ``TransformerBlock``s (the VLM's vision/audio encoders) is sharded the same way; ``embed`` and
+    the output head are handled only where present."""
     n = dist.get_world_size(group)
     if n == 1:
         return model
@@ -149,9 +151,9 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
             if norm is not None:
                 for p in norm.parameters():
                     _mark(p, tp_partial_grad=True)
-    if model.embed is not None:
+    if getattr(model, "embed", None) is not None:
         model.embed = VocabParallelEmbedding(model.embed, group, sp)
-    if model.post_process:
+    if getattr(model, "post_process", False):
         for p in model.norm.parameters():
             _mark(p, tp_partial_grad=sp)
         r = dist.get_rank(group)
