@@ -12,6 +12,7 @@ State: the global row count plus energon's per-rank state.
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any
 
 import torch
@@ -73,11 +74,16 @@ class EnergonRows:
                          "--val-ratio) or set train.eval_every=0")
 
     def state_dict(self) -> dict:
-        return self.loader.state_dict() if self.loader.training else {}
+        """Energon's state pickled into a uint8 tensor: checkpoints load with ``torch.load(weights_only=True)``,
+        which refuses energon's state classes."""
+        if not self.loader.training:
+            return {}
+        blob = pickle.dumps(self.loader.state_dict())
+        return {"pickled": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.loader.training:
-            self.loader.load_state_dict(state)
+        if self.loader.training and "pickled" in state:
+            self.loader.load_state_dict(pickle.loads(state["pickled"].numpy().tobytes()))
 
 
 class VLMBatches:

@@ -63,6 +63,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     preempted: bool = False
     model: GPTModel | None = None
+    optimizer: MixedPrecisionAdamW | None = None
 
 
 def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
@@ -247,7 +248,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
              f"{cfg.data.seq_length} tokens = {num_micro} micro-batch(es) of {cfg.train.micro_batch_size} per DP rank")
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,
                CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), PreemptionWatch(),
-               TrainResult(model=stage), gbs, num_micro)
+               TrainResult(model=stage, optimizer=optimizer), gbs, num_micro)
     try:
         run.steps(start_step)
     finally:
