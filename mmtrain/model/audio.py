@@ -51,9 +51,12 @@ class AudioEncoder(nn.Module):
 
         self.cfg = cfg
         block_cfg = cfg.block_config()
-        # not a registered submodule: its window/filterbank stay fp32 whatever dtype the model is cast to
-        self.__dict__["features"] = torchaudio.transforms.MelSpectrogram(
-            sample_rate=cfg.sample_rate, n_fft=cfg.n_fft, hop_length=cfg.hop_length, n_mels=cfg.n_mels, power=2.0)
+        # not a registered submodule: its window/filterbank stay fp32 whatever dtype the model is cast to (and it
+        # is built on the CPU even when the model is built on the meta device)
+        with torch.device("cpu"):
+            self.__dict__["features"] = torchaudio.transforms.MelSpectrogram(
+                sample_rate=cfg.sample_rate, n_fft=cfg.n_fft, hop_length=cfg.hop_length, n_mels=cfg.n_mels,
+                power=2.0)
         self.conv1 = nn.Conv1d(cfg.n_mels, cfg.hidden_size, 3, padding=1)
         self.conv2 = nn.Conv1d(cfg.hidden_size, cfg.hidden_size, 3, stride=2, padding=1)
         self.register_buffer("positions", sinusoids(cfg.max_frames, cfg.hidden_size), persistent=False)
