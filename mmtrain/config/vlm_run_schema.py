@@ -32,6 +32,9 @@ class VLMRunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
     freeze: list[str] = doc([], "Parameter-name prefixes that do not train (no gradients, no optimizer state), "
                                 "e.g. [vision, language] to train only the projector.")
+    init_from: str = doc("", "Checkpoint (a step folder, or a root with `latest`) whose model weights start this run "
+                             "at step 0 with a fresh optimizer and data order, e.g. stage 1's for stage 2 (saved with "
+                             "the same parallel.tp); ignored once the run has checkpoints of its own.")
     lr_scale: dict[str, float] = doc({}, "Learning-rate multiplier per parameter-name prefix, e.g. "
                                          "{vision: 0.1, projector: 10}; the longest matching prefix wins, others 1.")
 

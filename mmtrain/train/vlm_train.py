@@ -8,6 +8,8 @@ data-parallel reduction, exactly as for the GPT, so DP and gradient accumulation
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from mmtrain.config.loader import ConfigError
@@ -16,6 +18,7 @@ from mmtrain.config.vlm_schema import VLMModelConfig
 from mmtrain.model.gpt import flops_per_token
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.train.checkpoint import find_checkpoint, is_weights_only
+from mmtrain.utils.log import get_logger
 from mmtrain.train.loop import StepTask, TrainResult, global_batch_size, schedule_micro_batches, train_model
 
 
@@ -31,6 +34,30 @@ def vision_flops_per_image(m: VLMModelConfig) -> float:
     dims = [width] + [hidden] * (pr.num_layers - 1) + [m.language.hidden_size]
     projector = sum(a * b for a, b in zip(dims[:-1], dims[1:])) * m.tokens_per_image
     return 6.0 * (P * (per_patch + attention) + projector)
+
+
+def load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Module) -> None:
+    """The model weights of an earlier run's checkpoint (e.g. stage 1 for stage 2): weights are replicated over
+    data-parallel ranks, so this rank reads the file of the rank with its (tp, pp) coordinates and dp = 0."""
+    import json
+
+    from mmtrain.train.checkpoint import CheckpointError, _complete_in
+
+    folder = _complete_in(Path(init_from))
+    if folder is None:
+        raise CheckpointError(f"init_from={init_from}: no complete checkpoint there (no complete.json or latest)")
+    layout = json.loads((folder / "complete.json").read_text())["layout"]
+    d = mesh.dims
+    if (layout["tp"], layout["pp"], layout["cp"]) != (d.tp, d.pp, d.cp):
+        raise CheckpointError(f"init_from={init_from}: saved with tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
+                              f"; this run has tp={d.tp} pp={d.pp} cp={d.cp} -- use the same layout (dp may differ)")
+    rank = mesh.coord.tp + d.tp * d.cp * layout["dp"] * mesh.coord.pp  # dp = 0, cp = 0 of this (tp, pp)
+    state = torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)["model"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"init_from={init_from}: parameters differ from this model (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}); the model shape must be the same")
+    get_logger("train").info(f"initialized the weights from {folder}; training starts at step 0")
 
 
 def freeze_and_scales(model: torch.nn.Module, cfg: VLMRunConfig):
@@ -98,6 +125,8 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     if found is not None and is_weights_only(found):
         raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: weights-only (converted) checkpoints are not "
                           "loaded into a VLM yet; resume from a pretrain_vlm checkpoint")
+    if found is None and cfg.init_from:
+        load_stage_weights(cfg.init_from, mesh, model)
     batches = build_vlm_batches(cfg, mesh, "train")
     val_batches = build_vlm_batches(cfg, mesh, "valid") if cfg.train.eval_every else None
     return train_model(cfg, mesh, device, model, batches, val_batches, vlm_task(cfg, mesh, device, model), found,

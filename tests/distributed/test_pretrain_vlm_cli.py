@@ -84,6 +84,12 @@ def test_resume_continues_bit_exact(tmp_path):
     (resumed / "latest").write_text("step_00000002\n")
     tail = run_distributed(_train, 1, str(tmp_path / "resumed"), extra)[0][0]
     assert tail == full[2:]
+    # stage 2 from stage 1: other trainable parameters, so checkpoint.load refuses and init_from takes the weights
+    stage2 = ["train.steps=1", "freeze=[vision]", "checkpoint.save_final=false"]
+    with pytest.raises(AssertionError, match="its optimizer holds other parameters"):
+        run_distributed(_train, 1, str(tmp_path / "s2"), [*stage2, f"checkpoint.load={tmp_path / 'full/checkpoints'}"])
+    first = run_distributed(_train, 1, str(tmp_path / "s2b"), [*stage2, f"init_from={tmp_path / 'full/checkpoints'}"])
+    assert first[0][0][0] < full[0] - 0.5  # starts from the trained weights, at step 0
 
 
 def _prep_tiny_data(root: Path) -> tuple[Path, Path]:
