@@ -50,7 +50,8 @@ def _section(lines: list[str], key: str, cls: type, help_text: str) -> None:
 
 def reference_markdown(root: type = GPTRunConfig, with_vlm: bool = True) -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `mmtrain/config/schema.py` (and `vlm_schema.py`, `vlm_run_schema.py`) by `python -m mmtrain.config.reference`; do not edit by hand.",
+             "Generated from `mmtrain/config/schema.py` (and `vlm_schema.py`, `vlm_run_schema.py`) by "
+             "`python -m mmtrain.config.reference`; do not edit by hand.",
              "Set any key in a YAML file (`section:` then `key: value`) or on the command line as `section.key=value`.",
              ""]
     hints = typing.get_type_hints(root)
@@ -65,9 +66,9 @@ def vlm_reference_markdown() -> str:
     from mmtrain.config.vlm_run_schema import VLMRunConfig
 
     lines = ["# VLM run (`python -m mmtrain.pretrain_vlm`)", "",
-             "`VLMRunConfig` (`mmtrain/config/vlm_run_schema.py`) has the sections `parallel`, `data`, `optim`, `train`, "
-             "`logging` and `checkpoint` of the GPT run above (the `data.mm_*` keys set the media); its `model` is "
-             "the VLM's, and two top-level keys choose what trains.", ""]
+             ("`VLMRunConfig` (`mmtrain/config/vlm_run_schema.py`) has the sections `parallel`, `data`, `optim`, "
+              "`train`, `logging` and `checkpoint` of the GPT run above (the `data.mm_*` keys set the media); its "
+              "`model` is the VLM's, and top-level keys choose what trains and from which weights."), ""]
     hints = typing.get_type_hints(VLMRunConfig)
     gpt = {f.name for f in dataclasses.fields(GPTRunConfig)} - {"model"}
     top = []

@@ -323,7 +323,8 @@ class _Run:
         else:
             optimizer.step()
         loads = None
-        if getattr(cfg.model, "language", cfg.model).num_experts:  # (a VLM's LM) ranks that saw different tokens: dp×cp, and tp under sequence parallelism
+        # ranks that saw different tokens: dp×cp, and tp under sequence parallelism (a VLM: its LM's experts)
+        if getattr(cfg.model, "language", cfg.model).num_experts:
             sp_tp = mesh.tp_group if cfg.parallel.sequence_parallel else None
             loads = update_router_biases(stage, [mesh.dp_cp_group, sp_tp])
         dt = time.perf_counter() - t0  # the .item() calls above synchronize with the device

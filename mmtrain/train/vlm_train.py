@@ -18,8 +18,8 @@ from mmtrain.config.vlm_schema import VLMModelConfig
 from mmtrain.model.gpt import flops_per_token
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.train.checkpoint import find_checkpoint, is_weights_only
-from mmtrain.utils.log import get_logger
 from mmtrain.train.loop import StepTask, TrainResult, global_batch_size, schedule_micro_batches, train_model
+from mmtrain.utils.log import get_logger
 
 
 def vision_flops_per_image(m: VLMModelConfig) -> float:
@@ -32,7 +32,7 @@ def vision_flops_per_image(m: VLMModelConfig) -> float:
     width = d * pr.pixel_shuffle ** 2
     hidden = pr.hidden_size or m.language.hidden_size
     dims = [width] + [hidden] * (pr.num_layers - 1) + [m.language.hidden_size]
-    projector = sum(a * b for a, b in zip(dims[:-1], dims[1:])) * m.tokens_per_image
+    projector = sum(a * b for a, b in zip(dims[:-1], dims[1:], strict=True)) * m.tokens_per_image
     return 6.0 * (P * (per_patch + attention) + projector)
 
 
@@ -125,6 +125,15 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     if found is not None and is_weights_only(found):
         raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: weights-only (converted) checkpoints are not "
                           "loaded into a VLM yet; resume from a pretrain_vlm checkpoint")
+    if found is not None:
+        import json
+
+        saved = json.loads((found / "complete.json").read_text())["layout"]
+        here = {"world_size": mesh.dims.world_size, "tp": mesh.dims.tp, "pp": mesh.dims.pp, "cp": mesh.dims.cp,
+                "dp": mesh.dims.dp, "ep": mesh.dims.ep}
+        if saved != here:  # VLM shapes are not resharded; energon's loader state is per data-parallel rank
+            raise ConfigError(f"{found}: saved at layout {saved}, this run is {here}; a VLM resumes only at the same "
+                              "layout (start from its weights with init_from at the same tp/pp/cp instead)")
     if found is None and cfg.init_from:
         load_stage_weights(cfg.init_from, mesh, model)
     batches = build_vlm_batches(cfg, mesh, "train")
