@@ -37,7 +37,8 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
                           f"data.seq_length ({d.seq_length})")
     for i, prefix in enumerate(cfg.freeze):
         _check_prefix(prefix, f"freeze[{i}]")
-    if any(prefix in COMPONENTS for prefix in cfg.freeze) and set(COMPONENTS) - {"audio"} <= set(cfg.freeze):
+    built = {"vision", "projector", "language"} | ({"audio"} if cfg.model.audio.enabled else set())
+    if built <= set(cfg.freeze):
         raise ConfigError(f"freeze={cfg.freeze} freezes every component; nothing would train")
     for prefix, scale in cfg.lr_scale.items():
         _check_prefix(prefix, f"lr_scale.{prefix}")

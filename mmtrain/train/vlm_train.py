@@ -66,7 +66,8 @@ def freeze_and_scales(model: torch.nn.Module, cfg: VLMRunConfig):
     names = [n for n, _ in model.named_parameters()]
     for key, prefixes in (("freeze", cfg.freeze), ("lr_scale", list(cfg.lr_scale))):
         for prefix in prefixes if cfg.parallel.pp == 1 else ():  # a pipeline stage lacks some components
-            if not any(matches(n, prefix) for n in names):
+            absent_audio = prefix == "audio" and not cfg.model.audio.enabled  # e.g. a shared stage-1 freeze list
+            if not absent_audio and not any(matches(n, prefix) for n in names):
                 top = sorted({n.split(".", 1)[0] for n in names})
                 raise ConfigError(f"{key}: {prefix!r} names no parameter of this model (its components: "
                                   f"{', '.join(top)}; e.g. language.layers.0)")
