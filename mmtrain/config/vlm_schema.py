@@ -118,9 +118,10 @@ class VLMModelConfig:
         return self.audio.num_tokens
 
 
-def check_vlm_model(m: VLMModelConfig, data=None, prefix: str = "model") -> None:
+def check_vlm_model(m: VLMModelConfig, data=None, prefix: str = "model", tp: int = 1) -> None:
     """Raise ``ConfigError`` on an impossible VLM shape, or (with ``data``, a ``DataConfig``) on placeholder
-    settings the data path would produce differently. Keys are named with ``prefix``."""
+    settings the data path would produce differently, or on encoders that ``tp`` (parallel.tp) cannot shard
+    (the TP plan shards their heads and MLP like the LM's). Keys are named with ``prefix``."""
     from mmtrain.config.loader import ConfigError
 
     v, a, pr, lm = m.vision, m.audio, m.projector, m.language
@@ -149,6 +150,12 @@ def check_vlm_model(m: VLMModelConfig, data=None, prefix: str = "model") -> None
             raise ConfigError(f"{prefix}.audio.hidden_size ({a.hidden_size}) must be divisible by "
                               f"{prefix}.audio.num_attention_heads ({a.num_attention_heads}) and "
                               f"{prefix}.audio.num_tokens >= 1")
+    encoders = [("vision", v)] + ([("audio", a)] if a.enabled else [])
+    for name, enc in encoders:
+        for key in ("num_attention_heads", "ffn_hidden_size"):
+            if getattr(enc, key) % tp:
+                raise ConfigError(f"{prefix}.{name}.{key} ({getattr(enc, key)}) must be divisible by parallel.tp "
+                                  f"({tp}): the encoder is tensor-parallel like the language model")
     if data is None:
         return
     derived = (f"{m.tokens_per_image} = ({v.image_size} / {v.patch_size})^2 / {pr.pixel_shuffle}^2 "

@@ -23,7 +23,7 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
         validate_gpt_config(gpt, world_size)
     except ConfigError as exc:  # the language model's keys live under model.language in a VLM config
         raise ConfigError(re.sub(r"\bmodel\.", "model.language.", str(exc))) from None
-    check_vlm_model(cfg.model, d)
+    check_vlm_model(cfg.model, d, tp=p.tp)
     if p.virtual_pp > 1:
         raise ConfigError("parallel.virtual_pp > 1 is not supported for the VLM; use plain pipeline stages")
     if d.prefixes:

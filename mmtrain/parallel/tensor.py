@@ -183,7 +183,16 @@ def allreduce_tp_partial_grads(model: nn.Module, group) -> None:
 
 def tp_partition(name: str, cfg) -> tuple[int, tuple[int, ...] | None] | None:
     """How the GPT parameter ``name`` is split over TP: (dim, parts) — parts None means one even split — or
-    None when it is replicated. Shared by tests and checkpoint resharding."""
+    None when it is replicated. Shared by tests and checkpoint resharding. ``cfg``: a ``ModelConfig``, or a
+    ``VLMModelConfig`` (names start with their component: ``language.*`` as the GPT, encoder ``layers.*`` as
+    blocks of the encoder's shape, everything else replicated)."""
+    if hasattr(cfg, "language"):
+        component, _, rest = name.partition(".")
+        if component == "language":
+            return tp_partition(rest, cfg.language)
+        if component in ("vision", "audio") and rest.startswith("layers."):
+            return tp_partition(rest, getattr(cfg, component).block_config())
+        return None
     hd = cfg.hidden_size // cfg.num_attention_heads
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
         return 0, (cfg.num_attention_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)

@@ -16,13 +16,7 @@ from mmtrain.config.schema import ParallelConfig, TrainConfig
 from mmtrain.model.vlm import VLMModel
 from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.pipeline import PipelineComm, one_f_one_b
-from mmtrain.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    allreduce_tp_partial_grads,
-    shard_parts,
-)
+from mmtrain.parallel.tensor import allreduce_tp_partial_grads, tp_shard_of
 from mmtrain.testing import run_distributed
 from mmtrain.train.build_vlm import build_vlm_stage, vlm_forward_step
 from tests.vlm_helpers import make_batch, tiny_vlm_config
@@ -42,18 +36,6 @@ def _reference(batches):
 class _OneRank:  # the mesh fields vlm_forward_step reads, for the single-process reference
     dims = SimpleNamespace(cp=1)
     coord = SimpleNamespace(cp=0)
-
-
-def _expected(stage, name: str, full: torch.Tensor, r: int, n: int) -> torch.Tensor:
-    """This TP rank's piece of the whole model's gradient of parameter ``name``."""
-    module = stage.get_submodule(name.rsplit(".", 1)[0])
-    if isinstance(module, ColumnParallelLinear):
-        return shard_parts(full, module.part_sizes, r, n)
-    if isinstance(module, RowParallelLinear) and name.endswith("weight"):
-        return full.chunk(n, dim=1)[r]
-    if isinstance(module, VocabParallelEmbedding) or name == "language.output.weight":
-        return full.chunk(n, dim=0)[r]
-    return full
 
 
 def _run_layout(rank: int, world_size: int, layout: str, batches, ref_loss, ref_grads) -> int:
@@ -91,7 +73,8 @@ def _run_layout(rank: int, world_size: int, layout: str, batches, ref_loss, ref_
     r, n = mesh.coord.tp, mesh.dims.tp
     for name, p in stage.named_parameters():
         assert p.grad is not None, f"{layout}: {name} has no gradient"
-        torch.testing.assert_close(p.grad, _expected(stage, name, ref_grads[name], r, n), rtol=1e-4, atol=1e-6,
+        expected = tp_shard_of(name, ref_grads[name], cfg.model, r, n)  # also checks tp_partition on VLM names
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, name=name: f"{layout}: gradient of {name}: {m}")
         checked += 1
     return checked

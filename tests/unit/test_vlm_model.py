@@ -114,6 +114,8 @@ def test_config_derives_tokens_per_image_and_checks_the_data_settings():
     data.mm_num_image_tokens = 16
     with pytest.raises(ConfigError, match=r"data.mm_num_image_tokens \(16\) must equal .* 4 = \(16 / 4\)\^2 / 2\^2"):
         check_vlm_model(cfg, data)
+    with pytest.raises(ConfigError, match=r"vision.num_attention_heads \(4\) must be divisible by parallel.tp \(8"):
+        check_vlm_model(cfg, tp=8)
     cfg.projector.pixel_shuffle = 3
     with pytest.raises(ConfigError, match="model.projector.pixel_shuffle"):
         check_vlm_model(cfg)
