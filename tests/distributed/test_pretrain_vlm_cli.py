@@ -54,11 +54,14 @@ def _initial_state(extra: list[str]) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def test_dp2_equals_dp1_with_frozen_vision_and_scaled_projector(tmp_path):
+def test_dp2_and_tp2_equal_dp1_with_frozen_vision_and_scaled_projector(tmp_path):
     extra = ["train.steps=3", "freeze=[vision]", "lr_scale={projector: 3.0}"]
     losses1, state1, groups1 = run_distributed(_train, 1, str(tmp_path / "dp1"), extra)[0]
     losses2, state2, _ = run_distributed(_train, 2, str(tmp_path / "dp2"), extra)[0]
     assert losses1 == pytest.approx(losses2, rel=1e-5)
+    tp2 = run_distributed(_train, 2, str(tmp_path / "tp2"), [*extra, "parallel.tp=2",
+                                                              "parallel.sequence_parallel=true"])[0][0]
+    assert losses1 == pytest.approx(tp2, rel=1e-5)  # the loop under TP+SP (the model's TP plan is tested apart)
     for name in state1:
         torch.testing.assert_close(state1[name], state2[name], rtol=1e-5, atol=1e-6, msg=name)
     init = _initial_state(extra)
