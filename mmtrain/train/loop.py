@@ -134,7 +134,10 @@ def schedule_micro_batches(forward_step, num_micro: int, stage, mesh: ParallelMe
                              ranks, s, cfg.parallel.virtual_pp, shape, dtype, device, backward=buckets is not None,
                              before_last_backward=lambda: [b.last_backward() for b in buckets or []])
         return
-    step = lambda i, x: forward_step(i, x, stage)  # noqa: E731
+
+    def step(i: int, x):
+        return forward_step(i, x, stage)
+
     comm = PipelineComm(mesh.pp_group, ranks[s - 1] if s > 0 else None, ranks[s + 1] if s < pp - 1 else None,
                         shape, dtype, device)
     if buckets is None:

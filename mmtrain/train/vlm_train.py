@@ -8,6 +8,7 @@ data-parallel reduction, exactly as for the GPT, so DP and gradient accumulation
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ def vision_flops_per_image(m: VLMModelConfig) -> float:
     width = d * pr.pixel_shuffle ** 2
     hidden = pr.hidden_size or m.language.hidden_size
     dims = [width] + [hidden] * (pr.num_layers - 1) + [m.language.hidden_size]
-    projector = sum(a * b for a, b in zip(dims[:-1], dims[1:], strict=True)) * m.tokens_per_image
+    projector = sum(a * b for a, b in itertools.pairwise(dims)) * m.tokens_per_image
     return 6.0 * (P * (per_patch + attention) + projector)
 
 

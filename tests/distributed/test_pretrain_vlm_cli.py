@@ -137,7 +137,7 @@ def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):
            "model.vision.num_layers=1", "model.language.num_layers=1", "train.micro_batch_size=4",
            "freeze=[audio]", "logging.log_every=4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
@@ -166,6 +166,6 @@ def test_config_errors_name_the_key(override, message):
 
 def test_bad_config_on_the_command_line_exits_2_without_traceback():
     proc = subprocess.run([sys.executable, "-m", "mmtrain.pretrain_vlm", "--config", str(CONFIG), "data.mock=true",
-                           "lr_scale={vision: 2}", "freeze=[vision]"], capture_output=True, text=True, timeout=120)
+                           "lr_scale={vision: 2}", "freeze=[vision]"], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and "lr_scale.vision names a frozen component" in proc.stderr
     assert "Traceback" not in proc.stderr
