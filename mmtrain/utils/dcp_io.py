@@ -57,27 +57,38 @@ class Chunk:
     tensor: torch.Tensor  # values to save, or the destination (a view is fine) to load into
 
 
-class _SavePlanner(DefaultSavePlanner):
-    def __init__(self, chunks: list[Chunk]) -> None:
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Saves state dict entry ``name`` as the box at ``offsets`` of global tensor ``key`` of ``shape``
+    (``boxes[name] = (key, shape, offsets)``). The values come through the state dict, so DCP's own
+    ``async_save`` can stage them to host memory first."""
+
+    def __init__(self, boxes: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.chunks = {(c.key, tuple(c.offsets)): c for c in chunks}
-        if len(self.chunks) != len(chunks):
+        self.boxes = boxes
+        self.entry = {(key, tuple(offsets)): name for name, (key, _, offsets) in boxes.items()}
+        if len(self.entry) != len(boxes):
             raise ValueError("two chunks with the same key and offsets")
 
     def create_local_plan(self) -> SavePlan:
         items = []
-        for c in self.chunks.values():
-            items.append(WriteItem(index=MetadataIndex(c.key, c.offsets), type=WriteItemType.SHARD,
+        for name, (key, shape, offsets) in self.boxes.items():
+            t = self.state_dict[name]
+            items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
                                    tensor_data=TensorWriteData(
-                                       chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets),
-                                                                  sizes=c.tensor.shape),
-                                       properties=TensorProperties.create_from_tensor(c.tensor),
-                                       size=torch.Size(c.shape))))
+                                       chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape),
+                                       properties=TensorProperties.create_from_tensor(t), size=torch.Size(shape))))
         self.plan = SavePlan(items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))].tensor
+        return self.state_dict[self.entry[(write_item.index.fqn, tuple(write_item.index.offset))]]
+
+
+def save_plan_of(chunks: list[Chunk]) -> tuple[dict[str, torch.Tensor], ChunkSavePlanner]:
+    """(state dict, planner) to hand to ``dcp.save`` or ``dcp.async_save`` for ``chunks``."""
+    names = [f"{i:06d}" for i in range(len(chunks))]
+    return ({n: c.tensor for n, c in zip(names, chunks)},
+            ChunkSavePlanner({n: (c.key, tuple(c.shape), tuple(c.offsets)) for n, c in zip(names, chunks)}))
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -89,14 +100,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         items: list[ReadItem] = []
         saved = self.metadata.state_dict_metadata
         for i, c in enumerate(self.chunks):
-            md = saved.get(c.key)
-            if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointFormatError(f"{self.folder}: the checkpoint has no tensor '{c.key}'")
-            if tuple(md.size) != tuple(c.shape):
-                raise CheckpointFormatError(f"{self.folder}: '{c.key}' has shape {tuple(md.size)} in the checkpoint, "
-                                            f"{tuple(c.shape)} here (does the model config match?)")
             want = ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=c.tensor.shape)
-            found = create_read_items_for_chunk_list(c.key, md, [want])
+            found = create_read_items_for_chunk_list(c.key, saved[c.key], [want])
             if sum(_volume(r.lengths) for r in found) != c.tensor.numel():
                 raise CheckpointFormatError(f"{self.folder}: '{c.key}' box at {c.offsets} is not fully saved")
             items += [replace(r, dest_index=MetadataIndex(c.key, c.offsets, i)) for r in found]
@@ -166,13 +171,22 @@ def save_chunks(folder: Path, chunks: list[Chunk], group=None, no_dist: bool = F
     one DCP checkpoint in ``folder``. Returns after the coordinator wrote the metadata, i.e. after every rank's
     data is on disk."""
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+    state, planner = save_plan_of(chunks)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({}, storage_writer=writer, planner=_SavePlanner(chunks), process_group=group, no_dist=no_dist)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
 
 
 def load_chunks(folder: Path, chunks: list[Chunk]) -> None:
     """Fill each chunk's tensor with its box of the saved global tensor (this rank alone: no collectives)."""
+    saved = read_metadata(folder).state_dict_metadata
+    for c in chunks:  # checked here: DCP would wrap these errors into a generic exception
+        md = saved.get(c.key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointFormatError(f"{folder}: the checkpoint has no tensor '{c.key}'")
+        if tuple(md.size) != tuple(c.shape):
+            raise CheckpointFormatError(f"{folder}: '{c.key}' has shape {tuple(md.size)} in the checkpoint, "
+                                        f"{tuple(c.shape)} here (does the model config match?)")
     if chunks:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
