@@ -177,6 +177,14 @@ def save_chunks(folder: Path, chunks: list[Chunk], group=None, no_dist: bool = F
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
 
 
+def async_save_chunks(folder: Path, chunks: list[Chunk], writer: dcp.FileSystemWriter, group=None):
+    """``dcp.async_save`` of ``chunks`` (collective like ``save_chunks``): returns once DCP copied the values to
+    host memory (the writer's staging); the returned future completes when the checkpoint is written."""
+    state, planner = save_plan_of(chunks)
+    return dcp.async_save(state, checkpoint_id=folder, storage_writer=writer, planner=planner, process_group=group,
+                          no_dist=group is None)
+
+
 def load_chunks(folder: Path, chunks: list[Chunk]) -> None:
     """Fill each chunk's tensor with its box of the saved global tensor (this rank alone: no collectives)."""
     saved = read_metadata(folder).state_dict_metadata
