@@ -101,6 +101,8 @@ class CheckpointWriter:
         start = time.perf_counter()
         folder = self.root / f"step_{step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
+        if self.mesh.rank == 0:  # saving a step again (a rerun from an older checkpoint): it no longer counts
+            (folder / "complete.json").unlink(missing_ok=True)  # before any rank writes (DCP's plan exchange orders it)
         # DCP's staging copies GPU tensors to host memory; host tensors it would keep as they are (no snapshot)
         staged_by_dcp = via_dcp and device.type == "cuda"
         chunks, adam_step = save_chunks_of(self.mesh, model, optimizer, device,
