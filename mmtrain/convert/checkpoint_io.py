@@ -220,7 +220,7 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     shard = shard_of(mesh)
     for name, t in own.items():
         key = f"model.{stored_name(name, cfg)}"
-        if key in saved and saved[key][0] != global_shape(name, tuple(t.shape), cfg, shard):
+        if isinstance(t, torch.Tensor) and key in saved and saved[key][0] != global_shape(name, tuple(t.shape), cfg, shard):
             raise ConvertError(f"{name}: checkpoint has global shape {saved[key][0]}, this rank's shard "
                                f"{tuple(t.shape)} does not fit it (does the run's model config match {path}?)")
     chunks, missing = model_load_chunks(own, cfg, shard, saved)

@@ -174,6 +174,8 @@ def model_load_chunks(model_state: dict[str, torch.Tensor], cfg, shard, saved: d
     the names it has no value for: a sigmoid router's balancing bias (Hugging Face models have none) stays zero."""
     chunks, missing = [], []
     for name, t in model_state.items():
+        if not isinstance(t, torch.Tensor):
+            continue  # a module's non-tensor extra state: not stored
         key = f"model.{stored_name(name, cfg)}"
         if key not in saved and name.endswith("mlp.router.expert_bias"):
             t.zero_()

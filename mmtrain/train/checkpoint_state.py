@@ -54,7 +54,7 @@ def save_chunks_of(mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any, d
     cfg, shard = model.cfg, shard_of(mesh)
     chunks: list[Chunk] = []
     for name, t in model.state_dict().items():
-        if not _skip(name, cfg):
+        if isinstance(t, torch.Tensor) and not _skip(name, cfg):  # (a module's non-tensor extra state is not kept)
             chunks += chunks_of(f"model.{name}", name, tuple(t.shape), t.reshape(-1), cfg, shard, copy=copy)
     adam_step = None
     for name, shape, lo, pc in _pieces(model, optimizer):
