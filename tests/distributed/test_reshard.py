@@ -28,7 +28,7 @@ def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
 
 @pytest.mark.parametrize("saved, loaded, model", [
     ((4, ["parallel.tp=2", "parallel.pp=2"]), (1, []), []),
-    # saved with DP2 too: the distributed optimizer's flat ranges (one cuts a TP shard mid-tensor) reshard to TP4
+    # saved with DP2 too: the distributed optimizer's flat ranges of TP shards (cut where the DP halves meet) reshard to TP4
     ((4, ["parallel.tp=2", "parallel.dp=2"]), (4, ["parallel.tp=4"]), []),
     ((2, ["parallel.dp=2"]), (1, []), []),
     ((2, ["parallel.dp=2", "parallel.ep=2"]), (1, []), MOE),
