@@ -110,8 +110,11 @@ class CheckpointWriter:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the non-blocking copies must land before anyone reads them
         layout = _layout(self.mesh)
-        atomic_write_text(folder / f"rank_{self.mesh.rank:05d}.json", json.dumps(
-            {"step": step, "layout": layout, "loader": loader_state, "adam_step": adam_step}))
+        try:
+            extra = json.dumps({"step": step, "layout": layout, "loader": loader_state, "adam_step": adam_step})
+        except TypeError as exc:
+            raise CheckpointError(f"the data loader state must be plain JSON values (dict/list/str/number): {exc}") from exc
+        atomic_write_text(folder / f"rank_{self.mesh.rank:05d}.json", extra)
         future = None
         if via_dcp:  # DCP copies the values to (cached, pinned) host memory before it returns
             if self._dcp_writer is None:
