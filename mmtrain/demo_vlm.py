@@ -50,12 +50,12 @@ def caption_image(run_dir: Path, image_path: Path, max_new_tokens: int = 16) -> 
     from mmtrain.data.multimodal import MultimodalTaskEncoder
     from mmtrain.data.multimodal_loader import settings_from_config
     from mmtrain.model.vlm import VLMModel
+    from mmtrain.train.checkpoint_state import load_model_weights_only
 
     cfg = load_config(VLMRunConfig, run_dir / "config.yaml")
     ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     model = VLMModel(cfg.model)
-    state = torch.load(ckpt / "rank_00000.pt", map_location="cpu", weights_only=True)["model"]
-    model.load_state_dict(state)
+    load_model_weights_only(ckpt, None, model)
     encoder = MultimodalTaskEncoder(settings_from_config(cfg.data))
     pixels = torch.from_numpy(__import__("numpy").asarray(Image.open(image_path).convert("RGB")).copy())
     image = encoder._image(pixels.permute(2, 0, 1).float() / 255.0)  # the training path's resize + normalize

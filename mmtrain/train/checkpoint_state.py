@@ -27,6 +27,7 @@ import torch
 
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.global_chunks import (
+    Shard,
     chunks_of,
     model_load_chunks,
     shard_of,
@@ -119,3 +120,15 @@ def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimiz
         torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def load_model_weights_only(folder: Path, mesh: ParallelMesh | None, model: torch.nn.Module) -> None:
+    """Fill only the weights of ``model`` (this rank's shard; ``mesh=None``: one process, the whole model) from
+    ``folder``, a checkpoint of any layout: e.g. a VLM's stage 2 starting from stage 1, or the demo's caption."""
+    shard = shard_of(mesh) if mesh is not None else Shard()
+    saved = saved_tensors(folder)
+    chunks, missing = model_load_chunks(model.state_dict(), model.cfg, shard, saved)
+    if missing:
+        raise ValueError(f"{folder}: no stored value for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+                         " (the model shape must be the same as the checkpoint's)")
+    load_chunks(folder, chunks)

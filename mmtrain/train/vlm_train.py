@@ -19,7 +19,13 @@ from mmtrain.config.vlm_schema import VLMModelConfig
 from mmtrain.model.gpt import flops_per_token
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.train.checkpoint import find_checkpoint, is_weights_only
-from mmtrain.train.loop import StepTask, TrainResult, global_batch_size, schedule_micro_batches, train_model
+from mmtrain.train.loop import (
+    StepTask,
+    TrainResult,
+    global_batch_size,
+    schedule_micro_batches,
+    train_model,
+)
 from mmtrain.utils.log import get_logger
 
 
@@ -38,26 +44,18 @@ def vision_flops_per_image(m: VLMModelConfig) -> float:
 
 
 def load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Module) -> None:
-    """The model weights of an earlier run's checkpoint (e.g. stage 1 for stage 2): weights are replicated over
-    data-parallel ranks, so this rank reads the file of the rank with its (tp, pp) coordinates and dp = 0."""
-    import json
-
+    """The model weights of an earlier run's checkpoint (e.g. stage 1 for stage 2), saved at any layout."""
     from mmtrain.train.checkpoint import CheckpointError, _complete_in
 
     folder = _complete_in(Path(init_from))
     if folder is None:
         raise CheckpointError(f"init_from={init_from}: no complete checkpoint there (no complete.json or latest)")
-    layout = json.loads((folder / "complete.json").read_text())["layout"]
-    d = mesh.dims
-    if (layout["tp"], layout["pp"], layout["cp"]) != (d.tp, d.pp, d.cp):
-        raise CheckpointError(f"init_from={init_from}: saved with tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
-                              f"; this run has tp={d.tp} pp={d.pp} cp={d.cp} -- use the same layout (dp may differ)")
-    rank = mesh.coord.tp + d.tp * d.cp * layout["dp"] * mesh.coord.pp  # dp = 0, cp = 0 of this (tp, pp)
-    state = torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)["model"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"init_from={init_from}: parameters differ from this model (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}); the model shape must be the same")
+    from mmtrain.train.checkpoint_state import load_model_weights_only
+
+    try:  # any saved layout: DCP reads each rank's boxes of the global tensors
+        load_model_weights_only(folder, mesh, model)
+    except ValueError as exc:
+        raise CheckpointError(f"init_from={init_from}: {exc}") from exc
     get_logger("train").info(f"initialized the weights from {folder}; training starts at step 0")
 
 
