@@ -1,5 +1,7 @@
-"""Energon datasets and loaders for multimodal training: blend spec -> energon source, our data-parallel group ->
-``WorkerConfig``, and a loader whose ``state_dict()`` resumes exactly where it stopped.
+"""Energon datasets and loaders for multimodal training: blend spec -> energon source, and this rank's loader.
+Training reads one global order of energon slices (``mmtrain.data.multimodal_slices``) that no worker count or
+data-parallel size changes, and resumes exactly, also at another data-parallel size; validation is energon's own
+loader over this rank's shards (``WorkerConfig`` from our data-parallel group).
 
 The source is one of: an energon dataset folder (``mmtrain-prep media`` output), an energon metadataset YAML
 (``__class__: MetadatasetV2``, passed through unchanged), or a blend spec (docs/blend-spec.md) whose entries

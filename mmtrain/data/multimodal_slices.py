@@ -183,6 +183,7 @@ class InProcessReader:
 def _worker_main(spec: SliceSpec, slices: list[int], states: dict, out, stop) -> None:
     """Worker process: produce the batches of its slices in the order the rank takes them, each with the state
     of its slice right after it."""
+    out.cancel_join_thread()  # on stop, exit without waiting for the rank to read what is still queued
     try:
         streams = [SliceStream(spec, s, states.get(s)) for s in slices]
         for stream in itertools.cycle(streams):
