@@ -21,6 +21,7 @@ import base64
 import dataclasses
 import importlib
 import itertools
+import os
 import queue
 import traceback
 from dataclasses import dataclass
@@ -183,14 +184,20 @@ class InProcessReader:
 def _worker_main(spec: SliceSpec, slices: list[int], states: dict, out, stop) -> None:
     """Worker process: produce the batches of its slices in the order the rank takes them, each with the state
     of its slice right after it."""
+    import torch
+
+    # One thread per worker, as torch's DataLoader does: an OpenMP pool the parent started before the fork does not
+    # exist in the child, and the first parallel op would wait on it forever.
+    torch.set_num_threads(1)
     out.cancel_join_thread()  # on stop, exit without waiting for the rank to read what is still queued
+    parent = os.getppid()
     try:
         streams = [SliceStream(spec, s, states.get(s)) for s in slices]
         for stream in itertools.cycle(streams):
             batch = stream.next()
             item = ("batch", stream.index, stream.batches, batch, stream.state())
             while True:
-                if stop.is_set():
+                if stop.is_set() or os.getppid() != parent:  # stopped, or the rank's process is gone
                     return
                 try:
                     out.put(item, timeout=0.2)

@@ -344,6 +344,18 @@ def test_worker_count_does_not_change_the_batches(data):
         loader.close()
 
 
+def test_workers_start_after_the_rank_used_openmp(data):
+    """A worker forked after the rank ran a parallel torch op must not wait on the parent's OpenMP pool
+    (it would hang in its first image resize)."""
+    import torch.nn.functional as F
+
+    F.interpolate(torch.rand(1, 3, 512, 512), size=(224, 224), mode="bilinear", antialias=True)
+    loader = MultimodalLoader(data["root"] / "a", settings(data, image_size=224),
+                              opts(num_workers=2, shuffle_buffer_size=2))
+    assert take(loader, 2)[1].images.shape[-1] == 224
+    loader.close()
+
+
 def test_same_batches_in_another_process(data):
     import hashlib
     import subprocess
