@@ -317,13 +317,15 @@ def test_list_images_and_undecoded_video(data, tmp_path):
     assert counts == {"pair": 2, "slide": 4} and batch.images.shape == (6, 3, 32, 32)
 
 
-def test_sample_errors_are_raised_not_skipped(data):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sample_errors_are_raised_not_skipped(data, workers):
     from mmtrain.data.multimodal_media import MediaSampleError
 
     loader = MultimodalLoader(data["root"] / "mixed", settings(data, audio_token_id=None),
-                              opts(micro_batch_size=1, shuffle_buffer_size=0, num_slices=1))
-    with pytest.raises(MediaSampleError, match="clip-000.*no audio_token_id"):
+                              opts(micro_batch_size=1, shuffle_buffer_size=0, num_slices=1, num_workers=workers))
+    with pytest.raises(MediaSampleError, match="clip-000.*no audio_token_id"):  # from a worker: the same error
         take(loader, 29)
+    loader.close()
 
 
 def test_validation_loader_is_one_ordered_pass(data, tmp_path):
