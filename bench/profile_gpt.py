@@ -37,13 +37,13 @@ def main() -> None:
     mesh = ParallelDims.from_config(cfg.parallel, world).build()
     sched = torch.profiler.schedule(wait=3, warmup=1, active=2)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=sched) as prof:
-        original = loop.forward_backward
+        original = loop._Run.step
 
-        def stepping(*args, **kw):  # advance the profiler once per training step
-            out = original(*args, **kw)
+        def stepping(self, step):  # advance the profiler once per optimizer step
+            out = original(self, step)
             prof.step()
             return out
-        loop.forward_backward = stepping
+        loop._Run.step = stepping
         loop.train_gpt(cfg, mesh, device)
     if rank != 0:
         return

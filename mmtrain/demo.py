@@ -1,10 +1,12 @@
 """README command 1: the main job on the built-in sample, on the CPU, in a few minutes.
 
-    python -m mmtrain.demo [--out runs/demo] [--steps N]
+    python -m mmtrain.demo [--out runs/demo] [--steps N] [--no-vlm]
 
 Steps (each printed as it runs): generate a sample corpus -> train a tokenizer -> `mmtrain-prep text` ->
-`mmtrain-prep verify` -> train a tiny GPT on the shards. Each step is the same public command a user runs
-by hand, executed as a subprocess, so the demo shows exactly what works end to end.
+`mmtrain-prep verify` -> train a tiny GPT on the shards; then the multimodal path (``mmtrain.demo_vlm``):
+sample images/audio/video -> `mmtrain-prep text` and `media` -> a blend of text and image-caption shards ->
+`mmtrain.pretrain_vlm` for 50 steps -> a caption generated for an image. Each step is the same public command a
+user runs by hand, executed as a subprocess, so the demo shows exactly what works end to end.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/demo", help="folder for everything the demo writes")
     ap.add_argument("--steps", type=int, default=200, help="training steps")
     ap.add_argument("--docs", type=int, default=2000, help="documents in the sample corpus")
+    ap.add_argument("--no-vlm", action="store_true", help="skip the multimodal (VLM) part")
+    ap.add_argument("--vlm-steps", type=int, default=50, help="VLM training steps")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                                           "--config", str(REPO / "configs" / "gpt" / "tiny_cpu.yaml"),
                                           f"train.steps={args.steps}", f"logging.run_dir={out / 'train'}",
                                           *train_overrides])
+    if not args.no_vlm:
+        _step("the multimodal path: images, audio and text -> a tiny VLM -> a caption",
+              [py, "-m", "mmtrain.demo_vlm", "--out", str(out / "vlm"), "--steps", str(args.vlm_steps)])
     print(f"\nAll done. Outputs under {out}/", flush=True)
     return 0
 

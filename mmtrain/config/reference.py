@@ -19,6 +19,8 @@ def _type_name(tp) -> str:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(tp))
     if origin is list:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if origin is dict:
+        return "dict[" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -28,21 +30,59 @@ def _default(f: dataclasses.Field) -> str:
     return f"`{f.default!r}`"
 
 
-def reference_markdown(root: type = GPTRunConfig) -> str:
+def _section(lines: list[str], key: str, cls: type, help_text: str) -> None:
+    """One table per dataclass section; nested sections (the VLM's ``model.vision``) follow as their own."""
+    lines += [f"## `{key}` — {help_text}", "", (cls.__doc__ or "").strip(), "",
+              "| key | type | default | meaning |", "|---|---|---|---|"]
+    hints = typing.get_type_hints(cls)
+    nested = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            nested.append(f)
+            lines.append(f"| `{key}.{f.name}` | section | | {f.metadata.get('help', '')} (below) |")
+            continue
+        lines.append(f"| `{key}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | "
+                     f"{f.metadata.get('help', '')} |")
+    lines.append("")
+    for f in nested:
+        _section(lines, f"{key}.{f.name}", hints[f.name], f.metadata.get("help", ""))
+
+
+def reference_markdown(root: type = GPTRunConfig, with_vlm: bool = True) -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `mmtrain/config/schema.py` by `python -m mmtrain.config.reference`; do not edit by hand.",
+             "Generated from `mmtrain/config/schema.py` (and `vlm_schema.py`, `vlm_run_schema.py`) by "
+             "`python -m mmtrain.config.reference`; do not edit by hand.",
              "Set any key in a YAML file (`section:` then `key: value`) or on the command line as `section.key=value`.",
              ""]
     hints = typing.get_type_hints(root)
     for section in dataclasses.fields(root):
-        cls = hints[section.name]
-        lines += [f"## `{section.name}` — {section.metadata.get('help', '')}", "", (cls.__doc__ or "").strip(), "",
-                  "| key | type | default | meaning |", "|---|---|---|---|"]
-        sub_hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            lines.append(f"| `{section.name}.{f.name}` | {_type_name(sub_hints[f.name])} | {_default(f)} | "
-                         f"{f.metadata.get('help', '')} |")
-        lines.append("")
+        _section(lines, section.name, hints[section.name], section.metadata.get("help", ""))
+    text = "\n".join(lines)
+    return text + "\n" + vlm_reference_markdown() if with_vlm and root is GPTRunConfig else text
+
+
+def vlm_reference_markdown() -> str:
+    """The VLM run config: its model sections and top-level keys; the other sections are the GPT run's."""
+    from mmtrain.config.vlm_run_schema import VLMRunConfig
+
+    lines = ["# VLM run (`python -m mmtrain.pretrain_vlm`)", "",
+             ("`VLMRunConfig` (`mmtrain/config/vlm_run_schema.py`) has the sections `parallel`, `data`, `optim`, "
+              "`train`, `logging` and `checkpoint` of the GPT run above (the `data.mm_*` keys set the media); its "
+              "`model` is the VLM's, and top-level keys choose what trains and from which weights."), ""]
+    hints = typing.get_type_hints(VLMRunConfig)
+    gpt = {f.name for f in dataclasses.fields(GPTRunConfig)} - {"model"}
+    top = []
+    for f in dataclasses.fields(VLMRunConfig):
+        if f.name in gpt:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            _section(lines, f.name, hints[f.name], f.metadata.get("help", ""))
+        else:
+            top.append(f)
+    lines += ["## Top-level keys", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {f.metadata.get('help', '')} |"
+              for f in top]
+    lines.append("")
     return "\n".join(lines)
 
 

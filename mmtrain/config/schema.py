@@ -143,7 +143,8 @@ class TrainConfig:
     steps: int = doc(20, "Optimizer steps to run.")
     micro_batch_size: int = doc(2, "Samples per micro-batch per data-parallel rank.")
     global_batch_size: int = doc(0, "Samples per optimizer step over all ranks; 0 means micro_batch_size * dp.")
-    precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32.")
+    precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32; fp8: "
+                                                                    "BF16 weights, FP8 block linears (the fp8 section).")
     activation_checkpointing: Literal["none", "selective", "full"] = doc("none", "Recompute activations in backward.")
     compile: bool = doc(False, "torch.compile each transformer block (and the loss on one TP rank).")
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = doc(
@@ -180,6 +181,28 @@ class CheckpointConfig:
 
 
 @dataclass
+class Fp8Config:
+    """FP8 training (``train.precision: fp8``; docs/fp8.md). Only the transformer blocks' linears (qkv, proj,
+    MLP up/down) compute in FP8; embeddings, norms, attention, the output layer and MoE experts stay BF16."""
+
+    backend: Literal["auto", "native", "te"] = doc(
+        "auto", "auto: Transformer Engine when it imports, else native (torch._scaled_mm); te fails if TE is missing.")
+    recipe: Literal["delayed", "tensorwise", "rowwise", "blockwise", "mxfp8"] = doc(
+        "tensorwise", "Scaling: delayed (amax history), tensorwise (current per-tensor amax), rowwise (native: "
+                      "per-row scales), blockwise (TE: 1x128/128x128 blocks), mxfp8 (TE, Blackwell: 1x32 blocks).")
+    format: Literal["hybrid", "e4m3"] = doc(
+        "hybrid", "hybrid: E4M3 activations and weights, E5M2 gradients; e4m3: E4M3 everywhere.")
+    amax_history_len: int = doc(1024, "Delayed scaling: steps of amax history kept per tensor.")
+    amax_compute_algo: Literal["max", "most_recent"] = doc(
+        "max", "Delayed scaling: scale from the largest amax in the history or from the latest one.")
+    margin: int = doc(0, "Scales are divided by 2**margin (headroom against overflow).")
+    bf16_first_layers: int = doc(0, "Keep this many first transformer blocks in BF16.")
+    bf16_last_layers: int = doc(0, "Keep this many last transformer blocks in BF16.")
+    param_gather: bool = doc(False, "All-gather parameters over data-parallel ranks in FP8 (not implemented yet: "
+                                    "true is a configuration error).")
+
+
+@dataclass
 class GPTRunConfig:
     """Everything `python -m mmtrain.pretrain_gpt` needs."""
 
@@ -190,3 +213,4 @@ class GPTRunConfig:
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Step loop."})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Logging."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+    fp8: Fp8Config = field(default_factory=Fp8Config, metadata={"help": "FP8 training (train.precision: fp8)."})

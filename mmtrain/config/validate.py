@@ -75,6 +75,8 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
     _validate_data(d)
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
+    if t.precision == "fp8":
+        _validate_fp8(cfg)
     if world_size is not None:
         from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
 
@@ -82,7 +84,7 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
         if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dims.dp):
             raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                               f"train.micro_batch_size * dp ({t.micro_batch_size} * {dims.dp})")
-        if d.mm_tokenizer and d.mm_slices % dims.dp:  # a multimodal run: each dp rank reads mm_slices / dp slices
+        if d.mm_tokenizer and not d.mock and d.mm_slices % dims.dp:  # multimodal shards: a dp rank reads S / dp slices
             raise ConfigError(f"data.mm_slices ({d.mm_slices}) must be a multiple of the data-parallel size "
                               f"({dims.dp}); use a multiple of every data-parallel size the run may resume at")
         num_micro = (t.global_batch_size or t.micro_batch_size * dims.dp) // (t.micro_batch_size * dims.dp)
@@ -111,3 +113,39 @@ def _validate_data(d) -> None:
             raise ConfigError(f"data.weights must all be positive numbers, got {bad[0]}")
     if not d.index_build_timeout_s > 0:
         raise ConfigError(f"data.index_build_timeout_s must be > 0, got {d.index_build_timeout_s}")
+
+
+NATIVE_FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
+TE_FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+def _validate_fp8(cfg) -> None:
+    """The fp8 section, where the device is not needed (the GPU and TE are checked at start-up:
+    ``mmtrain.model.fp8.resolve_fp8_backend``)."""
+    f, m, p = cfg.fp8, cfg.model, cfg.parallel
+    if f.backend == "native" and f.recipe not in NATIVE_FP8_RECIPES:
+        raise ConfigError(f"fp8.recipe={f.recipe} is not offered by fp8.backend=native (it has "
+                          f"{', '.join(NATIVE_FP8_RECIPES)}); use fp8.backend=te for {f.recipe}")
+    if f.backend == "te" and f.recipe not in TE_FP8_RECIPES:
+        raise ConfigError(f"fp8.recipe={f.recipe} is not offered by fp8.backend=te (it has "
+                          f"{', '.join(TE_FP8_RECIPES)}); use fp8.backend=native for {f.recipe}")
+    if f.recipe in ("rowwise", "blockwise") and f.format != "e4m3":
+        raise ConfigError(f"fp8.recipe={f.recipe} scales every operand in E4M3; set fp8.format=e4m3 "
+                          f"(got {f.format})")
+    if f.amax_history_len < 1:
+        raise ConfigError(f"fp8.amax_history_len must be >= 1, got {f.amax_history_len}")
+    if f.margin < 0:
+        raise ConfigError(f"fp8.margin must be >= 0, got {f.margin}")
+    for key, value in (("fp8.bf16_first_layers", f.bf16_first_layers), ("fp8.bf16_last_layers", f.bf16_last_layers)):
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if f.bf16_first_layers + f.bf16_last_layers >= m.num_layers:
+        raise ConfigError(f"fp8.bf16_first_layers + fp8.bf16_last_layers ({f.bf16_first_layers} + "
+                          f"{f.bf16_last_layers}) leave no FP8 layer of model.num_layers={m.num_layers}; "
+                          "lower them or use train.precision=bf16")
+    if f.param_gather:
+        raise ConfigError("fp8.param_gather=true is not implemented yet: parameters are gathered in BF16; "
+                          "set fp8.param_gather=false")
+    if f.backend == "te" and p.tp > 1 and m.add_bias:
+        raise ConfigError("fp8.backend=te with parallel.tp > 1 and model.add_bias=true is not supported (the "
+                          "row-parallel bias would be summed over TP ranks); use fp8.backend=native")

@@ -83,19 +83,24 @@ class GPTModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.output.weight if self.output is not None else self.embed.weight
 
-    def forward(self, inputs: torch.Tensor, labels_BS: torch.Tensor | None = None,
-                position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor | None, labels_BS: torch.Tensor | None = None,
+                position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """``inputs``: token ids (B, S) on the first stage, hidden states (B, S, D) otherwise.
+        ``inputs_embeds``: (B, S, D) used instead of embedding ``inputs`` (a VLM's spliced text+media embeddings).
         ``doc_ids_BS``: document index of each token of packed sequences; attention then stays inside documents
         (pair it with position ids that restart at each document).
         Returns per-token losses (B, S) on the last stage when ``labels_BS`` is given, else logits (last stage)
         or hidden states (other stages)."""
         attn_mask = self.build_attention_mask(doc_ids_BS) if doc_ids_BS is not None else None
-        x = self.embed(inputs) if self.pre_process else inputs
+        if inputs_embeds is not None:
+            x = inputs_embeds
+        else:
+            x = self.embed(inputs) if self.pre_process else inputs
         if position_ids_BS is None:
             if not self.pre_process:
                 raise ValueError("a pipeline stage without the embedding needs position_ids_BS")
-            B, S = inputs.shape
+            B, S = x.shape[:2]
             position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
         cos, sin = rope_cos_sin(position_ids_BS, self.inv_freq, x.dtype)
         for layer in self.layers.values():

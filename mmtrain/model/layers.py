@@ -76,8 +76,14 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
 
 
+def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """Full (encoder) attention on (B, H, S, D); ``attn_mask`` (bool, True = attend) e.g. hides padded keys."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
         super().__init__()
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.q_size = cfg.num_attention_heads * self.head_dim
@@ -87,7 +93,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.add_bias)
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
-        self.core_attention = sdpa_attention  # the context-parallel plan swaps in its K/V-gathering version
+        # the context-parallel plan swaps in its K/V-gathering version; encoders (ViT, audio) attend both ways
+        self.core_attention = sdpa_attention if causal else bidirectional_attention
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,7 +110,8 @@ class Attention(nn.Module):
         v = v.view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:  # None: positions are added to the input instead (learned / sin-cos tables)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         out = self.core_attention(q, k, v, attn_mask)
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
@@ -137,10 +145,13 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Pre-norm block. ``causal=False`` builds an encoder block (bidirectional attention) with the same
+    parameter layout, so the TP plan shards it the same way."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, causal)
         self.mlp_norm = make_norm(cfg)
         if cfg.num_experts:
             from mmtrain.model.moe import MoELayer  # moe.py builds on MLP from this module

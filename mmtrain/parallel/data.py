@@ -188,8 +188,10 @@ class MixedPrecisionAdamW:
     """
 
     def __init__(self, buckets: list[GradBuckets], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, master_weights: bool = True) -> None:
-        """``buckets``: one ``GradBuckets`` per reduction group (dense params over dp×cp, experts over edp)."""
+                 weight_decay: float, master_weights: bool = True, lr_scale_of=None) -> None:
+        """``buckets``: one ``GradBuckets`` per reduction group (dense params over dp×cp, experts over edp).
+        ``lr_scale_of(param) -> float`` (optional) puts parameters in per-scale groups whose ``"lr_scale"`` the
+        trainer multiplies the scheduled learning rate by (e.g. a VLM's projector at 10x)."""
         self.buckets = buckets
         self.master_weights = master_weights
         self.pieces: list[_Piece] = []
@@ -202,12 +204,19 @@ class MixedPrecisionAdamW:
                         view = owner.param_buffer[s:e]
                         master = view.detach().float().clone() if master_weights else view
                         self.pieces.append(_Piece(p, owner, b, s, e, master))
-        decay = [pc.master for pc in self.pieces if pc.param.ndim >= 2]
-        no_decay = [pc.master for pc in self.pieces if pc.param.ndim < 2]
+        scale_of = lr_scale_of or (lambda p: 1.0)
+        # groups from every parameter (not only the pieces owned here), so all data-parallel ranks agree on them
+        scales = sorted({float(scale_of(p)) for owner in buckets for b in owner.buckets for p in b.params})
+        groups = []
+        for scale in scales:
+            mine = [pc for pc in self.pieces if float(scale_of(pc.param)) == scale]
+            groups += [{"params": [pc.master for pc in mine if pc.param.ndim >= 2], "weight_decay": weight_decay},
+                       {"params": [pc.master for pc in mine if pc.param.ndim < 2], "weight_decay": 0.0}]
+            if lr_scale_of is not None:
+                groups[-2]["lr_scale"] = groups[-1]["lr_scale"] = scale
         device = buckets[0].grad_buffer.device
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=betas, eps=eps, fused=True if device.type == "cuda" else None)
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
+                                           fused=True if device.type == "cuda" else None)
 
     @property
     def param_groups(self):

@@ -48,10 +48,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(shard_parts(full.bias.data, self.part_sizes, r, n)) if full.bias is not None else None
         _mark(self.weight, tp_sharded=True)
         _mark(self.bias, tp_sharded=True)
+        self.matmul = F.linear  # an F.linear-like hook: FP8 (mmtrain.model.fp8) swaps in its own matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -65,9 +66,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(full.bias.data.clone()) if full.bias is not None else None
         _mark(self.weight, tp_sharded=True)
         _mark(self.bias, tp_partial_grad=sequence_parallel)
+        self.matmul = F.linear  # as in ColumnParallelLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, self.weight, None)
         y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_group(y, self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -131,7 +133,9 @@ def vocab_parallel_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tens
 
 
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
-    """Shard a ``GPTModel`` (or one pipeline stage of it) in place over the TP ``group``."""
+    """Shard a ``GPTModel`` (or one pipeline stage of it) in place over the TP ``group``. Any module with
+    ``layers`` of ``TransformerBlock``s (the VLM's vision/audio encoders) is sharded the same way; ``embed`` and
+    the output head are handled only where present."""
     n = dist.get_world_size(group)
     if n == 1:
         return model
@@ -149,9 +153,9 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
             if norm is not None:
                 for p in norm.parameters():
                     _mark(p, tp_partial_grad=True)
-    if model.embed is not None:
+    if getattr(model, "embed", None) is not None:
         model.embed = VocabParallelEmbedding(model.embed, group, sp)
-    if model.post_process:
+    if getattr(model, "post_process", False):
         for p in model.norm.parameters():
             _mark(p, tp_partial_grad=sp)
         r = dist.get_rank(group)
@@ -181,7 +185,16 @@ def allreduce_tp_partial_grads(model: nn.Module, group) -> None:
 
 def tp_partition(name: str, cfg) -> tuple[int, tuple[int, ...] | None] | None:
     """How the GPT parameter ``name`` is split over TP: (dim, parts) — parts None means one even split — or
-    None when it is replicated. Shared by tests and checkpoint resharding."""
+    None when it is replicated. Shared by tests and checkpoint resharding. ``cfg``: a ``ModelConfig``, or a
+    ``VLMModelConfig`` (names start with their component: ``language.*`` as the GPT, encoder ``layers.*`` as
+    blocks of the encoder's shape, everything else replicated)."""
+    if hasattr(cfg, "language"):
+        component, _, rest = name.partition(".")
+        if component == "language":
+            return tp_partition(rest, cfg.language)
+        if component in ("vision", "audio") and rest.startswith("layers."):
+            return tp_partition(rest, getattr(cfg, component).block_config())
+        return None
     hd = cfg.hidden_size // cfg.num_attention_heads
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
         return 0, (cfg.num_attention_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)

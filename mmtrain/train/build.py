@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from mmtrain.config.schema import GPTRunConfig
+from mmtrain.model.fp8 import Fp8Runtime, apply_fp8, resolve_fp8_backend
 from mmtrain.model.gpt import GPTModel, token_cross_entropy
 from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
@@ -31,7 +32,8 @@ class StageChunks(nn.Module):
         self.output = chunks[-1].output
 
 
-def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, int], pre: bool, post: bool) -> GPTModel:
+def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, int], pre: bool, post: bool,
+                 fp8_backend: str | None = None) -> GPTModel:
     model = GPTModel(cfg.model, layer_range, pre_process=pre, post_process=post)
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
@@ -39,12 +41,17 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
     if cfg.model.num_experts:
         sp = cfg.parallel.sequence_parallel and mesh.dims.tp > 1
         apply_expert_parallel(model, mesh.ep_group, sp, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
+    if fp8_backend is not None:
+        apply_fp8(model, cfg, mesh, fp8_backend)
     mode = cfg.train.activation_checkpointing
     for block in model.layers.values():
         block.recompute = mode
         block.mlp.recompute_activation = mode == "selective"
         if cfg.train.compile:
-            if cfg.model.num_experts:  # data-dependent token counts per expert: compile the dense parts only
+            if fp8_backend == "te":  # TE modules run their own kernels; dynamo does not trace them
+                block.attn_norm.compile()
+                block.mlp_norm.compile()
+            elif cfg.model.num_experts:  # data-dependent token counts per expert: compile the dense parts only
                 block.attn_norm.compile()
                 block.attn.compile()
                 block.mlp_norm.compile()
@@ -57,13 +64,16 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
 
 def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> GPTModel | StageChunks:
     """This rank's model: its pipeline stage (or virtual-stage chunks) with whole-model initial values, sharded
-    over tensor, context and expert parallelism per ``mesh``, with recompute/compile flags, on ``device``."""
+    over tensor, context and expert parallelism per ``mesh``, FP8 linears for ``train.precision: fp8`` (then
+    ``stage.fp8_runtime`` is set), with recompute/compile flags, on ``device``."""
     pp, stage, v = mesh.dims.pp, mesh.coord.pp, cfg.parallel.virtual_pp
     ranges = stage_layer_ranges(cfg.model.num_layers, pp * v, cfg.parallel.pipeline_layers)
+    fp8_backend = resolve_fp8_backend(cfg, device) if cfg.train.precision == "fp8" else None
     chunks = []
     for c in range(v):
         vs = c * pp + stage
-        chunks.append(_build_chunk(cfg, mesh, ranges[vs], pre=vs == 0, post=vs == pp * v - 1))
+        chunks.append(_build_chunk(cfg, mesh, ranges[vs], pre=vs == 0, post=vs == pp * v - 1,
+                                   fp8_backend=fp8_backend))
     if device.type == "cuda" and cfg.train.attention_backend != "auto":
         chosen = cfg.train.attention_backend
         torch.backends.cuda.enable_flash_sdp(chosen == "flash")
@@ -72,4 +82,7 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
         torch.backends.cuda.enable_math_sdp(chosen == "math")
     for chunk in chunks:
         chunk.to(device)
-    return chunks[0] if v == 1 else StageChunks(chunks)
+    built = chunks[0] if v == 1 else StageChunks(chunks)
+    if fp8_backend is not None:  # the step loop's handle: weight re-casts and delayed-scaling updates
+        built.fp8_runtime = Fp8Runtime(fp8_backend, cfg, chunks, mesh.tp_group)
+    return built

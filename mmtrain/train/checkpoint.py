@@ -220,6 +220,9 @@ def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, op
     if meta["layout"] != _layout(mesh):
         return _load_resharded(folder, meta, mesh, model, optimizer)
     state = torch.load(folder / f"rank_{mesh.rank:05d}.pt", map_location="cpu", weights_only=True)
+    if state.get("pieces") is not None and state["pieces"] != piece_records(model, optimizer):
+        raise CheckpointError(f"{folder}: its optimizer holds other parameters than this run trains (another "
+                              "freeze list or model); to start from its weights only, use init_from (VLM runs)")
     own = model.state_dict()
     for name, value in state["model"].items():
         own[name].copy_(value)

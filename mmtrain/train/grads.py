@@ -18,13 +18,15 @@ from mmtrain.parallel.dims import ParallelMesh
 
 
 def tied_embedding_params(stage: nn.Module) -> list[nn.Parameter]:
-    """The embedding on the first stage and its copy on the last one (tied embeddings under PP only)."""
+    """The embedding on the first stage and its copy on the last one (tied embeddings under PP only); for a
+    VLM, those of its language model. Frozen ones (no gradient) are left out."""
+    stage = getattr(stage, "language", stage)
     if not stage.cfg.tie_embeddings or (stage.pre_process and stage.post_process):
         return []
     if stage.pre_process:
-        return [stage.embed.weight]
+        return [stage.embed.weight] if stage.embed.weight.requires_grad else []
     if stage.post_process:
-        return [stage.output.weight]
+        return [stage.output.weight] if stage.output.weight.requires_grad else []
     return []
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     preempted: bool = False
     model: GPTModel | None = None
+    optimizer: MixedPrecisionAdamW | None = None
 
 
 def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
@@ -101,33 +103,47 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
         stats[0] += total.detach().double()
         return total
 
+    mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
+    schedule_micro_batches(forward_step, len(micro_batches), stage, mesh, cfg, device, buckets,
+                           (mbs, S, cfg.model.hidden_size))
+    return stats
+
+
+def schedule_micro_batches(forward_step, num_micro: int, stage, mesh: ParallelMesh, cfg, device: torch.device,
+                           buckets: list[GradBuckets] | None, shape_BSD: tuple[int, int, int]) -> None:
+    """Run ``forward_step(i, received, module) -> loss or activations`` over the micro-batches: in order with one
+    stage, else with the pipeline schedule (1F1B, interleaved, or forward only when ``buckets`` is None); the
+    buckets start reducing before the last backward. ``shape_BSD``: a micro-batch's (batch, whole sequence,
+    hidden) -- what flows between stages is this rank's part of the sequence."""
     pp, s = mesh.dims.pp, mesh.coord.pp
     if pp == 1:
-        for i in range(len(micro_batches)):
-            loss = forward_step(i, None)
+        for i in range(num_micro):
+            loss = forward_step(i, None, stage)
             if buckets is not None:
-                if i == len(micro_batches) - 1:
+                if i == num_micro - 1:
                     for b in buckets:
                         b.last_backward()
                 loss.backward()
-        return stats
+        return
     ranks = mesh.ranks("pp")
-    mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
+    mbs, S, hidden = shape_BSD
     seq = S // mesh.dims.cp // (mesh.dims.tp if cfg.parallel.sequence_parallel else 1)
-    shape, dtype = (mbs, seq, cfg.model.hidden_size), param_dtype_for(cfg.train.precision)
+    shape, dtype = (mbs, seq, hidden), param_dtype_for(cfg.train.precision)
     if cfg.parallel.virtual_pp > 1:
-        interleaved_schedule(lambda c, i, x: forward_step(i, x, stage.chunks[c]), len(micro_batches), mesh.pp_group,
+        interleaved_schedule(lambda c, i, x: forward_step(i, x, stage.chunks[c]), num_micro, mesh.pp_group,
                              ranks, s, cfg.parallel.virtual_pp, shape, dtype, device, backward=buckets is not None,
                              before_last_backward=lambda: [b.last_backward() for b in buckets or []])
-        return stats
+        return
+
+    def step(i: int, x):
+        return forward_step(i, x, stage)
+
     comm = PipelineComm(mesh.pp_group, ranks[s - 1] if s > 0 else None, ranks[s + 1] if s < pp - 1 else None,
                         shape, dtype, device)
     if buckets is None:
-        forward_only(forward_step, len(micro_batches), comm)
+        forward_only(step, num_micro, comm)
     else:
-        one_f_one_b(forward_step, len(micro_batches), comm, s, pp,
-                    before_last_backward=lambda: [b.last_backward() for b in buckets])
-    return stats
+        one_f_one_b(step, num_micro, comm, s, pp, before_last_backward=lambda: [b.last_backward() for b in buckets])
 
 
 def reduce_loss_stats(stats: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
@@ -139,30 +155,72 @@ def reduce_loss_stats(stats: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
     return stats
 
 
+@dataclass
+class StepTask:
+    """What a model family plugs into the shared step loop (``train_gpt`` builds the GPT one).
+
+    ``forward_backward(micro_batches, buckets)``: forward (and backward unless ``buckets`` is None) over this
+    rank's micro-batches, returning its stats ``[loss sum, loss tokens, *extra counts]`` (float64; summed over
+    data-parallel ranks by the loop). ``step_flops(stats)``: model FLOPs (forward + backward) of the whole global
+    step from the reduced stats. ``extra_metrics(stats, dt)``: more metrics for the step line (e.g. images/s)."""
+
+    forward_backward: Callable[[list, list | None], torch.Tensor]
+    step_flops: Callable[[torch.Tensor], float]
+    extra_metrics: Callable[[torch.Tensor, float], dict] = lambda stats, dt: {}
+
+
+def gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage: GPTModel,
+             eod_id: int | None) -> StepTask:
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
+    gbs = global_batch_size(cfg, mesh.dims.dp)
+    return StepTask(
+        forward_backward=lambda micro, buckets: run_micro_batches(stage, micro, mesh, cfg, device, buckets, eod_id),
+        step_flops=lambda stats: gbs * cfg.data.seq_length * flops_tok)
+
+
 @torch.no_grad()
-def evaluate(stage: GPTModel, batches: MicroBatches, mesh: ParallelMesh, cfg: GPTRunConfig,
-             device: torch.device, eod_id: int | None, num_micro: int) -> float:
+def evaluate(stage: torch.nn.Module, batches, mesh: ParallelMesh, cfg, task: StepTask, num_micro: int) -> float:
     """Mean token loss over ``eval_steps`` global batches of the valid split."""
     stage.eval()
     micro = [batches.next() for _ in range(cfg.train.eval_steps * num_micro)]
-    stats = reduce_loss_stats(run_micro_batches(stage, micro, mesh, cfg, device, None, eod_id), mesh)
+    stats = reduce_loss_stats(task.forward_backward(micro, None), mesh)
     stage.train()
     return (stats[0] / stats[1]).item()
 
 
 def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps on this rank's stage/shard of the model."""
-    log = get_logger("train")
     dims = mesh.dims
     torch.manual_seed(cfg.train.seed)
     stage = build_gpt_stage(cfg, mesh, device)
     found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
-    weights_only = found is not None and is_weights_only(found)
-    if weights_only:  # converted weights, any layout: loaded before the optimizer copies its fp32 masters
+    if found is not None and is_weights_only(found):
+        # converted weights, any layout: loaded before the optimizer copies its fp32 masters
         from mmtrain.convert.checkpoint_io import load_model_weights
 
         load_model_weights(found, mesh, stage, run_model_cfg=cfg.model)
-        log.info(f"initialized from weights-only checkpoint {found}; training starts at step 0")
+        get_logger("train").info(f"initialized from weights-only checkpoint {found}; training starts at step 0")
+    train_samples = build_samples(cfg, "train", dims.dp)
+    eod_id = getattr(train_samples, "eod_id", None)
+    batches = MicroBatches(train_samples, cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
+    val_batches = None
+    if cfg.train.eval_every:
+        val_batches = MicroBatches(build_samples(cfg, "valid", dims.dp), cfg.train.micro_batch_size,
+                                   mesh.coord.dp, dims.dp)
+    return train_model(cfg, mesh, device, stage, batches, val_batches, gpt_task(cfg, mesh, device, stage, eod_id),
+                       found, model_name=cfg.model.name)
+
+
+def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.Module, batches, val_batches,
+                task: StepTask, found: Path | None, model_name: str,
+                lr_scale_of: Callable[[torch.nn.Parameter], float] | None = None) -> TrainResult:
+    """The shared part of a run: gradient buckets and optimizer over the trainable parameters (frozen ones,
+    ``requires_grad=False``, get neither gradients nor optimizer state), resume from ``found`` (a full
+    checkpoint; weights-only ones were loaded by the caller), then the steps. ``batches``/``val_batches`` have
+    ``next()`` and ``state_dict()``/``load_state_dict()``; ``lr_scale_of(param)`` multiplies its learning rate."""
+    log = get_logger("train")
+    dims = mesh.dims
+    weights_only = found is not None and is_weights_only(found)
     params = [p for p in stage.parameters() if p.requires_grad]
     o = cfg.optim
     pdtype = param_dtype_for(cfg.train.precision)
@@ -174,16 +232,10 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     if experts:  # expert weights are replicated only over the expert-data-parallel ranks
         buckets.append(GradBuckets(experts, mesh.edp_group, cfg.parallel.distributed_optimizer, pdtype,
                                    grad_dtype=grad_dtype))
-    optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.master_weights)
+    optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.master_weights,
+                                    lr_scale_of=lr_scale_of)
     gbs = global_batch_size(cfg, dims.dp)
     num_micro = gbs // (cfg.train.micro_batch_size * dims.dp)
-    train_samples = build_samples(cfg, "train", dims.dp)
-    eod_id = getattr(train_samples, "eod_id", None)
-    batches = MicroBatches(train_samples, cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
-    val_batches = None
-    if cfg.train.eval_every:
-        val_batches = MicroBatches(build_samples(cfg, "valid", dims.dp), cfg.train.micro_batch_size,
-                                   mesh.coord.dp, dims.dp)
     start_step = 0
     ckpt_root = Path(cfg.logging.run_dir) / "checkpoints"
     if found is not None and not weights_only:
@@ -193,11 +245,17 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     metrics = MetricsLogger(cfg.logging.run_dir, mesh.rank, cfg.train.steps, cfg.logging.log_every,
                             cfg.logging.tensorboard)
     n_params = sum(p.numel() for p in stage.parameters())
-    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters on this rank; global batch {gbs} x "
+    n_frozen = n_params - sum(p.numel() for p in params)
+    frozen = f" ({n_frozen / 1e6:.2f}M frozen)" if n_frozen else ""
+    log.info(f"model {model_name}: {n_params / 1e6:.2f}M parameters on this rank{frozen}; global batch {gbs} x "
              f"{cfg.data.seq_length} tokens = {num_micro} micro-batch(es) of {cfg.train.micro_batch_size} per DP rank")
-    run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, eod_id, metrics,
+    fp8 = getattr(stage, "fp8_runtime", None)
+    if fp8 is not None:
+        log.info(fp8.describe())
+        fp8.weights_changed()  # from here on the loop says when the FP8 weight copies are stale
+    run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,
                CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), PreemptionWatch(),
-               TrainResult(model=stage), gbs, num_micro, flops_per_token(cfg.model, cfg.data.seq_length))
+               TrainResult(model=stage, optimizer=optimizer), gbs, num_micro)
     try:
         run.steps(start_step)
     finally:
@@ -214,19 +272,18 @@ class _Run:
     cfg: GPTRunConfig
     mesh: ParallelMesh
     device: torch.device
-    stage: GPTModel
+    stage: torch.nn.Module
     buckets: list
     optimizer: MixedPrecisionAdamW
     batches: MicroBatches
     val_batches: MicroBatches | None
-    eod_id: int | None
+    task: StepTask
     metrics: MetricsLogger
     writer: CheckpointWriter
     preemption: PreemptionWatch
     result: TrainResult
     gbs: int
     num_micro: int
-    flops_tok: float
     skipped: int = 0
     phase: str = "start-up"
 
@@ -250,12 +307,15 @@ class _Run:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         micro_batches = [self.batches.next() for _ in range(self.num_micro)]
         for b in self.buckets:
             b.reset()
         self.phase = "forward/backward"
-        local = run_micro_batches(stage, micro_batches, mesh, cfg, device, self.buckets, self.eod_id)
+        local = self.task.forward_backward(micro_batches, self.buckets)
+        fp8 = getattr(stage, "fp8_runtime", None)
+        if fp8 is not None:  # delayed scaling: the step's amaxes, one scale for each tensor over tp x dp x cp
+            fp8.after_backward([mesh.tp_group, mesh.dp_cp_group])
         self.phase = "gradient reduction"
         stats = reduce_loss_stats(local.clone(), mesh)
         finalize_grads(stage, mesh, self.buckets, optimizer, stats[1].item())
@@ -272,8 +332,11 @@ class _Run:
             log.warning(f"{problem}; update skipped ({self.skipped} of at most {t.max_skipped_steps})")
         else:
             optimizer.step()
+            if fp8 is not None:
+                fp8.weights_changed()
         loads = None
-        if cfg.model.num_experts:  # ranks that saw different tokens: dp×cp, and tp under sequence parallelism
+        # ranks that saw different tokens: dp×cp, and tp under sequence parallelism (a VLM: its LM's experts)
+        if getattr(cfg.model, "language", cfg.model).num_experts:
             sp_tp = mesh.tp_group if cfg.parallel.sequence_parallel else None
             loads = update_router_biases(stage, [mesh.dp_cp_group, sp_tp])
         dt = time.perf_counter() - t0  # the .item() calls above synchronize with the device
@@ -282,7 +345,8 @@ class _Run:
         self.result.step_times.append(dt)
         tokens_per_s = self.gbs * cfg.data.seq_length / dt / dims.world_size  # per device
         row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-               "tflops": tokens_per_s * self.flops_tok / 1e12, "step_time_s": dt}
+               "tflops": self.task.step_flops(stats) / dt / dims.world_size / 1e12, "step_time_s": dt,
+               **self.task.extra_metrics(stats, dt)}
         if cfg.logging.peak_tflops:
             row["mfu"] = row["tflops"] / cfg.logging.peak_tflops
         if device.type == "cuda":
@@ -295,8 +359,8 @@ class _Run:
             row["moe_load"] = loads
         if self.val_batches is not None and step % cfg.train.eval_every == 0:
             self.phase = "evaluation"
-            row["val_loss"] = self.result.val_losses[step] = evaluate(stage, self.val_batches, mesh, cfg, device,
-                                                                       self.eod_id, self.num_micro)
+            row["val_loss"] = self.result.val_losses[step] = evaluate(stage, self.val_batches, mesh, cfg, self.task,
+                                                                       self.num_micro)
         self.metrics.log_step(step, row)
         c = cfg.checkpoint
         self.phase = "checkpoint save"

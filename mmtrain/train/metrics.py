@@ -14,7 +14,7 @@ from typing import Any
 
 from mmtrain.utils.log import get_logger
 
-_ORDER = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "mem_gib", "step_time_s")
+_ORDER = ("loss", "lr", "grad_norm", "tokens_per_s", "images_per_s", "tflops", "mfu", "mem_gib", "step_time_s")
 
 
 def _fmt_value(key: str, value: Any) -> str:
@@ -26,6 +26,8 @@ def _fmt_value(key: str, value: Any) -> str:
         return f"lr {value:.2e}"
     if key == "tokens_per_s":
         return f"tok/s {value / 1000:.1f}k" if value >= 1000 else f"tok/s {value:.0f}"
+    if key == "images_per_s":
+        return f"img/s {value:.3g}"
     if key == "mfu":
         return f"mfu {100 * value:.1f}%"
     if key == "mem_gib":

@@ -1,0 +1,184 @@
+"""The vision-language (and audio) model's shape: encoders, projector, and the GPT language model.
+
+Same style as ``mmtrain.config.schema``: every field has a default and its help text. ``VLMModelConfig`` is the
+``model:`` section of a VLM run config (``configs/vlm/model_*.yaml`` overlay it). The number of placeholder
+tokens per image is *derived* (``tokens_per_image``) from the vision shape and the projector's pixel shuffle;
+``check_vlm_model`` checks it (and the ids) against the data settings with a message naming both keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mmtrain.config.schema import ModelConfig, doc
+
+
+@dataclass
+class VisionConfig:
+    """The ViT image encoder (SigLIP/CLIP-like). Video frames are images with a temporal position."""
+
+    image_size: int = doc(32, "Side of the square input image (and of each tile) in pixels; must equal "
+                              "data.mm_image_size.")
+    patch_size: int = doc(8, "Side of a square patch; image_size must be a multiple of it.")
+    hidden_size: int = doc(64, "Width of the encoder's residual stream.")
+    num_layers: int = doc(2, "Number of (bidirectional, pre-norm) transformer blocks.")
+    num_attention_heads: int = doc(4, "Attention heads of the encoder.")
+    ffn_hidden_size: int = doc(128, "Inner width of the encoder MLP.")
+    norm: Literal["layernorm", "rmsnorm"] = doc("layernorm", "Normalization layer kind.")
+    norm_eps: float = doc(1e-6, "Epsilon of the normalization layers.")
+    activation: Literal["gelu", "swiglu"] = doc("gelu", "MLP activation (SigLIP/CLIP: gelu).")
+    add_bias: bool = doc(True, "Biases on all attention and MLP linears (SigLIP/CLIP: true).")
+    position_embedding: Literal["learned", "sincos2d", "rope2d"] = doc(
+        "learned", "2D patch positions: a learned table (SigLIP), fixed 2D sin-cos, or 2D rotary embeddings in "
+                   "attention (half the rotary frequencies on rows, half on columns).")
+    rope_theta: float = doc(10000.0, "Base of the 2D rotary frequencies (position_embedding=rope2d).")
+    post_norm: bool = doc(True, "Normalize the encoder output (SigLIP's post-layernorm).")
+    max_tiles: int = doc(1, "Dynamic resolution: an image may be cut into up to this many image_size tiles (plus a "
+                            "thumbnail when > 1), each encoded and counted as one image; 1 = fixed size.")
+    max_video_frames: int = doc(8, "Rows of the temporal position embedding: frame i of a video adds row i "
+                                   "(still images add row 0).")
+    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.")
+
+    @property
+    def grid(self) -> int:
+        """Patches per image side."""
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid * self.grid
+
+    def block_config(self) -> ModelConfig:
+        """The ``ModelConfig`` the shared transformer blocks (``mmtrain.model.layers``) are built from."""
+        return ModelConfig(name="vision", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                           ffn_hidden_size=self.ffn_hidden_size, num_attention_heads=self.num_attention_heads,
+                           norm=self.norm, norm_eps=self.norm_eps, activation=self.activation,
+                           add_bias=self.add_bias, init_std=self.init_std, rope_theta=self.rope_theta)
+
+
+@dataclass
+class AudioConfig:
+    """The optional Whisper-like audio encoder: log-mel features, a conv stem, transformer blocks, pooling."""
+
+    enabled: bool = doc(False, "Build the audio encoder (needs audio_token_id and data.mm_audio_token_id).")
+    sample_rate: int = doc(16000, "Waveform rate in Hz; must equal data.mm_audio_rate.")
+    n_mels: int = doc(80, "Mel bands of the log-mel features.")
+    n_fft: int = doc(400, "FFT size of the spectrogram (25 ms at 16 kHz).")
+    hop_length: int = doc(160, "Samples between feature frames (10 ms at 16 kHz).")
+    hidden_size: int = doc(64, "Width of the encoder's residual stream.")
+    num_layers: int = doc(2, "Number of (bidirectional, pre-norm) transformer blocks.")
+    num_attention_heads: int = doc(4, "Attention heads of the encoder.")
+    ffn_hidden_size: int = doc(128, "Inner width of the encoder MLP.")
+    max_frames: int = doc(1500, "Encoder positions after the stride-2 conv stem (1500 = 30 s at 10 ms hops).")
+    num_tokens: int = doc(8, "Placeholder tokens per audio clip: the encoder output is average-pooled over the "
+                             "clip's valid frames into this many vectors; must equal data.mm_num_audio_tokens.")
+    norm_eps: float = doc(1e-5, "Epsilon of the LayerNorms.")
+    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.")
+
+    def block_config(self) -> ModelConfig:
+        return ModelConfig(name="audio", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                           ffn_hidden_size=self.ffn_hidden_size, num_attention_heads=self.num_attention_heads,
+                           norm="layernorm", norm_eps=self.norm_eps, activation="gelu", add_bias=True,
+                           init_std=self.init_std)
+
+
+@dataclass
+class ProjectorConfig:
+    """Encoder features -> language-model width (one projector per modality, same shape rules)."""
+
+    num_layers: int = doc(2, "Linear layers of the MLP (GELU between them); 1 is a single linear map.")
+    hidden_size: int = doc(0, "Inner width of the MLP; 0 uses the language model's hidden_size.")
+    pixel_shuffle: int = doc(1, "Images: merge each f x f block of neighbouring patches into one token (f^2 times "
+                                "fewer tokens, f^2 times wider features); 1 disables. The patch grid must divide.")
+    input_norm: bool = doc(True, "LayerNorm on the (shuffled) encoder features before the MLP.")
+
+
+@dataclass
+class VLMModelConfig:
+    """A vision(-audio)-language model: encoders -> projectors -> placeholder positions of the GPT's input."""
+
+    name: str = doc("tiny-vlm", "Free-form name of the shape, shown in logs.")
+    vision: VisionConfig = field(default_factory=VisionConfig, metadata={"help": "Image/video encoder."})
+    audio: AudioConfig = field(default_factory=AudioConfig, metadata={"help": "Optional audio encoder."})
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig, metadata={"help": "Projectors."})
+    language: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The GPT language model."})
+    image_token_id: int = doc(-1, "Placeholder token id where image features go; must equal "
+                                  "data.mm_image_token_id and be < language.vocab_size.")
+    audio_token_id: int = doc(-1, "Placeholder token id of audio features (audio.enabled); must equal "
+                                  "data.mm_audio_token_id.")
+
+    @property
+    def tokens_per_image(self) -> int:
+        """(image_size / patch_size)^2 / pixel_shuffle^2: the placeholders each image (tile, frame) takes."""
+        return self.vision.num_patches // (self.projector.pixel_shuffle ** 2)
+
+    @property
+    def tokens_per_audio(self) -> int:
+        return self.audio.num_tokens
+
+
+def check_vlm_model(m: VLMModelConfig, data=None, prefix: str = "model", tp: int = 1) -> None:
+    """Raise ``ConfigError`` on an impossible VLM shape, or (with ``data``, a ``DataConfig``) on placeholder
+    settings the data path would produce differently, or on encoders that ``tp`` (parallel.tp) cannot shard
+    (the TP plan shards their heads and MLP like the LM's). Keys are named with ``prefix``."""
+    from mmtrain.config.loader import ConfigError
+
+    v, a, pr, lm = m.vision, m.audio, m.projector, m.language
+    if v.image_size < 1 or v.patch_size < 1 or v.image_size % v.patch_size:
+        raise ConfigError(f"{prefix}.vision.image_size ({v.image_size}) must be a positive multiple of "
+                          f"{prefix}.vision.patch_size ({v.patch_size})")
+    if v.hidden_size % v.num_attention_heads:
+        raise ConfigError(f"{prefix}.vision.hidden_size ({v.hidden_size}) must be divisible by "
+                          f"{prefix}.vision.num_attention_heads ({v.num_attention_heads})")
+    if v.position_embedding == "rope2d" and (v.hidden_size // v.num_attention_heads) % 4:
+        raise ConfigError(f"{prefix}.vision.position_embedding=rope2d needs a head dim divisible by 4, got "
+                          f"{v.hidden_size // v.num_attention_heads}")
+    if pr.pixel_shuffle < 1 or v.grid % pr.pixel_shuffle:
+        raise ConfigError(f"{prefix}.projector.pixel_shuffle ({pr.pixel_shuffle}) must divide the patch grid "
+                          f"{v.grid} = vision.image_size / vision.patch_size ({v.image_size} / {v.patch_size})")
+    if pr.num_layers < 1:
+        raise ConfigError(f"{prefix}.projector.num_layers must be >= 1, got {pr.num_layers}")
+    if not 0 <= m.image_token_id < lm.vocab_size:
+        raise ConfigError(f"{prefix}.image_token_id ({m.image_token_id}) must be a token id in "
+                          f"[0, {prefix}.language.vocab_size={lm.vocab_size})")
+    if a.enabled:
+        if not 0 <= m.audio_token_id < lm.vocab_size or m.audio_token_id == m.image_token_id:
+            raise ConfigError(f"{prefix}.audio_token_id ({m.audio_token_id}) must be a token id in "
+                              f"[0, {lm.vocab_size}) other than {prefix}.image_token_id")
+        if a.hidden_size % a.num_attention_heads or a.num_tokens < 1:
+            raise ConfigError(f"{prefix}.audio.hidden_size ({a.hidden_size}) must be divisible by "
+                              f"{prefix}.audio.num_attention_heads ({a.num_attention_heads}) and "
+                              f"{prefix}.audio.num_tokens >= 1")
+    encoders = [("vision", v)] + ([("audio", a)] if a.enabled else [])
+    for name, enc in encoders:
+        for key in ("num_attention_heads", "ffn_hidden_size"):
+            if getattr(enc, key) % tp:
+                raise ConfigError(f"{prefix}.{name}.{key} ({getattr(enc, key)}) must be divisible by parallel.tp "
+                                  f"({tp}): the encoder is tensor-parallel like the language model")
+    if data is None:
+        return
+    derived = (f"{m.tokens_per_image} = ({v.image_size} / {v.patch_size})^2 / {pr.pixel_shuffle}^2 "
+               f"({prefix}.vision.image_size, patch_size, {prefix}.projector.pixel_shuffle)")
+    if data.mm_num_image_tokens != m.tokens_per_image:
+        raise ConfigError(f"data.mm_num_image_tokens ({data.mm_num_image_tokens}) must equal the model's tokens per "
+                          f"image {derived}; set data.mm_num_image_tokens={m.tokens_per_image}")
+    if data.mm_image_size != v.image_size:
+        raise ConfigError(f"data.mm_image_size ({data.mm_image_size}) must equal {prefix}.vision.image_size "
+                          f"({v.image_size})")
+    if data.mm_image_token_id != m.image_token_id:
+        raise ConfigError(f"data.mm_image_token_id ({data.mm_image_token_id}) must equal {prefix}.image_token_id "
+                          f"({m.image_token_id})")
+    if a.enabled:
+        if data.mm_audio_token_id != m.audio_token_id:
+            raise ConfigError(f"data.mm_audio_token_id ({data.mm_audio_token_id}) must equal "
+                              f"{prefix}.audio_token_id ({m.audio_token_id})")
+        if data.mm_num_audio_tokens != a.num_tokens:
+            raise ConfigError(f"data.mm_num_audio_tokens ({data.mm_num_audio_tokens}) must equal "
+                              f"{prefix}.audio.num_tokens ({a.num_tokens})")
+        if data.mm_audio_rate != a.sample_rate:
+            raise ConfigError(f"data.mm_audio_rate ({data.mm_audio_rate}) must equal {prefix}.audio.sample_rate "
+                              f"({a.sample_rate})")
+    elif data.mm_audio_token_id >= 0:
+        raise ConfigError(f"data.mm_audio_token_id is set ({data.mm_audio_token_id}) but {prefix}.audio.enabled is "
+                          "false; enable the audio encoder or set data.mm_audio_token_id=-1")

@@ -1,0 +1,74 @@
+"""``MediaBatch``: a multimodal micro-batch as plain tensors, without importing megatron-energon.
+
+It has the fields of ``mmtrain.data.multimodal.MultimodalBatch`` (the energon batch the task encoder makes), so
+the training step, the benchmarks (whose machine has no energon) and text-only rows share one type. Rows of
+text-only samples simply have ``image_counts == 0`` and ``audio_counts == 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MediaBatch:
+    """``tokens``/``labels``/``loss_mask``/``position_ids``/``document_ids``: (B, S); labels are -100 where no
+    loss is taken. ``images`` (N, 3, H, W) in row-major placeholder order, ``image_counts`` (B,); ``audio`` (M, T)
+    zero-padded waveforms, ``audio_lengths`` (M,), ``audio_counts`` (B,)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+    images: torch.Tensor
+    image_counts: torch.Tensor
+    audio: torch.Tensor
+    audio_lengths: torch.Tensor
+    audio_counts: torch.Tensor
+
+    @classmethod
+    def of(cls, batch) -> MediaBatch:
+        """From any object with these fields (an energon ``MultimodalBatch``)."""
+        return cls(**{f.name: getattr(batch, f.name) for f in fields(cls)})
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> MediaBatch:
+        return MediaBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                             for f in fields(self)})
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_counts.sum())
+
+    def as_kwargs(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def text_rows(tokens_BS1: torch.Tensor, image_size: int, positions: torch.Tensor | None = None,
+              doc_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> MediaBatch:
+    """Text-only rows from GPT samples of ``seq_length + 1`` tokens: inputs, shifted labels, no media."""
+    tokens_BS1 = torch.as_tensor(tokens_BS1, dtype=torch.int64)
+    inputs, labels = tokens_BS1[:, :-1].clone(), tokens_BS1[:, 1:].clone()
+    B, S = inputs.shape
+    if loss_mask is None:
+        loss_mask = torch.ones(B, S)
+    labels[loss_mask == 0] = IGNORE_INDEX
+    return MediaBatch(
+        tokens=inputs, labels=labels, loss_mask=loss_mask.float(),
+        position_ids=torch.arange(S).expand(B, S).clone() if positions is None else positions,
+        document_ids=torch.zeros(B, S, dtype=torch.int64) if doc_ids is None else doc_ids,
+        images=torch.zeros(0, 3, image_size, image_size), image_counts=torch.zeros(B, dtype=torch.int64),
+        audio=torch.zeros(0, 0), audio_lengths=torch.zeros(0, dtype=torch.int64),
+        audio_counts=torch.zeros(B, dtype=torch.int64))
+
+
+def concat_rows(parts: list[MediaBatch]) -> MediaBatch:
+    """Rows of several batches as one, in order (images and audio stay in row-major placeholder order)."""
+    longest = max((p.audio.shape[1] for p in parts), default=0)
+    audio = [torch.nn.functional.pad(p.audio, (0, longest - p.audio.shape[1])) for p in parts]
+    cat = {f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(MediaBatch) if f.name != "audio"}
+    return MediaBatch(audio=torch.cat(audio) if audio else torch.zeros(0, 0), **cat)

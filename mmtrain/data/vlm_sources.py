@@ -1,0 +1,116 @@
+"""The data of a VLM run from its config: ``data.blend`` (a blend spec mixing indexed text and ``type: energon``
+media entries, a metadataset YAML or one media folder) or ``data.mock`` -> ``VLMBatches`` for this rank.
+
+A mixed spec is cut in two derived specs written next to the run (``run_dir/data/``): the text entries feed the
+GPT sample machinery (same indices and checks as a GPT run), the energon entries the multimodal loader. The
+share of text rows is the text entries' weight over all weights, so a mixed spec must weigh every entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+
+from mmtrain.data.blend_spec import BlendSpecError, load_blend_spec
+from mmtrain.data.vlm_batches import EnergonRows, MockMediaSamples, VLMBatches
+from mmtrain.utils.atomic import atomic_write_text
+
+
+def _entry(e) -> dict:
+    out = {"path": e.path, "type": e.type}
+    if e.weight is not None:
+        out["weight"] = e.weight
+    return out
+
+
+def _write_spec(spec, keep, path: Path) -> Path:
+    if spec.per_split is not None:
+        body = {split: [_entry(e) for e in es if keep(e)] for split, es in spec.per_split.items()}
+        body = {k: v for k, v in body.items() if v}
+    else:
+        body = {"datasets": [_entry(e) for e in spec.datasets if keep(e)]}
+        if spec.split is not None and keep.__name__ == "is_text":
+            body["split"] = spec.split
+    atomic_write_text(path, yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+def is_text(e) -> bool:
+    return e.type != "energon"
+
+
+def is_media(e) -> bool:
+    return e.type == "energon"
+
+
+def split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Path | str | None, float]:
+    """(text-only spec or None, media source or None, text fraction of ``split``) for ``data.blend``."""
+    path = Path(blend)
+    if path.is_dir() or not path.is_file():
+        return None, blend, 0.0  # a media folder (or a missing path: the multimodal loader names it)
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if isinstance(raw, dict) and "__class__" in raw:
+        return None, blend, 0.0  # an energon metadataset
+    spec = load_blend_spec(path)
+    entries = spec.entries_for(split)
+    if not entries:
+        raise BlendSpecError(f"{path}: no datasets for split {split!r}")
+    text, media = [e for e in entries if is_text(e)], [e for e in entries if is_media(e)]
+    if text and media and any(e.weight is None for e in entries):
+        missing = next(e for e in entries if e.weight is None)
+        raise BlendSpecError(f"{missing.where}: a blend mixing text and energon entries must weigh every entry "
+                             "(energon sets have no token counts to weigh by); add weight: to each")
+    fraction = 1.0 if not media else 0.0 if not text else sum(e.weight for e in text) / sum(e.weight for e in entries)
+    out = Path(run_dir) / "data"
+    stem = path.stem
+    text_spec = _write_spec(spec, is_text, out / f"{stem}.text.yaml") if text else None
+    media_spec = _write_spec(spec, is_media, out / f"{stem}.media.yaml") if media else None
+    return text_spec, media_spec, fraction
+
+
+def _text_samples(cfg, text_spec: Path, split: str, dp: int):
+    from mmtrain.data.gpt_dataset import build_gpt_samples_from_config
+
+    data = dataclasses.replace(cfg.data, blend=str(text_spec), prefixes=[], weights=[])
+    shim = SimpleNamespace(data=data, model=cfg.model.language, train=cfg.train, parallel=cfg.parallel)
+    return build_gpt_samples_from_config(shim, split=split, dp_size=dp)
+
+
+def _text_row_inputs(cfg, eod_id):
+    d = cfg.data
+    if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        return None
+    from mmtrain.data.gpt_dataset import packed_document_inputs
+
+    def inputs(tokens):
+        positions, doc_ids, loss_mask = packed_document_inputs(tokens, eod_id, d.reset_position_ids,
+                                                               d.reset_attention_mask, d.eod_mask_loss)
+        return positions, doc_ids, loss_mask if d.eod_mask_loss else None
+    return inputs
+
+
+def build_vlm_batches(cfg, mesh, split: str = "train") -> VLMBatches:
+    """This rank's VLM micro-batches for ``split`` (``train`` or ``valid``)."""
+    d, dp, dp_rank = cfg.data, mesh.dims.dp, mesh.coord.dp
+    if d.mock:
+        media = MockMediaSamples(cfg.model.language.vocab_size, d.seq_length, d.mm_image_token_id,
+                                 d.mm_num_image_tokens, d.mm_image_size, d.seed + {"train": 0, "valid": 1}[split],
+                                 text_ids_below=min(i for i in (d.mm_image_token_id, d.mm_audio_token_id,
+                                                                cfg.model.language.vocab_size) if i > 1))
+        return VLMBatches(media, None, 0.0, cfg.train.micro_batch_size, dp_rank, dp, d.mm_image_size)
+    text_spec, media_src, fraction = split_blend(d.blend, cfg.logging.run_dir, split)
+    text = row_inputs = None
+    if text_spec is not None:
+        text = _text_samples(cfg, text_spec, split, dp)
+        row_inputs = _text_row_inputs(cfg, getattr(text, "eod_id", None))
+    media = None
+    if media_src is not None:
+        from mmtrain.data.multimodal_loader import build_multimodal_loader  # needs megatron-energon
+
+        shim = SimpleNamespace(data=dataclasses.replace(d, blend=str(media_src)),
+                               train=dataclasses.replace(cfg.train, micro_batch_size=1))
+        media = EnergonRows(build_multimodal_loader(shim, mesh, split=split))
+    return VLMBatches(media, text, fraction, cfg.train.micro_batch_size, dp_rank, dp, d.mm_image_size, row_inputs)

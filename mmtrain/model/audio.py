@@ -1,0 +1,95 @@
+"""The optional Whisper-like audio encoder, for one device.
+
+Waveforms (M, T) zero-padded with their lengths (M,) -> log-mel features (torchaudio ``MelSpectrogram``, log10,
+Whisper's dynamic-range clamp and scaling, computed in fp32) -> conv stem (two conv1d k=3 with GELU, the second
+stride 2: 10 ms frames become 20 ms positions) -> fixed sinusoidal positions -> pre-norm bidirectional
+transformer blocks (padded frames hidden from attention) -> LayerNorm -> average pooling of each clip's *valid*
+frames into ``num_tokens`` vectors (a fixed number of placeholders per clip, as the task encoder writes).
+The blocks live in ``layers``, so the GPT tensor-parallel plan shards them like the vision encoder's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmtrain.config.vlm_schema import AudioConfig
+from mmtrain.model.layers import TransformerBlock
+from mmtrain.model.vision import init_by_name
+
+
+def sinusoids(length: int, dim: int) -> torch.Tensor:
+    """Whisper's fixed position table (length, dim): sin on the first half of the channels, cos on the second."""
+    step = math.log(10000) / (dim // 2 - 1)
+    inv = torch.exp(-step * torch.arange(dim // 2, dtype=torch.float32))
+    t = torch.arange(length, dtype=torch.float32)[:, None] * inv[None]
+    return torch.cat([t.sin(), t.cos()], dim=1)
+
+
+def pool_valid_frames(x_MFD: torch.Tensor, valid_M: torch.Tensor, n: int) -> torch.Tensor:
+    """(M, n, D): token j of clip m averages frames [floor(j L/n), ceil((j+1) L/n)) of its L = valid_M[m] frames
+    (never padding; every token covers at least one frame)."""
+    f = x_MFD.shape[1]
+    L = valid_M.clamp(min=1).to(torch.float32)[:, None, None]
+    j = torch.arange(n, device=x_MFD.device, dtype=torch.float32)[None, :, None]
+    frame = torch.arange(f, device=x_MFD.device, dtype=torch.float32)[None, None, :]
+    start, end = torch.floor(j * L / n), torch.ceil((j + 1) * L / n)
+    weights = ((frame >= start) & (frame < end)).to(x_MFD.dtype)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return weights @ x_MFD
+
+
+class AudioEncoder(nn.Module):
+    """``forward(audio_MT, lengths_M)`` -> (M, num_tokens, hidden_size) pooled encoder features."""
+
+    def __init__(self, cfg: AudioConfig) -> None:
+        super().__init__()
+        import torchaudio  # only audio models need it
+
+        self.cfg = cfg
+        block_cfg = cfg.block_config()
+        # not a registered submodule: its window/filterbank stay fp32 whatever dtype the model is cast to (and it
+        # is built on the CPU even when the model is built on the meta device)
+        with torch.device("cpu"):
+            self.__dict__["features"] = torchaudio.transforms.MelSpectrogram(
+                sample_rate=cfg.sample_rate, n_fft=cfg.n_fft, hop_length=cfg.hop_length, n_mels=cfg.n_mels,
+                power=2.0)
+        self.conv1 = nn.Conv1d(cfg.n_mels, cfg.hidden_size, 3, padding=1)
+        self.conv2 = nn.Conv1d(cfg.hidden_size, cfg.hidden_size, 3, stride=2, padding=1)
+        self.register_buffer("positions", sinusoids(cfg.max_frames, cfg.hidden_size), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
+                                     for i in range(cfg.num_layers)})
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, prefix: str = "audio.") -> None:
+        init_by_name(self, seed, prefix, self.cfg.init_std, self.cfg.num_layers)
+
+    def log_mel(self, audio_MT: torch.Tensor) -> torch.Tensor:
+        """(M, n_mels, frames) Whisper-scaled log-mel features, fp32."""
+        mel = self.features.to(audio_MT.device)(audio_MT.float())
+        log = mel.clamp(min=1e-10).log10()
+        log = torch.maximum(log, log.amax(dim=(1, 2), keepdim=True) - 8.0)
+        return (log + 4.0) / 4.0
+
+    def forward(self, audio_MT: torch.Tensor, lengths_M: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        feats = self.log_mel(audio_MT).to(self.conv1.weight.dtype)
+        x = F.gelu(self.conv1(feats))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)  # (M, F, D)
+        frames = x.shape[1]
+        if frames > c.max_frames:
+            raise ValueError(f"audio encoder: a clip of {audio_MT.shape[1]} samples gives {frames} positions, more "
+                             f"than model.audio.max_frames={c.max_frames}; cut clips shorter "
+                             "(data.mm_max_audio_seconds) or raise max_frames")
+        x = x + self.positions[:frames].to(x.dtype)
+        # valid positions: the spectrogram's centred frames (len // hop + 1), halved (rounded up) by the stem
+        valid = (lengths_M.to(x.device) // c.hop_length + 1 + 1) // 2
+        keep_MF = torch.arange(frames, device=x.device)[None] < valid[:, None]
+        mask = keep_MF[:, None, None, :]  # (M, 1, 1, F): every query sees the clip's valid frames only
+        for layer in self.layers.values():
+            x = layer(x, None, None, mask)
+        return pool_valid_frames(self.norm(x), valid, c.num_tokens)

@@ -1,0 +1,172 @@
+"""FP8 training, one interface over two backends (docs/fp8.md).
+
+``resolve_fp8_backend`` checks the device and picks the backend at start-up (a clear ``ConfigError`` on the CPU,
+below sm_89, or when TE is asked for and missing); ``apply_fp8`` then turns the chosen blocks' linears
+(qkv, proj, MLP up/down, after the TP plan) into FP8 ones; ``Fp8Runtime`` is what the step loop calls:
+``weights_changed()`` after the optimizer step (the native backend re-casts its FP8 weight copies once per
+step, not per micro-batch) and ``after_backward(groups)`` (delayed scaling: reduce the step's amaxes, new scales).
+
+Blocks ``bf16_first_layers`` / ``bf16_last_layers`` (global layer indices), embeddings, norms, attention, the
+output layer and MoE experts stay BF16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmtrain.config.loader import ConfigError
+from mmtrain.config.schema import GPTRunConfig
+from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul
+from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes
+
+FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
+
+
+def te_importable() -> bool:
+    """Whether Transformer Engine's PyTorch API imports here (never imported at module import time)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):  # not installed, or without a usable CUDA build
+        return False
+    return True
+
+
+def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
+    """"native" or "te" for this run; ``ConfigError`` naming the key when FP8 cannot run here."""
+    f = cfg.fp8
+    if device.type != "cuda":
+        raise ConfigError(f"train.precision=fp8 needs an FP8 GPU (Hopper sm_90 / Ada sm_89 or newer), but this run "
+                          f"is on {device.type}; use train.precision=bf16")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"train.precision=fp8 needs compute capability 8.9 or newer; "
+                          f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: use train.precision=bf16")
+    from mmtrain.config.validate import NATIVE_FP8_RECIPES, TE_FP8_RECIPES
+
+    backend = f.backend
+    if backend == "auto":
+        backend = "te" if te_importable() and f.recipe in TE_FP8_RECIPES else "native"
+    if backend == "te" and not te_importable():
+        raise ConfigError("fp8.backend=te but transformer_engine.pytorch does not import here; install Transformer "
+                          "Engine or set fp8.backend=native")
+    if backend == "native" and f.recipe not in NATIVE_FP8_RECIPES:
+        raise ConfigError(f"fp8.recipe={f.recipe} needs Transformer Engine (fp8.backend=te), which "
+                          f"{'is not installed' if not te_importable() else 'was not chosen'}; the native backend "
+                          f"offers {', '.join(NATIVE_FP8_RECIPES)}")
+    if backend == "te" and cfg.train.activation_checkpointing == "full":
+        raise ConfigError("train.activation_checkpointing=full recomputes blocks outside TE's FP8 autocast; with "
+                          "fp8.backend=te use selective or none, or fp8.backend=native")
+    if f.recipe == "mxfp8" and major < 10:
+        raise ConfigError(f"fp8.recipe=mxfp8 needs a Blackwell GPU (sm_100+), this one is sm_{major}{minor}; use "
+                          "fp8.recipe=blockwise (TE), tensorwise or delayed")
+    return backend
+
+
+def fp8_layer_indices(cfg: GPTRunConfig) -> set[int]:
+    """Global indices of the blocks that compute in FP8 (all but the first/last N kept in BF16)."""
+    n, f = cfg.model.num_layers, cfg.fp8
+    return set(range(f.bf16_first_layers, n - f.bf16_last_layers))
+
+
+def _get(block: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module | None]:
+    parent_path, _, name = path.rpartition(".")
+    parent = block.get_submodule(parent_path)
+    return parent, name, getattr(parent, name, None)
+
+
+def apply_native_fp8(model: nn.Module, cfg: GPTRunConfig) -> list[Fp8Matmul]:
+    """Swap the FP8 blocks' linears of a ``GPTModel`` (stage) for native FP8 ones, in place; returns the matmuls.
+    Single-device ``nn.Linear`` become ``Fp8Linear`` (same parameter names); TP linears get an FP8 ``matmul``."""
+    f = cfg.fp8
+    chosen = fp8_layer_indices(cfg)
+    matmuls = []
+    for index, block in model.layers.items():
+        if int(index) not in chosen:
+            continue
+        for path in FP8_LINEARS:
+            parent, name, lin = _get(block, path)
+            if lin is None:  # an MoE block has no mlp.up/down: its experts stay BF16
+                continue
+            if isinstance(lin, nn.Linear):
+                lin = Fp8Linear(lin, f.recipe, f.format)
+                setattr(parent, name, lin)
+            elif hasattr(lin, "matmul"):  # ColumnParallelLinear / RowParallelLinear
+                lin.matmul = Fp8Matmul(f.recipe, f.format)
+            else:
+                continue
+            object.__setattr__(lin.matmul, "weight_ref", lin.weight)  # a plain reference, not a submodule param
+            matmuls.append(lin.matmul)
+    return matmuls
+
+
+class Fp8Runtime:
+    """The step loop's handle on FP8 bookkeeping of this rank's model chunks (see the module docstring)."""
+
+    def __init__(self, backend: str, cfg: GPTRunConfig, models: list[nn.Module], tp_group=None) -> None:
+        """``tp_group``: weight amaxes are reduced over it, so a weight has one scale whatever the TP layout."""
+        self.backend, self.cfg = backend, cfg
+        self.models, self.tp_group = models, tp_group
+        self.matmuls = [m for model in models for m in model.modules() if isinstance(m, Fp8Matmul)]
+        self.step_managed = False  # until the loop takes over, every forward re-casts the weights
+        self.history = None
+        f = cfg.fp8
+        if backend == "native" and f.recipe == "delayed":
+            self.history = AmaxHistory(self.matmuls, f.amax_history_len, f.amax_compute_algo, f.margin,
+                                       *fp8_dtypes(f.format))
+        if backend == "native":
+            for model in models:
+                model.register_forward_pre_hook(self._refresh_weights)
+
+    def describe(self) -> str:
+        f = self.cfg.fp8
+        layers = sorted(fp8_layer_indices(self.cfg))
+        span = f"layers {layers[0]}-{layers[-1]}" if layers else "no layers"
+        extra = (f", amax history {f.amax_history_len} ({f.amax_compute_algo}), margin {f.margin}"
+                 if f.recipe == "delayed" else "")
+        count = f", {len(self.matmuls)} FP8 linears on this rank" if self.backend == "native" else ""
+        return (f"fp8: backend {self.backend}, recipe {f.recipe}, format {f.format}{extra}; {span} in FP8 "
+                f"(qkv, proj, MLP){count}; embeddings, attention, norms and the output layer in BF16")
+
+    def _refresh_weights(self, module: nn.Module, args) -> None:
+        """Forward pre-hook of each chunk: cast the stale FP8 weight copies (all at once, one TP all-reduce)."""
+        stale = [m for m in self.matmuls if m.weight_stale or not self.step_managed]
+        if stale:
+            self.refresh(stale)
+
+    @torch.no_grad()
+    def refresh(self, matmuls: list[Fp8Matmul]) -> None:
+        per_tensor = [m for m in matmuls if m.recipe != "rowwise"]
+        if per_tensor:
+            amax = torch.stack(torch._foreach_norm([m.weight_ref.detach() for m in per_tensor], float("inf")))
+            amax = amax.float()  # one multi-tensor kernel for all weights
+            if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+            for m, a in zip(per_tensor, amax.unbind(0)):
+                m.refresh_weight(m.weight_ref, a)
+        for m in matmuls:
+            if m.recipe == "rowwise":  # row scales of this rank's shard (rows of a row-parallel weight are cut)
+                m.refresh_weight(m.weight_ref)
+
+    def weights_changed(self) -> None:
+        """After the optimizer step: the next forward re-casts the FP8 weight copies (once per step)."""
+        self.step_managed = True
+        for m in self.matmuls:
+            m.weight_stale = True
+
+    def after_backward(self, groups: list) -> None:
+        """Delayed scaling: this step's amaxes, reduced (MAX) over ``groups``, enter the history; new scales."""
+        if self.history is not None:
+            self.history.update(groups)
+
+
+def apply_fp8(model: nn.Module, cfg: GPTRunConfig, mesh, backend: str) -> None:
+    """Make one model chunk FP8 with ``backend`` (from ``resolve_fp8_backend``): after the TP/CP/EP plans, before
+    compile. Then ``Fp8Runtime(backend, cfg, chunks)`` is the step loop's handle."""
+    if backend == "te":
+        from mmtrain.model.fp8_te import apply_te_fp8  # imports transformer_engine
+
+        apply_te_fp8(model, cfg, mesh, fp8_layer_indices(cfg))
+    else:
+        apply_native_fp8(model, cfg)

@@ -1,0 +1,116 @@
+"""Build this rank's piece of the VLM, and run one micro-batch of it (the VLM's ``forward_step``).
+
+Layout (see docs/vlm.md for the why):
+- TP: the GPT plan shards the LM *and* the vision/audio encoders' blocks (same ``layers`` of
+  ``TransformerBlock``s), encoders without sequence parallelism; projectors and patch/position embeddings are
+  replicated. Under SP the LM embedding all-reduces (not reduce-scatters) so the whole sequence can be spliced,
+  then ``split_seq`` keeps this TP rank's rows.
+- PP: stage 0 holds the encoders, projectors and the embedding; stages hold the LM layers of
+  ``stage_layer_ranges`` under their global names (``language.layers.<i>``). Activations between stages have
+  the GPT's shape (micro_batch, seq / cp [/ tp with SP], LM hidden). No virtual stages.
+- CP: every CP rank encodes all of the micro-batch's media and splices the whole sequence, then keeps its
+  zig-zag chunks (``shard_sequence``); the encoders' gradients, partial per CP rank, are summed by the dp×cp
+  gradient reduction like every other parameter's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from mmtrain.config.loader import ConfigError
+from mmtrain.model.gpt import token_cross_entropy
+from mmtrain.model.vlm import VLMModel
+from mmtrain.parallel.comm import split_seq
+from mmtrain.parallel.context import apply_context_parallel, shard_sequence
+from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.expert import apply_expert_parallel
+from mmtrain.parallel.pipeline import stage_layer_ranges
+from mmtrain.parallel.tensor import apply_tensor_parallel
+
+
+def _shard_spliced(x_BSD: torch.Tensor, cp: int, cp_rank: int, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    x = shard_sequence(x_BSD, cp, cp_rank)
+    return split_seq(x, tp_group) if sequence_parallel else x
+
+
+def apply_vlm_parallel(model: VLMModel, mesh: ParallelMesh, sequence_parallel: bool = False) -> VLMModel:
+    """Shard a (stage of a) ``VLMModel`` in place over the mesh's TP, CP (and EP for an MoE LM) groups."""
+    tp = mesh.dims.tp
+    sp = sequence_parallel and tp > 1
+    lm = model.language
+    apply_tensor_parallel(lm, mesh.tp_group, sp)
+    apply_context_parallel(lm, mesh.cp_group)
+    if lm.cfg.num_experts:
+        apply_expert_parallel(lm, mesh.ep_group, sp, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
+    for encoder in (model.vision, model.audio):
+        if encoder is not None:
+            apply_tensor_parallel(encoder, mesh.tp_group, False)
+    if model.pre_process:
+        if sp:  # the embedding returns the whole sequence; the split happens after splicing
+            lm.embed.sequence_parallel = False
+        if mesh.dims.cp > 1 or sp:
+            model.sequence_shard_fn = partial(_shard_spliced, cp=mesh.dims.cp, cp_rank=mesh.coord.cp,
+                                              tp_group=mesh.tp_group, sequence_parallel=sp)
+    return model
+
+
+def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
+    """This rank's VLM stage, initialized as the whole model would be, sharded per ``mesh``, with the recompute/
+    compile flags of ``cfg.train``, on ``device``. ``cfg``: a VLM run config (``model``: ``VLMModelConfig``,
+    ``parallel``, ``train`` as in the GPT run config)."""
+    p, t = cfg.parallel, cfg.train
+    if p.virtual_pp > 1:
+        raise ConfigError("parallel.virtual_pp > 1 is not supported for the VLM; use plain pipeline stages")
+    pp, stage = mesh.dims.pp, mesh.coord.pp
+    ranges = stage_layer_ranges(cfg.model.language.num_layers, pp, p.pipeline_layers)
+    model = VLMModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
+    model.init_weights(t.seed)
+    apply_vlm_parallel(model, mesh, p.sequence_parallel)
+    mode = t.activation_checkpointing
+    encoders = [e for e in (model.vision, model.audio) if e is not None]
+    for block in [b for e in (model.language, *encoders) for b in e.layers.values()]:
+        block.recompute = mode
+        if hasattr(block.mlp, "recompute_activation"):
+            block.mlp.recompute_activation = mode == "selective"
+        if t.compile and not model.cfg.language.num_experts:
+            block.compile()
+    if t.compile and mesh.dims.tp == 1:
+        model.language.loss_fn = torch.compile(token_cross_entropy)
+    if device.type == "cuda" and t.attention_backend != "auto":
+        chosen = t.attention_backend
+        torch.backends.cuda.enable_flash_sdp(chosen == "flash")
+        torch.backends.cuda.enable_cudnn_sdp(chosen == "cudnn")
+        torch.backends.cuda.enable_mem_efficient_sdp(chosen == "efficient")
+        torch.backends.cuda.enable_math_sdp(chosen == "math")
+    return model.to(device)
+
+
+def vlm_forward_step(module: VLMModel, batch, received: torch.Tensor | None, mesh: ParallelMesh,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One micro-batch (a ``MultimodalBatch``) through this rank's stage: returns (output, summed token loss,
+    loss-token count). On the last stage ``output`` is the summed loss to call backward on; elsewhere it is the
+    hidden states to send on (loss and count None). ``received``: the previous stage's output (stages > 0).
+
+    Per-token tensors are cut to this rank's context-parallel chunks here; the tokens go whole to the first
+    stage (it splices media, then shards). Document ids are passed only for packed batches (several samples in a
+    row), so unpacked batches keep the plain causal kernel."""
+    cp, cp_rank = mesh.dims.cp, mesh.coord.cp
+    labels, positions, loss_mask = (shard_sequence(t.to(device, non_blocking=True), cp, cp_rank)
+                                    for t in (batch.labels, batch.position_ids, batch.loss_mask))
+    doc_ids = None
+    if int(batch.document_ids.max()) > 0:
+        doc_ids = shard_sequence(batch.document_ids.to(device, non_blocking=True), cp, cp_rank)
+    if module.pre_process:
+        media = {"images": batch.images.to(device, non_blocking=True), "image_counts": batch.image_counts,
+                 "audio": batch.audio.to(device, non_blocking=True), "audio_lengths": batch.audio_lengths,
+                 "audio_counts": batch.audio_counts, "sample_keys": getattr(batch, "__key__", None)}
+        out = module(batch.tokens.to(device, non_blocking=True), labels if module.post_process else None,
+                     positions, doc_ids, **media)
+    else:
+        out = module(received, labels if module.post_process else None, positions, doc_ids)
+    if not module.post_process:
+        return out, None, None
+    total = (out * loss_mask).sum()
+    return total, total.detach(), loss_mask.sum().detach()

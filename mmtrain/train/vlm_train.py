@@ -1,0 +1,144 @@
+"""A VLM run on the shared step loop (``mmtrain.train.loop.train_model``): this rank's VLM, frozen components,
+per-component learning rates, ``MediaBatch`` micro-batches (media and text rows mixed), and a step that also
+counts images for images/s and for the vision encoder's FLOPs.
+
+The loss is summed over loss tokens (``loss_mask``) and divided by the global loss-token count after the
+data-parallel reduction, exactly as for the GPT, so DP and gradient accumulation equal one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from mmtrain.config.loader import ConfigError
+from mmtrain.config.vlm_run_schema import VLMRunConfig, lr_scale_for, matches
+from mmtrain.config.vlm_schema import VLMModelConfig
+from mmtrain.model.gpt import flops_per_token
+from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.train.checkpoint import find_checkpoint, is_weights_only
+from mmtrain.train.loop import StepTask, TrainResult, global_batch_size, schedule_micro_batches, train_model
+from mmtrain.utils.log import get_logger
+
+
+def vision_flops_per_image(m: VLMModelConfig) -> float:
+    """Training FLOPs (forward + backward = 3x forward) of the ViT and image projector for one image (tile)."""
+    v, pr = m.vision, m.projector
+    P, d, L = v.num_patches, v.hidden_size, v.num_layers
+    mlp = (3 if v.activation == "swiglu" else 2) * d * v.ffn_hidden_size
+    per_patch = L * (4 * d * d + mlp) + 3 * v.patch_size ** 2 * d  # matmul weights a patch passes through
+    attention = L * 2 * P * d  # QK^T and AV, bidirectional: 2 * P * d multiply-adds per patch per layer
+    width = d * pr.pixel_shuffle ** 2
+    hidden = pr.hidden_size or m.language.hidden_size
+    dims = [width] + [hidden] * (pr.num_layers - 1) + [m.language.hidden_size]
+    projector = sum(a * b for a, b in itertools.pairwise(dims)) * m.tokens_per_image
+    return 6.0 * (P * (per_patch + attention) + projector)
+
+
+def load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Module) -> None:
+    """The model weights of an earlier run's checkpoint (e.g. stage 1 for stage 2): weights are replicated over
+    data-parallel ranks, so this rank reads the file of the rank with its (tp, pp) coordinates and dp = 0."""
+    import json
+
+    from mmtrain.train.checkpoint import CheckpointError, _complete_in
+
+    folder = _complete_in(Path(init_from))
+    if folder is None:
+        raise CheckpointError(f"init_from={init_from}: no complete checkpoint there (no complete.json or latest)")
+    layout = json.loads((folder / "complete.json").read_text())["layout"]
+    d = mesh.dims
+    if (layout["tp"], layout["pp"], layout["cp"]) != (d.tp, d.pp, d.cp):
+        raise CheckpointError(f"init_from={init_from}: saved with tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
+                              f"; this run has tp={d.tp} pp={d.pp} cp={d.cp} -- use the same layout (dp may differ)")
+    rank = mesh.coord.tp + d.tp * d.cp * layout["dp"] * mesh.coord.pp  # dp = 0, cp = 0 of this (tp, pp)
+    state = torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)["model"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"init_from={init_from}: parameters differ from this model (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}); the model shape must be the same")
+    get_logger("train").info(f"initialized the weights from {folder}; training starts at step 0")
+
+
+def freeze_and_scales(model: torch.nn.Module, cfg: VLMRunConfig):
+    """Apply ``cfg.freeze`` (requires_grad=False) and return ``lr_scale_of(param)``; a prefix that names no
+    parameter is a ``ConfigError``."""
+    names = [n for n, _ in model.named_parameters()]
+    for key, prefixes in (("freeze", cfg.freeze), ("lr_scale", list(cfg.lr_scale))):
+        for prefix in prefixes if cfg.parallel.pp == 1 else ():  # a pipeline stage lacks some components
+            absent_audio = prefix == "audio" and not cfg.model.audio.enabled  # e.g. a shared stage-1 freeze list
+            if not absent_audio and not any(matches(n, prefix) for n in names):
+                top = sorted({n.split(".", 1)[0] for n in names})
+                raise ConfigError(f"{key}: {prefix!r} names no parameter of this model (its components: "
+                                  f"{', '.join(top)}; e.g. language.layers.0)")
+    for name, p in model.named_parameters():
+        if any(matches(name, f) for f in cfg.freeze):
+            p.requires_grad_(False)
+    scale_by_id = {id(p): lr_scale_for(n, cfg.lr_scale) for n, p in model.named_parameters()}
+    return (lambda p: scale_by_id[id(p)]) if cfg.lr_scale else None
+
+
+def run_vlm_micro_batches(model, micro_batches: list, mesh: ParallelMesh, cfg: VLMRunConfig, device: torch.device,
+                          buckets) -> torch.Tensor:
+    """Forward (and backward with ``buckets``) over ``MediaBatch`` micro-batches with the model's
+    ``vlm_forward_step`` and the GPT's schedules; returns this rank's [sum of token losses, loss tokens, images]
+    (losses on the last pipeline stage, images counted once: on the first stage's context-parallel rank 0)."""
+    from mmtrain.train.build_vlm import vlm_forward_step
+
+    stats = torch.zeros(3, device=device, dtype=torch.float64)
+    count_images = mesh.coord.pp == 0 and mesh.coord.cp == 0
+
+    def forward_step(i: int, received, module) -> torch.Tensor:
+        out, total, count = vlm_forward_step(module, micro_batches[i], received, mesh, device)
+        if count_images:
+            stats[2] += micro_batches[i].num_images
+        if total is not None:
+            stats[0] += total.double()
+            stats[1] += count.double()
+        return out
+
+    B, S = micro_batches[0].tokens.shape
+    schedule_micro_batches(forward_step, len(micro_batches), model, mesh, cfg, device, buckets,
+                           (B, S, cfg.model.language.hidden_size))
+    return stats
+
+
+def vlm_task(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device, model) -> StepTask:
+    d = cfg.data
+    lm_tok = flops_per_token(cfg.model.language, d.seq_length)
+    tokens = global_batch_size(cfg, mesh.dims.dp) * d.seq_length
+    per_image = vision_flops_per_image(cfg.model)
+    return StepTask(
+        forward_backward=lambda micro, buckets: run_vlm_micro_batches(model, micro, mesh, cfg, device, buckets),
+        step_flops=lambda stats: tokens * lm_tok + float(stats[2]) * per_image,
+        extra_metrics=lambda stats, dt: {"images_per_s": float(stats[2]) / dt / mesh.dims.world_size})
+
+
+def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> TrainResult:
+    """Run ``cfg.train.steps`` optimizer steps of the VLM on this rank."""
+    from mmtrain.data.vlm_sources import build_vlm_batches
+    from mmtrain.train.build_vlm import build_vlm_stage
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_vlm_stage(cfg, mesh, device)
+    lr_scale_of = freeze_and_scales(model, cfg)
+    found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
+    if found is not None and is_weights_only(found):
+        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: weights-only (converted) checkpoints are not "
+                          "loaded into a VLM yet; resume from a pretrain_vlm checkpoint")
+    if found is not None:
+        import json
+
+        saved = json.loads((found / "complete.json").read_text())["layout"]
+        here = {"world_size": mesh.dims.world_size, "tp": mesh.dims.tp, "pp": mesh.dims.pp, "cp": mesh.dims.cp,
+                "dp": mesh.dims.dp, "ep": mesh.dims.ep}
+        if saved != here:  # VLM shapes are not resharded; energon's loader state is per data-parallel rank
+            raise ConfigError(f"{found}: saved at layout {saved}, this run is {here}; a VLM resumes only at the same "
+                              "layout (start from its weights with init_from at the same tp/pp/cp instead)")
+    if found is None and cfg.init_from:
+        load_stage_weights(cfg.init_from, mesh, model)
+    batches = build_vlm_batches(cfg, mesh, "train")
+    val_batches = build_vlm_batches(cfg, mesh, "valid") if cfg.train.eval_every else None
+    return train_model(cfg, mesh, device, model, batches, val_batches, vlm_task(cfg, mesh, device, model), found,
+                       model_name=cfg.model.name, lr_scale_of=lr_scale_of)

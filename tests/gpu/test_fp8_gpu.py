@@ -1,0 +1,76 @@
+"""FP8 on the GPU (skipped without CUDA or below sm_89): the native linear's real torch._scaled_mm numerics,
+eager vs compiled, and short training runs per backend and recipe that track BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mmtrain.config import GPTRunConfig, load_config
+from mmtrain.model.fp8 import te_importable
+from mmtrain.model.fp8_native import Fp8Linear
+from mmtrain.parallel import ParallelDims, init_distributed
+from mmtrain.train.loop import train_gpt
+
+BASE = ["data.mock=true", "data.seq_length=256", "train.device=cuda", "train.steps=8", "train.micro_batch_size=4",
+        "checkpoint.save_final=false", "model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=512",
+        "model.num_attention_heads=4", "model.vocab_size=1024", "optim.lr=1e-3"]
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                reason="needs an FP8 GPU (sm_89+)")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "hybrid"), ("delayed", "hybrid"), ("rowwise", "e4m3")])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_native_linear_on_the_gpu(recipe, fmt, compiled):
+    torch.manual_seed(0)
+    ref = nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    lin = Fp8Linear(ref, recipe, fmt)
+    run = torch.compile(lin) if compiled else lin
+    x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16)
+    y = run(x)
+    y.backward(g)
+    dx, dw = x.grad.clone(), ref.weight.grad.clone()
+    x.grad = ref.weight.grad = None
+    y_ref = ref(x)
+    y_ref.backward(g)
+    assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
+    assert rel(y, y_ref) < 0.06
+    assert rel(dx, x.grad) < 0.1 and rel(dw, ref.weight.grad) < 0.1
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    init_distributed("nccl", torch.device("cuda", 0))
+    return ParallelDims(world_size=1).build()
+
+
+@pytest.fixture(scope="module")
+def bf16_losses(mesh, tmp_path_factory):
+    cfg = load_config(GPTRunConfig, None, [*BASE, "train.precision=bf16",
+                                           f"logging.run_dir={tmp_path_factory.mktemp('bf16')}"])
+    return train_gpt(cfg, mesh, torch.device("cuda", 0)).losses
+
+
+VARIANTS = [["fp8.backend=native", "fp8.recipe=tensorwise"],
+            ["fp8.backend=native", "fp8.recipe=delayed", "train.compile=true"],
+            ["fp8.backend=native", "fp8.recipe=rowwise", "fp8.format=e4m3", "train.compile=true"],
+            ["fp8.backend=native", "fp8.recipe=tensorwise", "fp8.bf16_first_layers=1"],
+            ["fp8.backend=te", "fp8.recipe=delayed"],
+            ["fp8.backend=te", "fp8.recipe=tensorwise", "train.compile=true"]]
+
+
+@pytest.mark.parametrize("extra", VARIANTS, ids=lambda e: "-".join(x.split("=")[1] for x in e))
+def test_fp8_training_tracks_bf16(tmp_path, mesh, bf16_losses, extra):
+    if "fp8.backend=te" in extra and not te_importable():
+        pytest.skip("Transformer Engine does not import here")
+    cfg = load_config(GPTRunConfig, None, [*BASE, "train.precision=fp8", f"logging.run_dir={tmp_path}", *extra])
+    losses = train_gpt(cfg, mesh, torch.device("cuda", 0)).losses
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(abs(a - b) / b < 0.03 for a, b in zip(losses, bf16_losses)), (losses, bf16_losses)

@@ -1,0 +1,231 @@
+"""FP8 without a GPU: scale/amax bookkeeping, casts, the native FP8 linear's numerics (torch._scaled_mm runs
+per-tensor on the CPU; row-wise is emulated), layer selection, compile-friendliness and config errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mmtrain.config import ConfigError, GPTRunConfig, load_config, validate_gpt_config
+from mmtrain.model.fp8 import (
+    Fp8Runtime,
+    apply_native_fp8,
+    fp8_layer_indices,
+    resolve_fp8_backend,
+)
+from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, scaled_mm
+from mmtrain.model.fp8_scaling import (
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    AmaxHistory,
+    dequantize,
+    fp8_dtypes,
+    quantize,
+    quantize_rowwise,
+    scale_from_amax,
+)
+from mmtrain.model.gpt import GPTModel
+
+TINY = ["data.mock=true", "train.device=cuda", "train.precision=fp8", "model.num_layers=4", "model.hidden_size=64",
+        "model.ffn_hidden_size=128", "model.num_attention_heads=4"]
+
+
+def _cfg(*extra: str) -> GPTRunConfig:
+    return load_config(GPTRunConfig, None, [*TINY, *extra])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ------------------------------------------------------------------------------------------ scaling
+def test_scale_from_amax_margin_and_degenerate_amax():
+    amax = torch.tensor([2.0, 0.0, float("inf"), float("nan")])
+    s = scale_from_amax(amax, 448.0)
+    assert s[0].item() == pytest.approx(224.0)
+    assert s[1:].tolist() == [1.0, 1.0, 1.0]  # zero / inf / nan amax: neutral scale, never inf or nan
+    assert scale_from_amax(torch.tensor(2.0), 448.0, margin=2).item() == pytest.approx(56.0)
+    assert fp8_dtypes("hybrid") == (E4M3, E5M2) and fp8_dtypes("e4m3") == (E4M3, E4M3)
+
+
+def test_quantize_clamps_instead_of_nan_and_round_trip_error_bounds():
+    x = torch.randn(4096) * 3
+    for dtype, bound in ((E4M3, 2.0 ** -4), (E5M2, 2.0 ** -3)):  # half an ulp of 3 / 2 mantissa bits
+        s = scale_from_amax(x.abs().max(), FP8_MAX[dtype])
+        back = dequantize(quantize(x, s, dtype), 1 / s)
+        normal = x.abs() * s > 2.0 ** -6 * 4  # away from the subnormal range
+        err = ((back - x).abs() / x.abs())[normal]
+        assert err.max().item() <= bound + 1e-6
+    big = quantize(torch.tensor([1e6, -1e6]), torch.tensor(1.0), E4M3).float()
+    assert big.tolist() == [448.0, -448.0]
+
+
+def test_rowwise_quantize_scales_each_row():
+    x = torch.randn(8, 32) * torch.logspace(-3, 3, 8)[:, None]
+    q, inv = quantize_rowwise(x, -1, E4M3)
+    assert inv.shape == (8, 1)
+    assert torch.allclose(q.float().abs().amax(-1), torch.full((8,), 448.0))
+    assert rel(dequantize(q, inv), x) < 0.05
+
+
+class _Bufs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scales, self.amax_x, self.amax_g = torch.zeros(2), torch.zeros(1), torch.zeros(1)
+
+
+def test_amax_history_ring_max_and_most_recent():
+    for algo in ("max", "most_recent"):
+        m = _Bufs()
+        h = AmaxHistory([m], history_len=3, algo=algo, margin=0, fwd_dtype=E4M3, grad_dtype=E5M2)
+        seen = []
+        for step, (ax, ag) in enumerate([(4.0, 1e-3), (1.0, 2e-3), (2.0, 5e-4), (0.5, 1e-4), (0.25, 1e-4)]):
+            m.amax_x.fill_(ax)
+            m.amax_g.fill_(ag)
+            h.update()
+            seen.append((ax, ag))
+            window = seen[-3:]  # the ring keeps 3 steps
+            want_x = max(a for a, _ in window) if algo == "max" else ax
+            want_g = max(g for _, g in window) if algo == "max" else ag
+            assert m.scales[0].item() == pytest.approx(448.0 / want_x), (algo, step)
+            assert m.scales[1].item() == pytest.approx(57344.0 / want_g, rel=1e-5), (algo, step)
+            assert m.amax_x.item() == 0.0 and m.amax_g.item() == 0.0  # the next step starts afresh
+    fresh = _Bufs()
+    AmaxHistory([fresh], 4, "max", 0, E4M3, E5M2).update()
+    assert fresh.scales.tolist() == [1.0, 1.0] and fresh.delayed_ready  # never seen non-zero: neutral scale
+
+
+# ------------------------------------------------------------------------------------------ the linear
+def test_scaled_mm_emulation_matches_cpu_scaled_mm():
+    a = torch.randn(32, 64).to(E4M3)
+    b = torch.randn(48, 64).to(E4M3).t()
+    sa, sb = torch.tensor([0.5]), torch.tensor([0.25])
+    real = scaled_mm(a, b, sa, sb, torch.float32)
+    emulated = (a.float() * sa) @ (b.float() * sb)
+    assert torch.allclose(real, emulated, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe,fmt,bound", [("tensorwise", "hybrid", 0.09), ("delayed", "hybrid", 0.09),
+                                              ("tensorwise", "e4m3", 0.06), ("rowwise", "e4m3", 0.06)])
+def test_fp8_linear_forward_and_grads_close_to_fp32(recipe, fmt, bound):
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 48, bias=True)
+    fp8 = Fp8Linear(ref, recipe, fmt)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    g = torch.randn(2, 32, 48)
+    y = fp8(x)
+    y.backward(g)
+    dx, dw, db = x.grad.clone(), ref.weight.grad.clone(), ref.bias.grad.clone()
+    x.grad = ref.weight.grad = ref.bias.grad = None
+    ref(x).backward(g)
+    assert rel(y, ref(x)) < 0.05  # forward in E4M3 (3 mantissa bits)
+    assert rel(dx, x.grad) < bound and rel(dw, ref.weight.grad) < bound  # gradients in E5M2 for hybrid
+    assert torch.allclose(db, ref.bias.grad)
+    assert fp8.weight is ref.weight and [n for n, _ in fp8.named_parameters()] == ["weight", "bias"]
+
+
+def test_delayed_records_amaxes_and_uses_the_scales():
+    torch.manual_seed(0)
+    lin = Fp8Linear(nn.Linear(32, 16, bias=False), "delayed", "hybrid")
+    x = torch.randn(16, 32, requires_grad=True)
+    lin(x).backward(torch.full((16, 16), 0.5))
+    m = lin.matmul
+    assert m.amax_x.item() == pytest.approx(x.abs().max().item())
+    assert m.amax_g.item() == pytest.approx(0.5)
+    AmaxHistory([m], 8, "max", 0, E4M3, E5M2).update()
+    assert m.scales.tolist() == pytest.approx([448.0 / x.abs().max().item(), 57344.0 / 0.5])
+    assert m.delayed_ready
+    m.scales.fill_(1.0)  # a deliberately bad delayed scale clamps inputs beyond 448: the scales really are used
+    with torch.no_grad():
+        assert rel(lin(x * 1000), nn.functional.linear(x * 1000, lin.weight)) > 0.3
+
+
+def test_weight_copies_are_cached_until_marked_stale():
+    lin = Fp8Linear(nn.Linear(32, 16, bias=False), "tensorwise", "hybrid")
+    x = torch.randn(4, 32)
+    y0 = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    assert torch.equal(lin(x), y0)  # still the cached cast
+    lin.matmul.weight_stale = True
+    assert rel(lin(x), 2 * y0) < 1e-6
+
+
+def test_compiles_without_graph_breaks():
+    """Dynamo + AOTAutograd (the aot_eager backend: no C++ codegen on this CPU) trace the FP8 linear in one
+    graph, including delayed scaling's in-place amax updates in forward and backward."""
+    for recipe in ("delayed",):  # tensorwise runs the same function without the amax updates
+        torch._dynamo.reset()
+        lin = Fp8Linear(nn.Linear(32, 16, bias=False), recipe, "hybrid")
+        torch.compile(lin, backend="aot_eager")(torch.randn(8, 32))  # stale weight: re-cast outside the graph
+        assert not lin.matmul.weight_stale
+        compiled = torch.compile(lin, backend="aot_eager", fullgraph=True)
+        x = torch.randn(8, 32, requires_grad=True)
+        x2 = torch.randn(8, 32, requires_grad=True)
+        y, y2 = compiled(x), compiled(x2)  # two micro-batches in flight, as in a pipeline schedule
+        (3 * y.sum()).backward()
+        y2.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        if recipe == "delayed":
+            assert lin.matmul.amax_x.item() == pytest.approx(torch.cat([x, x2]).abs().max().item())
+            assert lin.matmul.amax_g.item() == pytest.approx(3.0)  # max over both backwards
+
+
+# ------------------------------------------------------------------------------------------ the model
+def test_layer_selection_and_names_unchanged():
+    cfg = _cfg("fp8.bf16_first_layers=1", "fp8.bf16_last_layers=1")
+    assert fp8_layer_indices(cfg) == {1, 2}
+    model = GPTModel(cfg.model)
+    names = [n for n, _ in model.named_parameters()]
+    keys = list(model.state_dict())
+    matmuls = apply_native_fp8(model, cfg)
+    assert len(matmuls) == 8  # 2 blocks x (qkv, proj, up, down)
+    for i, block in model.layers.items():
+        kinds = {type(block.attn.qkv), type(block.attn.proj), type(block.mlp.up), type(block.mlp.down)}
+        assert kinds == ({Fp8Linear} if i in ("1", "2") else {nn.Linear}), i
+    assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == keys
+    assert model.layers["1"].attn.qkv.part_sizes == (64, 64, 64)
+
+
+def test_runtime_recasts_every_forward_until_the_loop_takes_over():
+    torch.manual_seed(0)
+    cfg = _cfg("model.vocab_size=64")
+    model = GPTModel(cfg.model)
+    model.init_weights(1)
+    apply_native_fp8(model, cfg)
+    rt = Fp8Runtime("native", cfg, [model])
+    ids = torch.randint(0, 64, (2, 16))
+    out = model(ids)
+    assert all(not m.weight_stale for m in rt.matmuls) and torch.isfinite(out).all()
+    rt.weights_changed()
+    assert all(m.weight_stale for m in rt.matmuls)
+    model(ids)
+    assert all(not m.weight_stale for m in rt.matmuls)
+    assert "backend native, recipe tensorwise, format hybrid" in rt.describe()
+
+
+# ------------------------------------------------------------------------------------------ config errors
+@pytest.mark.parametrize("extra,match", [
+    (["fp8.backend=native", "fp8.recipe=mxfp8"], "fp8.recipe=mxfp8 is not offered by fp8.backend=native"),
+    (["fp8.backend=te", "fp8.recipe=rowwise", "fp8.format=e4m3"], "fp8.recipe=rowwise is not offered by fp8.backend=te"),
+    (["fp8.recipe=rowwise"], "set fp8.format=e4m3"),
+    (["fp8.amax_history_len=0"], "fp8.amax_history_len"),
+    (["fp8.bf16_first_layers=2", "fp8.bf16_last_layers=2"], "leave no FP8 layer"),
+    (["fp8.param_gather=true"], "fp8.param_gather"),
+    (["train.device=cpu"], "train.precision=fp8 needs a Hopper/Blackwell GPU"),
+])
+def test_config_errors_name_the_keys(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_gpt_config(_cfg(*extra))
+
+
+def test_fp8_on_the_cpu_is_a_config_error_at_start_up():
+    with pytest.raises(ConfigError, match="train.precision=fp8 needs an FP8 GPU"):
+        resolve_fp8_backend(_cfg(), torch.device("cpu"))
+
+
+def test_native_matmul_rejects_te_only_recipes():
+    with pytest.raises(ValueError, match="native fp8 recipe"):
+        Fp8Matmul("mxfp8")

@@ -1,0 +1,170 @@
+"""The VLM model on one device: splicing, shapes, config checks, freezing, overfitting a few captions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmtrain.config.loader import ConfigError
+from mmtrain.config.schema import DataConfig
+from mmtrain.config.vlm_schema import check_vlm_model
+from mmtrain.model.audio import AudioEncoder, pool_valid_frames
+from mmtrain.model.gpt import GPTModel
+from mmtrain.model.projector import pixel_shuffle
+from mmtrain.model.vision import VisionEncoder, tile_image
+from mmtrain.model.vlm import (
+    MediaPlaceholderError,
+    VLMModel,
+    splice_media,
+    unsplice_media,
+)
+from tests.vlm_helpers import AUDIO_ID, IMAGE_ID, make_batch, tiny_vlm_config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is fastest, and on a loaded machine several threads are many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(audio: bool = True, seed: int = 3, **kw) -> VLMModel:
+    torch.manual_seed(0)
+    model = VLMModel(tiny_vlm_config(audio, **kw))
+    model.init_weights(seed)
+    return model
+
+
+def _media(batch) -> dict:
+    return {"images": batch.images, "image_counts": batch.image_counts, "audio": batch.audio,
+            "audio_lengths": batch.audio_lengths, "audio_counts": batch.audio_counts, "sample_keys": batch.__key__}
+
+
+def test_splice_then_unsplice_gives_back_the_features_and_keeps_the_text():
+    batch = make_batch()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 32, 8, generator=g)
+    feats = torch.randn(int(batch.image_counts.sum()), 4, 8, generator=g)
+    out = splice_media(x, batch.tokens, IMAGE_ID, feats, batch.image_counts)
+    assert torch.equal(unsplice_media(out, batch.tokens, IMAGE_ID, 4), feats)
+    text = batch.tokens != IMAGE_ID
+    assert torch.equal(out[text], x[text])
+    # row-major placeholder order: row 0 holds images 0 and 1 (two packed samples), row 1 images 2 and 3
+    assert torch.equal(out[1][batch.tokens[1] == IMAGE_ID].view(-1, 4, 8), feats[2:])
+
+
+def test_placeholder_mismatch_names_the_sample():
+    batch = make_batch()
+    tokens = batch.tokens.clone()
+    tokens[1, 0] = 5  # one image placeholder of sample s2 lost
+    feats = torch.zeros(int(batch.image_counts.sum()), 4, 8)
+    with pytest.raises(MediaPlaceholderError, match=r"sample 's2' \(batch row 1\): 7 image placeholder.*2 image"):
+        splice_media(torch.zeros(2, 32, 8), tokens, IMAGE_ID, feats, batch.image_counts, "image", batch.__key__)
+    with pytest.raises(MediaPlaceholderError, match="sum to 4 but the batch holds 3"):
+        splice_media(torch.zeros(2, 32, 8), batch.tokens, IMAGE_ID, feats[:3], batch.image_counts)
+
+
+def test_forward_returns_masked_token_losses_and_language_path_is_the_gpt():
+    model = _model()
+    batch = make_batch()
+    losses = model(batch.tokens, batch.labels, batch.position_ids, batch.document_ids, **_media(batch))
+    assert losses.shape == (2, 32)
+    assert torch.all(losses[batch.labels == -100] == 0) and torch.all(losses[batch.labels != -100] > 0)
+    # the language component is the GPT: same init, and inputs_embeds = embed(tokens) changes nothing
+    gpt = GPTModel(model.cfg.language)
+    gpt.init_weights(3)
+    assert all(torch.equal(p, q) for p, q in zip(gpt.parameters(), model.language.parameters()))
+    text = torch.randint(0, 56, (2, 12))
+    assert torch.equal(gpt(text), gpt(None, inputs_embeds=gpt.embed(text)))
+
+
+def test_vision_variants_audio_shapes_and_tiles():
+    for kind in ("learned", "sincos2d", "rope2d"):
+        enc = VisionEncoder(tiny_vlm_config(position_embedding=kind).vision)
+        enc.init_weights(0)
+        assert enc(torch.randn(3, 3, 16, 16), torch.tensor([0, 1, 2])).shape == (3, 16, 32)
+    cfg = tiny_vlm_config().audio
+    audio = AudioEncoder(cfg)
+    audio.init_weights(0)
+    out = audio(torch.randn(3, 2000), torch.tensor([2000, 900, 10]))
+    assert out.shape == (3, cfg.num_tokens, cfg.hidden_size) and torch.isfinite(out).all()
+    x = torch.arange(2 * 6, dtype=torch.float32).view(2, 6, 1).expand(2, 6, 2)
+    pooled = pool_valid_frames(x, torch.tensor([4, 6]), 2)  # clip 0: frames 0-1 | 2-3; clip 1: 0-2 | 3-5
+    assert pooled[:, :, 0].tolist() == [[0.5, 2.5], [7.0, 10.0]]
+    tiles = tile_image(torch.rand(3, 20, 40), 16, 4)  # wide image -> 1x2 grid + thumbnail
+    assert tiles.shape == (3, 3, 16, 16)
+    assert tile_image(torch.rand(3, 20, 20), 16, 1).shape == (1, 3, 16, 16)
+
+
+def test_pixel_shuffle_merges_neighbouring_patches():
+    grid = torch.arange(16, dtype=torch.float32).view(1, 16, 1)  # 4x4 grid, value = patch index
+    out = pixel_shuffle(grid, 2)
+    assert out.shape == (1, 4, 4)
+    assert out[0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+
+
+def test_config_derives_tokens_per_image_and_checks_the_data_settings():
+    cfg = tiny_vlm_config()
+    assert cfg.tokens_per_image == 4 and cfg.tokens_per_audio == 2
+    data = DataConfig(mm_image_size=16, mm_num_image_tokens=4, mm_image_token_id=IMAGE_ID,
+                      mm_audio_token_id=AUDIO_ID, mm_num_audio_tokens=2)
+    check_vlm_model(cfg, data)
+    data.mm_num_image_tokens = 16
+    with pytest.raises(ConfigError, match=r"data.mm_num_image_tokens \(16\) must equal .* 4 = \(16 / 4\)\^2 / 2\^2"):
+        check_vlm_model(cfg, data)
+    with pytest.raises(ConfigError, match=r"vision.num_attention_heads \(4\) must be divisible by parallel.tp \(8"):
+        check_vlm_model(cfg, tp=8)
+    cfg.projector.pixel_shuffle = 3
+    with pytest.raises(ConfigError, match="model.projector.pixel_shuffle"):
+        check_vlm_model(cfg)
+
+
+def _steps(model: VLMModel, batch, steps: int, lr: float) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        out = model(batch.tokens, batch.labels, batch.position_ids, batch.document_ids, **_media(batch))
+        loss = (out * batch.loss_mask).sum() / batch.loss_mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_frozen_components_stay_bit_identical():
+    model = _model()
+    frozen = model.freeze(["vision", "language", "audio"])
+    assert frozen and all(n.split(".")[0] in ("vision", "language", "audio") for n in frozen)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _steps(model, make_batch(), 3, 1e-2)
+    after = model.state_dict()
+    for name, value in before.items():
+        if name.startswith("projector"):
+            assert not torch.equal(after[name], value), name
+        else:
+            assert torch.equal(after[name], value), name
+    with pytest.raises(ValueError, match="not a VLM component"):
+        model.freeze(["encoder"])
+
+
+def test_overfitting_four_captions_drives_loss_near_zero_and_generate_recites_them():
+    torch.manual_seed(0)
+    model = _model(audio=False)
+    g = torch.Generator().manual_seed(7)
+    images = torch.randn(4, 3, 16, 16, generator=g)
+    captions = [torch.randint(0, 56, (6,), generator=g).tolist() for _ in range(4)]
+    tokens = torch.tensor([[IMAGE_ID] * 4 + c for c in captions])  # (4, 10): image then caption
+    labels = torch.cat([tokens[:, 1:], torch.full((4, 1), 63)], dim=1)
+    labels[:, :3] = -100
+    batch = type("B", (), {})()
+    batch.tokens, batch.labels, batch.loss_mask = tokens, labels, (labels != -100).float()
+    batch.position_ids, batch.document_ids = torch.arange(10).expand(4, 10), torch.zeros(4, 10, dtype=torch.long)
+    batch.images, batch.image_counts, batch.__key__ = images, torch.ones(4, dtype=torch.long), list("abcd")
+    batch.audio = batch.audio_lengths = batch.audio_counts = None
+    losses = _steps(model, batch, 150, 3e-3)
+    assert losses[-1] < 0.05 < losses[0]
+    for i in range(4):  # the image alone says which caption follows
+        assert model.generate([IMAGE_ID] * 4, images[i:i + 1], max_new_tokens=7, eos_id=63) == captions[i] + [63]
