@@ -108,7 +108,7 @@ def test_layout_checked_against_world_size():
     cfg = load_config(GPTRunConfig, None, ["data.mock=true", "train.global_batch_size=6"])
     with pytest.raises(ConfigError, match=r"global_batch_size \(6\) must be a multiple"):
         validate_gpt_config(cfg, world_size=4)
-    cfg = load_config(GPTRunConfig, None, ["data.mock=true", "data.mm_tokenizer=t.model", "data.mm_slices=16"])
+    cfg = load_config(GPTRunConfig, None, ["data.blend=media", "data.mm_tokenizer=t.model", "data.mm_slices=16"])
     with pytest.raises(ConfigError, match=r"data.mm_slices \(16\) must be a multiple of the data-parallel size \(3\)"):
         validate_gpt_config(cfg, world_size=3)
 
