@@ -189,7 +189,6 @@ def _worker_main(spec: SliceSpec, slices: list[int], states: dict, out, stop) ->
     # One thread per worker, as torch's DataLoader does: an OpenMP pool the parent started before the fork does not
     # exist in the child, and the first parallel op would wait on it forever.
     torch.set_num_threads(1)
-    out.cancel_join_thread()  # on stop, exit without waiting for the rank to read what is still queued
     parent = os.getppid()
     try:
         streams = [SliceStream(spec, s, states.get(s)) for s in slices]
@@ -198,6 +197,7 @@ def _worker_main(spec: SliceSpec, slices: list[int], states: dict, out, stop) ->
             item = ("batch", stream.index, stream.batches, batch, stream.state())
             while True:
                 if stop.is_set() or os.getppid() != parent:  # stopped, or the rank's process is gone
+                    out.cancel_join_thread()  # exit without waiting for anyone to read what is still queued
                     return
                 try:
                     out.put(item, timeout=0.2)
@@ -213,6 +213,10 @@ def _worker_main(spec: SliceSpec, slices: list[int], states: dict, out, stop) ->
         except Exception:  # noqa: BLE001
             e = RuntimeError(f"{type(e).__name__}: {e}")
         out.put(("error", e, text))
+        # Stay until stopped: the batches still queued hold tensors in shared memory that the rank can only
+        # receive from a living sender.
+        while not stop.wait(0.5) and os.getppid() == parent:
+            pass
 
 
 class WorkerPoolReader:
