@@ -18,6 +18,7 @@ order at any data-parallel size that divides ``S``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import importlib
 import itertools
@@ -270,12 +271,10 @@ class WorkerPoolReader:
         if not self._procs:
             return
         self._stop.set()
-        for q in self._queues:  # let blocked puts finish
-            try:
+        for q in self._queues:  # let blocked puts finish; what is dropped may fail to unpickle
+            with contextlib.suppress(Exception):
                 while True:
                     q.get_nowait()
-            except (queue.Empty, OSError, ValueError):
-                pass
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():
