@@ -377,3 +377,21 @@ def test_same_batches_in_another_process(data):
     there = subprocess.run([sys.executable, "-c", code, str(data["root"] / "a"), json.dumps(base)],
                            capture_output=True, text=True, check=True).stdout.strip()
     assert there == here.hexdigest()
+
+
+def test_vlm_energon_rows_state_is_plain_json(data):
+    """The VLM batches keep this rank's loader state in the checkpoint's JSON as it is."""
+    from mmtrain.data.vlm_batches import EnergonRows
+
+    def rows():
+        return EnergonRows(MultimodalLoader(data["root"] / "a", settings(data), opts(micro_batch_size=1)))
+
+    first = rows()
+    for _ in range(3):
+        first.next()
+    state = json.loads(json.dumps(first.state_dict()))
+    expected = [first.next() for _ in range(2)]
+    again = rows()
+    again.load_state_dict(state)
+    assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.images, b.images)
+               for a, b in zip(expected, [again.next() for _ in range(2)], strict=True))
