@@ -1,19 +1,28 @@
-"""Checkpoint save/load throughput and async-save overhead for the Llama-3.2-1B shapes on one GPU.
+"""Checkpoint save/load throughput and async-save overhead for the Llama-3.2-1B shapes on one GPU (DCP format).
 
-    python bench/checkpoint.py [--dir /tmp/mmtrain-ckpt-bench] [key=value ...]
+    python bench/checkpoint.py [--dir /tmp/mmtrain-ckpt-bench] [--steps 30] [--save-every 10] [key=value ...]
 
-Trains 2 steps (so the optimizer state exists), then times: a synchronous save (GB/s of bytes written), an
-asynchronous save (how long the step waits vs the background write), and a load (GB/s). One JSON line.
+1. Trains ``--steps`` steps without checkpoints (baseline step time) and keeps the model and optimizer.
+2. Times, on that state: a synchronous save (GB/s of bytes written), a load (GB/s), and one asynchronous save
+   of each kind — ``copy`` (our non-blocking copies to pinned memory, then ``dcp.save`` in a thread) and ``dcp``
+   (``dcp.async_save``, its own cached pinned staging): how long the caller waits vs the whole write.
+3. Trains ``--steps`` steps again with an async save every ``--save-every`` steps, once per kind: the wait per
+   save, the median time of the steps that ran while a write was in flight, and the run's extra wall time per
+   save compared with the baseline run (the whole cost the training loop sees).
+Prints one JSON line. Needs about 2x the checkpoint size (~17 GB with fp32 masters and Adam) of free disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -22,59 +31,115 @@ sys.path.insert(0, str(REPO))
 
 from mmtrain.config import GPTRunConfig, load_config  # noqa: E402
 from mmtrain.parallel import ParallelDims, init_distributed, pick_device  # noqa: E402
+from mmtrain.train import loop  # noqa: E402
 from mmtrain.train.checkpoint import CheckpointWriter, load_checkpoint  # noqa: E402
-from mmtrain.train.loop import train_gpt  # noqa: E402
 
 
 def _bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*.pt"))
+    return sum(p.stat().st_size for p in folder.rglob("*.distcp"))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _TimedWriter(CheckpointWriter):
+    """Records how long each ``save`` call held the training loop."""
+
+    waits: ClassVar[list[float]] = []
+    steps: ClassVar[list[int]] = []
+
+    def save(self, step, *args, **kw):
+        t = time.perf_counter()
+        out = super().save(step, *args, **kw)
+        type(self).waits.append(time.perf_counter() - t)
+        type(self).steps.append(step)
+        return out
+
+
+def _train(cfg: GPTRunConfig, mesh, device, writer=CheckpointWriter):
+    """train_gpt with the given writer class; returns (result, optimizer, wall seconds)."""
+    captured = {}
+    real_opt, real_writer = loop.MixedPrecisionAdamW, loop.CheckpointWriter
+
+    def keep_opt(*args, **kw):  # keep the loop's optimizer (with its state) for the timings below
+        captured["opt"] = real_opt(*args, **kw)
+        return captured["opt"]
+    loop.MixedPrecisionAdamW, loop.CheckpointWriter = keep_opt, writer
+    try:
+        t = time.perf_counter()
+        result = loop.train_gpt(cfg, mesh, device)
+        _sync(device)
+        return result, captured["opt"], time.perf_counter() - t
+    finally:
+        loop.MixedPrecisionAdamW, loop.CheckpointWriter = real_opt, real_writer
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/mmtrain-ckpt-bench")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1, help="DCP writer threads per rank")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     root = Path(a.dir)
     shutil.rmtree(root, ignore_errors=True)
-    cfg = load_config(GPTRunConfig, REPO / "configs/models/llama3.2-1b.yaml", [
-        "data.mock=true", "data.seq_length=1024", "train.micro_batch_size=1", "train.steps=2", "train.precision=bf16",
-        f"logging.run_dir={root / 'run'}", "checkpoint.save_final=false", *a.overrides])
+    base = ["data.mock=true", "data.seq_length=1024", "train.micro_batch_size=1", "train.precision=bf16",
+            "checkpoint.save_final=false", "checkpoint.keep_last=1", f"train.steps={a.steps}", *a.overrides]
+    cfg = load_config(GPTRunConfig, REPO / "configs/models/llama3.2-1b.yaml", [*base, f"logging.run_dir={root / 'base'}"])
     device = pick_device(cfg.train.device)
     init_distributed("auto", device)
     mesh = ParallelDims.from_config(cfg.parallel, 1).build()
-    captured = {}
-    import mmtrain.train.loop as loop
-    real_opt = loop.MixedPrecisionAdamW
+    out: dict[str, float] = {}
 
-    def keep_opt(*args, **kw):  # keep the loop's optimizer (with its state) for the timings below
-        captured["opt"] = real_opt(*args, **kw)
-        return captured["opt"]
-    loop.MixedPrecisionAdamW = keep_opt
-    result = train_gpt(cfg, mesh, device)
-    model, opt = result.model, captured["opt"]
-    loader = {"consumed_samples": 2}
-    sync = CheckpointWriter(root / "sync", mesh)
+    baseline, opt, base_wall = _train(cfg, mesh, device)
+    model = baseline.model
+    out["train_step_ms"] = round(1000 * statistics.median(baseline.step_times[2:]), 1)
+    loader = {"consumed_samples": a.steps}
+
+    # 2. one save / load of the trained state
     t = time.perf_counter()
-    folder = sync.save(2, model, opt, loader, device)
+    folder = CheckpointWriter(root / "sync", mesh, thread_count=a.threads).save(a.steps, model, opt, loader, device)
     save_s = time.perf_counter() - t
     size = _bytes(folder)
-    async_writer = CheckpointWriter(root / "async", mesh, async_save=True)
-    t = time.perf_counter()
-    async_writer.save(2, model, opt, loader, device)
-    blocked_s = time.perf_counter() - t
-    async_writer.wait()
-    async_total_s = time.perf_counter() - t
-    torch.cuda.synchronize() if device.type == "cuda" else None
+    _sync(device)
     t = time.perf_counter()
     load_checkpoint(folder, mesh, model, opt, device)
-    torch.cuda.synchronize() if device.type == "cuda" else None
+    _sync(device)
     load_s = time.perf_counter() - t
-    step_ms = 1000 * sorted(result.step_times)[len(result.step_times) // 2]
-    print(json.dumps({"checkpoint_gb": round(size / 1e9, 2), "sync_save_s": round(save_s, 2),
-                      "save_gb_per_s": round(size / 1e9 / save_s, 2), "async_step_wait_s": round(blocked_s, 3),
-                      "async_background_s": round(async_total_s, 2), "load_s": round(load_s, 2),
-                      "load_gb_per_s": round(size / 1e9 / load_s, 2), "train_step_ms": round(step_ms, 1)}))
+    out.update(checkpoint_gb=round(size / 1e9, 2), sync_save_s=round(save_s, 2),
+               save_gb_per_s=round(size / 1e9 / save_s, 2), load_s=round(load_s, 2),
+               load_gb_per_s=round(size / 1e9 / load_s, 2))
+    shutil.rmtree(root / "sync", ignore_errors=True)
+    for via in ("copy", "dcp"):
+        writer = CheckpointWriter(root / f"async_{via}", mesh, async_save=True, thread_count=a.threads, async_via=via)
+        for i in range(2):  # the second save shows the steady state (pinned buffers cached)
+            t = time.perf_counter()
+            writer.save(a.steps + i, model, opt, loader, device, keep_last=1)
+            waited = time.perf_counter() - t
+            writer.wait()
+            total = time.perf_counter() - t
+        out[f"async_{via}_step_wait_s"] = round(waited, 3)
+        out[f"async_{via}_background_s"] = round(total, 2)
+        shutil.rmtree(root / f"async_{via}", ignore_errors=True)
+
+    # 3. async saves inside training runs
+    del opt
+    for via in ("copy", "dcp"):
+        _TimedWriter.waits, _TimedWriter.steps = [], []
+        run_cfg = load_config(GPTRunConfig, REPO / "configs/models/llama3.2-1b.yaml", [
+            *base, f"logging.run_dir={root / via}", "checkpoint.async_save=true", f"checkpoint.save_every={a.save_every}"])
+        result, _, wall = _train(run_cfg, mesh, device, functools.partial(_TimedWriter, async_via=via,
+                                                                          thread_count=a.threads))
+        during = [result.step_times[s] for s in _TimedWriter.steps if s < len(result.step_times)]  # the step after
+        out[f"train_{via}_wait_per_save_s"] = round(statistics.median(_TimedWriter.waits), 3)
+        out[f"train_{via}_step_ms_during_write"] = round(1000 * statistics.median(during), 1) if during else None
+        out[f"train_{via}_extra_wall_per_save_s"] = round((wall - base_wall) / max(len(_TimedWriter.steps), 1), 2)
+        del result
+        shutil.rmtree(root / via, ignore_errors=True)
+    print(json.dumps(out))
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -1,10 +1,12 @@
-"""Full model tensors <-> mmtrain's per-rank checkpoint layout (``mmtrain.train.checkpoint``), at any TP/PP.
+"""Full model tensors <-> mmtrain checkpoints (``torch.distributed.checkpoint`` folders of global tensors).
 
-Splitting uses the same helpers as training (``tp_shard_of``, ``stage_layer_ranges``) and the parameter
-names a stage of ``GPTModel`` really has (built on the meta device, so nothing is allocated): a checkpoint
-written here is exactly what a run of that layout would have saved, minus optimizer, loader and RNG state.
-Such a *weights-only* checkpoint says so with ``"weights_only": true`` in ``complete.json`` and in each rank
-file; ``load_model_weights`` starts a run from it (or from any training checkpoint) at any TP/PP layout.
+A checkpoint stores each weight as ``model.<global name>`` with its global shape (``mmtrain.train.checkpoint_state``),
+so reading full tensors is one DCP load of whole tensors, whatever layout wrote it. Writing lays the tensors
+out as the ranks of a TP x PP run would (the same boxes, from ``stage_parameter_names`` built on the meta
+device and ``mmtrain.parallel.global_chunks``): a checkpoint written here is what such a run would have saved,
+minus optimizer, loader and RNG state. Such a *weights-only* checkpoint says so with ``"weights_only": true``
+in ``complete.json``; ``load_model_weights`` starts a run from it (or from any training checkpoint) at any
+layout. ``split_full_state``/``merge_shards`` cut and join per-rank state dicts (tests and tools).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import yaml
@@ -22,11 +25,19 @@ import mmtrain
 from mmtrain.config.loader import apply_mapping
 from mmtrain.config.schema import GPTRunConfig, ModelConfig, ParallelConfig
 from mmtrain.model.gpt import GPTModel
+from mmtrain.parallel.global_chunks import (
+    Shard,
+    chunks_from_global,
+    global_shape,
+    model_load_chunks,
+    shard_of,
+    stored_name,
+)
 from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import tp_partition, tp_shard_of
-from mmtrain.utils.atomic import atomic_open, atomic_write_text
+from mmtrain.utils.atomic import atomic_write_text
+from mmtrain.utils.dcp_io import Chunk, load_chunks, save_chunks, saved_tensors
 
-EXPERT_PARAMS = ("experts.w_up", "experts.w_down")
 # ModelConfig fields that change what the weights compute; a run loading weights must agree on all of them.
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                        "vocab_size", "norm", "norm_eps", "activation", "rope_theta", "rope_scaling_factor",
@@ -67,13 +78,6 @@ def _full_tensor_for(name: str, full: dict[str, torch.Tensor], cfg: ModelConfig)
     return full[name]
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with storage of its own size: torch.save writes a view's whole storage, which would put the full
-    tensor into every rank file."""
-    t = t.contiguous()
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
-
-
 RankStates = Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]
 
 
@@ -84,7 +88,7 @@ def iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, p
     for stage in range(pp):
         names = stage_parameter_names(cfg, pp, stage, pipeline_layers)
         for r in range(tp):
-            yield (r, stage), {name: _compact(tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, r, tp))
+            yield (r, stage), {name: tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, r, tp)
                                for name in names}
 
 
@@ -128,21 +132,34 @@ def run_config_dict(cfg: ModelConfig, tp: int, pp: int, pipeline_layers: list[in
     return dataclasses.asdict(run)
 
 
+def layout_chunks(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
+                  pipeline_layers: list[int] | None = None) -> list[Chunk]:
+    """The chunks (views of ``full``) that the ranks of a TP x PP run hold, as a training checkpoint stores them
+    (replicated values once)."""
+    chunks: dict[tuple, Chunk] = {}
+    for stage in range(pp):
+        for name in stage_parameter_names(cfg, pp, stage, pipeline_layers):
+            if stored_name(name, cfg) != name:
+                continue  # a tied embedding's last-stage copy: stored once, as embed.weight
+            for r in range(tp):
+                for c in chunks_from_global(f"model.{name}", name, _full_tensor_for(name, full, cfg), cfg,
+                                            Shard(tp_rank=r, tp=tp)):
+                    chunks.setdefault((c.key, c.offsets), c)
+    return list(chunks.values())
+
+
 def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int = 1,
                              pp: int = 1, pipeline_layers: list[int] | None = None, step: int = 0,
                              extra_meta: dict[str, Any] | None = None) -> Path:
-    """Write ``root/step_XXXXXXXX/rank_*.pt`` + ``complete.json`` + ``root/latest`` + ``root/model.yaml`` (the
-    model section to include in a run config). Returns the step folder."""
+    """Write ``root/step_XXXXXXXX/`` (DCP files + ``complete.json``) + ``root/latest`` + ``root/model.yaml`` (the
+    model section to include in a run config). This process alone writes (no process group). Returns the step
+    folder."""
     root = Path(root)
     folder = root / f"step_{step:08d}"
-    layout = layout_dict(tp, pp)
-    for (r, stage), model_state in iter_rank_states(full, cfg, tp, pp, pipeline_layers):
-        state = {"step": step, "layout": layout, "weights_only": True, "model": model_state}
-        with atomic_open(folder / f"rank_{rank_of(r, stage, tp):05d}.pt", "wb") as f:
-            torch.save(state, f)
-    meta = {"step": step, "layout": layout, "weights_only": True, "mmtrain_version": mmtrain.__version__,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": run_config_dict(cfg, tp, pp, pipeline_layers),
-            **(extra_meta or {})}
+    save_chunks(folder, layout_chunks(full, cfg, tp, pp, pipeline_layers), no_dist=True)
+    meta = {"step": step, "layout": layout_dict(tp, pp), "weights_only": True, "format": "torch.distributed.checkpoint",
+            "mmtrain_version": mmtrain.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "config": run_config_dict(cfg, tp, pp, pipeline_layers), **(extra_meta or {})}
     atomic_write_text(folder / "complete.json", json.dumps(meta, indent=1))
     atomic_write_text(root / "model.yaml", "# Model shape of the converted checkpoint; include it in a run config.\n"
                       + yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False))
@@ -170,60 +187,44 @@ def read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, lis
         raise ConvertError(f"{folder}/complete.json records no model config; cannot interpret its tensors")
     cfg = ModelConfig()
     apply_mapping(cfg, run["model"], f"{folder}/complete.json model config")
-    parallel = run.get("parallel", {})
-    if parallel.get("virtual_pp", 1) != 1:
-        raise ConvertError(f"{folder} was saved with parallel.virtual_pp={parallel['virtual_pp']}; converting "
-                           "interleaved-pipeline checkpoints is not supported")
-    return meta, cfg, list(parallel.get("pipeline_layers") or [])
+    return meta, cfg, list(run.get("parallel", {}).get("pipeline_layers") or [])
 
 
 def read_full_state(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
-    """Full tensors, ModelConfig and complete.json of a checkpoint of any TP/PP layout (weights-only or a
-    training checkpoint: data-parallel replicas are read once, expert-parallel slices are concatenated)."""
+    """Full tensors, ModelConfig and complete.json of a checkpoint (weights-only or from training, any layout)."""
     folder = resolve_checkpoint_folder(path)
     meta, cfg, _ = read_checkpoint_meta(folder)
-    lay = meta["layout"]
-    tp, pp, cp, dp, ep = lay["tp"], lay["pp"], lay["cp"], lay["dp"], lay.get("ep", 1)
-    def load(rank: int) -> dict[str, torch.Tensor]:
-        return torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)["model"]
-
-    shards = {}
-    for stage in range(pp):
-        for r in range(tp):
-            first = rank_of(r, stage, tp, cp, dp)
-            state = load(first)
-            if ep > 1:
-                # expert slice e lives on the rank whose cp + cp_size * dp = e (ParallelDims.coord): rank + tp * e
-                slices = [state] + [load(first + tp * e) for e in range(1, ep)]
-                for name in [n for n in state if n.endswith(EXPERT_PARAMS)]:
-                    state[name] = torch.cat([s[name] for s in slices])
-            shards[(r, stage)] = state
-    return merge_shards(shards, cfg), cfg, meta
+    full = {key.removeprefix("model."): torch.empty(shape, dtype=dtype)
+            for key, (shape, dtype) in saved_tensors(folder).items() if key.startswith("model.")}
+    load_chunks(folder, [Chunk(f"model.{name}", tuple(t.shape), (0,) * t.ndim, t) for name, t in full.items()])
+    return full, cfg, meta
 
 
 @torch.no_grad()
 def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
                        run_model_cfg: ModelConfig | None = None) -> dict[str, Any]:
-    """Copy this rank's part of a checkpoint's weights (any TP/PP layout) into ``model`` (a stage of this run,
+    """Copy this rank's part of a checkpoint's weights (any layout) into ``model`` (a stage of this run,
     TP/EP plans applied). Returns complete.json. Optimizer, loader and RNG are left as the fresh run made them:
     training starts at step 0 from these weights, so call it before the optimizer copies its fp32 masters.
     ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's."""
-    full, cfg, meta = read_full_state(path)
+    folder = resolve_checkpoint_folder(path)
+    meta, cfg, _ = read_checkpoint_meta(folder)
     if run_model_cfg is not None:
         differ = [f"model.{k}: run {getattr(run_model_cfg, k)!r}, checkpoint {getattr(cfg, k)!r}"
                   for k in ARCHITECTURE_FIELDS if getattr(run_model_cfg, k) != getattr(cfg, k)]
         if differ:
             raise ConvertError(f"{path} does not fit this run's model config (include its model.yaml): "
                                + "; ".join(differ))
-    tp, tp_rank = mesh.dims.tp, mesh.coord.tp
-    ep, ep_rank = mesh.dims.ep, mesh.coord.ep
+    saved = saved_tensors(folder)
     own = model.state_dict()
-    for name, target in own.items():
-        value = tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, tp_rank, tp)
-        if name.endswith(EXPERT_PARAMS) and ep > 1:
-            value = value.chunk(ep)[ep_rank]
-        if value.shape != target.shape:
-            raise ConvertError(f"{name}: checkpoint gives shape {tuple(value.shape)}, the model has "
-                               f"{tuple(target.shape)} (does the run's model config match {path}?)")
-        target.copy_(value)
+    shard = shard_of(mesh)
+    for name, t in own.items():
+        key = f"model.{stored_name(name, cfg)}"
+        if isinstance(t, torch.Tensor) and key in saved and saved[key][0] != global_shape(name, tuple(t.shape), cfg, shard):
+            raise ConvertError(f"{name}: checkpoint has global shape {saved[key][0]}, this rank's shard "
+                               f"{tuple(t.shape)} does not fit it (does the run's model config match {path}?)")
+    chunks, missing = model_load_chunks(own, cfg, shard, saved)
+    if missing:
+        raise ConvertError(f"{path}: parameter(s) {', '.join(missing[:5])} missing from the checkpoint")
+    load_chunks(folder, chunks)
     return meta

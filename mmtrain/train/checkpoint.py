@@ -1,16 +1,19 @@
-"""Checkpoints of a run, per rank, resumable at the same parallel layout.
+"""Checkpoints of a run in ``torch.distributed.checkpoint`` (DCP) format, resumable at any parallel layout.
 
 Folder layout under ``<run_dir>/checkpoints/``::
 
-    step_00000100/rank_00000.pt ...   one file per rank: its model shard, optimizer shard, loader and RNG state
-    step_00000100/complete.json       written by rank 0 after every rank finished: the checkpoint counts only then
-    latest                            name of the newest complete checkpoint, replaced atomically, last
+    step_00000100/.metadata, __0_0.distcp ...  DCP: global tensors by global name (``mmtrain.train.checkpoint_state``)
+    step_00000100/rank_00000.json ...         per rank: step, layout, data loader state, AdamW step count
+    step_00000100/complete.json               written by rank 0 after every rank finished: the checkpoint counts only then
+    latest                                    name of the newest complete checkpoint, replaced atomically, last
 
-Every file is written atomically, so a crash during a save never damages an earlier checkpoint, and loading
-uses ``torch.load(weights_only=True)``: nothing in a checkpoint is unpickled as code.
-With ``checkpoint.async_save`` the step only waits for a copy to host memory; files are written in the
-background (``CheckpointWriter``). Loading at another layout reshards weights and optimizer state
-(``mmtrain.train.reshard``).
+A crash during a save never damages an earlier checkpoint: nothing counts before ``complete.json``, and
+``latest`` moves only after it. Loading reads tensors with ``torch.load(weights_only=True)`` (DCP) and DCP's
+metadata through an unpickler that accepts only DCP's metadata classes; everything else is JSON. At another
+layout, each rank reads the boxes of the global tensors it now holds (weights, fp32 masters, AdamW moments);
+the loader resumes from the global sample count; RNG streams are per rank and restart only at the same layout.
+With ``checkpoint.async_save`` the step waits only for a copy of this rank's tensors to (pinned) host memory;
+a background thread writes them and runs DCP's collectives on a process group of its own.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import mmtrain
 from mmtrain.parallel.dims import ParallelMesh
-from mmtrain.train.reshard import piece_records, piece_states, reshard_optimizer
-from mmtrain.utils.atomic import atomic_open, atomic_write_text
+from mmtrain.train.checkpoint_state import load_state, save_chunks_of
+from mmtrain.utils.atomic import atomic_write_text
+from mmtrain.utils.dcp_io import Chunk, async_save_chunks, save_chunks
 from mmtrain.utils.log import get_logger
 
 
@@ -36,51 +41,28 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def _trainable_names(model: torch.nn.Module) -> list[str]:
+    """Parameters the optimizer holds state for (a frozen component has none): a resume must train the same."""
+    return sorted(name for name, p in model.named_parameters() if p.requires_grad)
+
+
 def _layout(mesh: ParallelMesh) -> dict[str, int]:
     d = mesh.dims
     return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp, "ep": d.ep}
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _snapshot(step: int, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any, loader_state: dict,
-              device: torch.device) -> dict:
-    """Everything this rank saves, copied to host memory (pinned when on GPU) so training may go on at once."""
-    def host(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t.detach().clone()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t.detach(), non_blocking=True)
-        return out
-
-    state = {
-        "step": step,
-        "layout": _layout(mesh),
-        "model": {k: host(v) for k, v in model.state_dict().items()},
-        # AdamW hyper-parameters only: the moments are saved once, per piece, in "piece_state"
-        "optimizer": {"param_groups": optimizer.state_dict()["param_groups"]},
-        "optimizer_masters": [host(pc.master) for pc in optimizer.pieces] if optimizer.master_weights else [],
-        # per piece: which parameter and which flat range of it, and its Adam state: what resharding needs
-        "pieces": piece_records(model, optimizer),
-        "piece_state": piece_states(optimizer, host),
-        "loader": loader_state,
-        "rng": _rng_state(device),
-    }
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the non-blocking copies must land before anyone reads them
-    return state
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A compact host copy (pinned when ``t`` is on the GPU; the copy is asynchronous until synchronized)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    return out.copy_(t.detach(), non_blocking=t.device.type == "cuda")
 
 
 def _finalize(root: Path, folder: Path, step: int, layout: dict, keep_last: int, config: dict | None) -> None:
-    """Rank 0, once every rank's file is complete: the marker, then ``latest``, then retention."""
+    """Rank 0, once every rank's data is written: the marker, then ``latest``, then retention."""
     atomic_write_text(folder / "complete.json", json.dumps({
-        "step": step, "layout": layout, "mmtrain_version": mmtrain.__version__,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config or {}}, indent=1))
+        "step": step, "layout": layout, "format": "torch.distributed.checkpoint",
+        "mmtrain_version": mmtrain.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": config or {}}, indent=1))
     atomic_write_text(Path(root) / "latest", folder.name + "\n")
     if keep_last > 0:
         done = sorted(p for p in Path(root).glob("step_*") if (p / "complete.json").exists())
@@ -91,59 +73,88 @@ def _finalize(root: Path, folder: Path, step: int, layout: dict, keep_last: int,
 class CheckpointWriter:
     """Saves checkpoints, synchronously or in a background thread (``async_save``).
 
-    Async: the tensors are first copied to pinned host memory (the only part the step waits for), then a thread
-    writes this rank's file and a ``rank_R.done`` marker; rank 0's thread waits for every marker before writing
-    ``complete.json`` and ``latest``. At most one save is in flight: the next one (and ``close``) waits for it.
+    Collective: every rank calls ``save`` at the same steps. With more than one rank, the first save creates
+    one gloo process group for DCP's plan exchange, so a background save never shares a communicator with
+    training. At most one save is in flight: the next one (and ``close``) waits for it.
+
+    ``async_via``: "copy" (default) — our non-blocking copies to pinned host memory, then ``dcp.save`` in a
+    thread; "dcp" — ``dcp.async_save`` stages (copies to cached pinned memory) and writes in its own thread.
+    ``bench/checkpoint.py`` measures both.
     """
 
-    def __init__(self, root: Path, mesh: ParallelMesh, async_save: bool = False, timeout_s: float = 1800.0) -> None:
-        self.root, self.mesh, self.async_save, self.timeout_s = Path(root), mesh, async_save, timeout_s
+    def __init__(self, root: Path, mesh: ParallelMesh, async_save: bool = False, timeout_s: float = 1800.0,
+                 thread_count: int = 1, async_via: str = "copy") -> None:
+        if async_via not in ("copy", "dcp"):
+            raise ValueError(f"async_via must be 'copy' or 'dcp', got {async_via!r}")
+        self.root, self.mesh, self.async_save, self.thread_count = Path(root), mesh, async_save, thread_count
+        self.timeout_s, self.async_via = timeout_s, async_via
+        self._dcp_writer = None
+        self.group = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.log = get_logger("checkpoint")
+        self.last_timing: dict[str, float] = {}
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any, loader_state: dict, device: torch.device,
              keep_last: int = 0, config: dict | None = None, force_sync: bool = False) -> Path:
         self.wait()
+        via_dcp = self.async_save and not force_sync and self.async_via == "dcp"
+        if self.group is None and dist.is_initialized() and (dist.get_world_size() > 1 or via_dcp):
+            import datetime  # created at the first save (every rank saves at the same steps), not before step 1
+
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         start = time.perf_counter()
         folder = self.root / f"step_{step:08d}"
-        state = _snapshot(step, self.mesh, model, optimizer, loader_state, device)
-        if not self.async_save or force_sync:
-            with atomic_open(folder / f"rank_{self.mesh.rank:05d}.pt", "wb") as f:
-                torch.save(state, f)
-            if dist.is_initialized():
-                dist.barrier()
-            if self.mesh.rank == 0:
-                _finalize(self.root, folder, step, state["layout"], keep_last, config)
-                self.log.info(f"saved checkpoint {folder} in {time.perf_counter() - start:.2f}s")
-            if dist.is_initialized():
-                dist.barrier()
-            return folder
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.mesh.rank == 0:  # saving a step again (a rerun from an older checkpoint): it no longer counts
+            (folder / "complete.json").unlink(missing_ok=True)  # before any rank writes (DCP's plan exchange orders it)
+        # DCP's staging copies GPU tensors to host memory; host tensors it would keep as they are (no snapshot)
+        staged_by_dcp = via_dcp and device.type == "cuda"
+        chunks, adam_step = save_chunks_of(self.mesh, model, optimizer, device,
+                                           (lambda v: v) if staged_by_dcp else _host_copy)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the non-blocking copies must land before anyone reads them
+        layout = _layout(self.mesh)
+        try:
+            extra = json.dumps({"step": step, "layout": layout, "loader": loader_state, "adam_step": adam_step,
+                                "trainable": _trainable_names(model)})
+        except TypeError as exc:
+            raise CheckpointError(f"the data loader state must be plain JSON values (dict/list/str/number): {exc}") from exc
+        atomic_write_text(folder / f"rank_{self.mesh.rank:05d}.json", extra)
+        future = None
+        if via_dcp:  # DCP copies the values to (cached, pinned) host memory before it returns
+            if self._dcp_writer is None:
+                self._dcp_writer = dcp.FileSystemWriter(folder, thread_count=self.thread_count,
+                                                        cache_staged_state_dict=staged_by_dcp)
+            future = async_save_chunks(folder, chunks, self._dcp_writer, self.group)
         blocked = time.perf_counter() - start
-        self._thread = threading.Thread(target=self._write_async, daemon=True,
-                                        args=(folder, state, keep_last, config, start, blocked))
+        args = (folder, chunks, step, layout, keep_last, config, start, blocked, future)
+        if not self.async_save or force_sync:
+            self._write(*args)
+            self.wait()
+            if self.group is not None:
+                dist.barrier(group=self.group)  # every rank returns after ``latest`` moved
+            return folder
+        self._thread = threading.Thread(target=self._write, args=args, daemon=True)
         self._thread.start()
         return folder
 
-    def _write_async(self, folder: Path, state: dict, keep_last: int, config: dict | None, start: float,
-                     blocked: float) -> None:
+    def _write(self, folder: Path, chunks: list[Chunk], step: int, layout: dict, keep_last: int,
+               config: dict | None, start: float, blocked: float, future=None) -> None:
         try:
-            with atomic_open(folder / f"rank_{self.mesh.rank:05d}.pt", "wb") as f:
-                torch.save(state, f)
-            atomic_write_text(folder / f"rank_{self.mesh.rank:05d}.done", "")
+            if future is not None:
+                future.result()
+            else:
+                save_chunks(folder, chunks, group=self.group, no_dist=self.group is None,
+                            thread_count=self.thread_count)
+            self.last_timing = {"blocked_s": blocked, "total_s": time.perf_counter() - start,
+                                "bytes": sum(c.tensor.numel() * c.tensor.element_size() for c in chunks)}
             if self.mesh.rank != 0:
                 return
-            deadline = time.monotonic() + self.timeout_s
-            world = self.mesh.dims.world_size
-            while sum(1 for _ in folder.glob("rank_*.done")) < world:
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"{folder}: waited {self.timeout_s:.0f}s for all {world} ranks' files")
-                time.sleep(0.05)
-            _finalize(self.root, folder, state["step"], state["layout"], keep_last, config)
-            for marker in folder.glob("rank_*.done"):
-                marker.unlink(missing_ok=True)
-            self.log.info(f"saved checkpoint {folder} asynchronously: the step waited {blocked:.3f}s, the "
-                          f"background write took {time.perf_counter() - start:.2f}s")
+            _finalize(self.root, folder, step, layout, keep_last, config)
+            how = (f"asynchronously: the step waited {blocked:.3f}s, the background write took "
+                   if self.async_save and threading.current_thread() is self._thread else "in ")
+            self.log.info(f"saved checkpoint {folder} {how}{time.perf_counter() - start:.2f}s")
         except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by wait()
             self._error = exc
 
@@ -154,7 +165,7 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
+            raise CheckpointError(f"checkpoint save failed: {error}") from error
 
     close = wait
 
@@ -183,19 +194,6 @@ def is_weights_only(folder: Path) -> bool:
     return bool(json.loads((folder / "complete.json").read_text()).get("weights_only", False))
 
 
-def _load_resharded(folder: Path, meta: dict, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any) -> dict:
-    from mmtrain.convert.checkpoint_io import load_model_weights
-
-    if meta.get("config", {}).get("parallel", {}).get("virtual_pp", 1) != 1:
-        raise CheckpointError(f"{folder}: resharding a checkpoint saved with virtual pipeline stages is not supported")
-    load_model_weights(folder, mesh, model, run_model_cfg=model.cfg)
-    reshard_optimizer(folder, mesh, model, optimizer)
-    rank0 = torch.load(folder / "rank_00000.pt", map_location="cpu", weights_only=True)
-    get_logger("checkpoint").info(f"resumed from {folder} (step {rank0['step']}), resharded from layout "
-                                  f"{meta['layout']} to {_layout(mesh)}")
-    return {"step": rank0["step"], "loader": rank0["loader"]}
-
-
 def find_checkpoint(load: str, run_dir: str) -> Path | None:
     """What a run resumes from: ``load`` if given (a step folder, or a root with ``latest``), else
     run_dir/checkpoints/latest. A run started from weights-only ``load`` resumes its own checkpoints once it has
@@ -215,26 +213,18 @@ def find_checkpoint(load: str, run_dir: str) -> Path | None:
 def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any,
                     device: torch.device) -> dict:
     """Restore this rank's state; returns {"step", "loader"}. At the saving run's layout everything is restored
-    bit for bit; at another layout weights and optimizer state are resharded (``mmtrain.train.reshard``)."""
+    bit for bit (RNG included); at another layout weights and optimizer state are resharded by DCP."""
+    folder = Path(folder)
     meta = json.loads((folder / "complete.json").read_text())
-    if meta["layout"] != _layout(mesh):
-        return _load_resharded(folder, meta, mesh, model, optimizer)
-    state = torch.load(folder / f"rank_{mesh.rank:05d}.pt", map_location="cpu", weights_only=True)
-    if state.get("pieces") is not None and state["pieces"] != piece_records(model, optimizer):
+    same = meta["layout"] == _layout(mesh)
+    rank_file = folder / f"rank_{mesh.rank if same else 0:05d}.json"
+    if not rank_file.is_file():
+        raise CheckpointError(f"{folder}: {rank_file.name} is missing (a checkpoint written before the DCP format?)")
+    extra = json.loads(rank_file.read_text())
+    if "trainable" in extra and extra["trainable"] != _trainable_names(model):
         raise CheckpointError(f"{folder}: its optimizer holds other parameters than this run trains (another "
                               "freeze list or model); to start from its weights only, use init_from (VLM runs)")
-    own = model.state_dict()
-    for name, value in state["model"].items():
-        own[name].copy_(value)
-    fused = bool(optimizer.optimizer.defaults.get("fused"))
-    for pc, piece_state in zip(optimizer.pieces, state["piece_state"]):
-        if piece_state:
-            optimizer.optimizer.state[pc.master] = {
-                k: v.to("cpu" if k == "step" and not fused else pc.master.device) for k, v in piece_state.items()}
-    for pc, master in zip(optimizer.pieces, state["optimizer_masters"]):
-        pc.master.copy_(master)
-    torch.set_rng_state(state["rng"]["cpu"])
-    if "cuda" in state["rng"] and device.type == "cuda":
-        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-    get_logger("checkpoint").info(f"resumed from {folder} (step {state['step']})")
-    return {"step": state["step"], "loader": state["loader"]}
+    load_state(folder, mesh, model, optimizer, device, extra.get("adam_step"), restore_rng=same)
+    how = "" if same else f", resharded from layout {meta['layout']} to {_layout(mesh)}"
+    get_logger("checkpoint").info(f"resumed from {folder} (step {extra['step']}){how}")
+    return {"step": extra["step"], "loader": extra["loader"]}

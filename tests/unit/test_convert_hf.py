@@ -19,6 +19,8 @@ from mmtrain.convert.checkpoint_io import (load_model_weights, merge_shards, rea
 from mmtrain.convert.hf_files import read_hf_tensors  # noqa: E402
 from mmtrain.convert.hf_llama import UnsupportedHFConfig, model_config_from_hf  # noqa: E402
 from mmtrain.model.gpt import GPTModel  # noqa: E402
+from mmtrain.parallel.global_chunks import Shard, chunks_from_global  # noqa: E402
+from mmtrain.utils.dcp_io import read_metadata, save_chunks  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -113,10 +115,11 @@ def test_written_layout_reads_back_and_loads_into_one_rank(tmp_path):
     meta = json.loads((folder / "complete.json").read_text())
     assert meta["weights_only"] is True and meta["layout"]["tp"] == 2 and meta["layout"]["pp"] == 2
     assert meta["config"]["parallel"]["tp"] == 2 and (tmp_path / "ckpt" / "latest").read_text().strip() == folder.name
-    assert sorted(p.name for p in folder.glob("rank_*.pt")) == [f"rank_{r:05d}.pt" for r in range(4)]
-    rank3 = torch.load(folder / "rank_00003.pt", weights_only=True)  # tp=1, pp=1: the last stage
-    assert rank3["weights_only"] and "output.weight" in rank3["model"] and "embed.weight" not in rank3["model"]
-    assert "optimizer" not in rank3
+    stored = read_metadata(folder).state_dict_metadata  # DCP: global tensors, each in the boxes 2x2 ranks hold
+    assert all(key.startswith("model.") for key in stored)
+    assert tuple(stored["model.output.weight"].size) == (96, 32) and len(stored["model.output.weight"].chunks) == 2
+    assert len(stored["model.layers.0.attn.qkv.weight"].chunks) == 6  # q, k, v parts, each split over tp=2
+    assert len(stored["model.layers.0.attn_norm.weight"].chunks) == 1  # replicated over TP: stored once
 
     full, cfg, _ = read_full_state(tmp_path / "ckpt")
     expected = split_full_state(full, cfg, 2, 2)[(1, 1)]
@@ -185,11 +188,13 @@ def test_training_checkpoint_with_data_and_expert_parallel_ranks_merges(tmp_path
     full, cfg, meta = read_full_state(folder)
     dense = split_full_state(full, cfg, 1, 1)[(0, 0)]
     train = tmp_path / "train" / "step_00000007"
-    train.mkdir(parents=True)
+    chunks = {}
     for rank in range(2):
-        model = {n: (t.chunk(2)[rank] if n.endswith(("experts.w_up", "experts.w_down")) else t)
-                 for n, t in dense.items()}
-        torch.save({"step": 7, "model": model, "optimizer": {}}, train / f"rank_{rank:05d}.pt")
+        for n, t in dense.items():
+            for c in chunks_from_global(f"model.{n}", n, t, cfg, Shard(ep_rank=rank, ep=2)):
+                chunks.setdefault((c.key, c.offsets), c)  # replicas are stored once, as DCP deduplicates them
+    assert len([k for k in chunks if k[0].endswith("experts.w_up")]) == 2 * cfg.num_layers
+    save_chunks(train, list(chunks.values()), no_dist=True)
     layout = {"world_size": 2, "tp": 1, "pp": 1, "cp": 1, "dp": 2, "ep": 2}
     (train / "complete.json").write_text(json.dumps({"step": 7, "layout": layout, "config": meta["config"]}))
     merged, _, _ = read_full_state(train)
