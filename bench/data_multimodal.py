@@ -1,14 +1,16 @@
 """Benchmark the multimodal (energon) loader: samples/s per configuration, with and without packing.
 
     python bench/data_multimodal.py [--images 400] [--image-size 224] [--batches 40] [--workers 0 1]
-                                    [--repeats 3] [--out DIR]
+                                    [--slices 16] [--shuffle-buffer 100] [--repeats 3] [--out DIR]
 
 Writes the sample media set (``dataprep.samples_media``: images with grain, so files have photo-like sizes, at
 320x240..640x480) with ``mmtrain-prep media`` under ``--out`` (outside the repository; reused when present),
 trains a small SentencePiece tokenizer on its captions, then for each worker count and packing on/off draws
 ``--batches`` micro-batches of ``--micro-batch-size`` after a warm-up and reports source samples per second
 (a pack counts each sample in it). With workers, samples/s per worker is total / workers; with 0 workers all
-decoding runs in the main process. ``uptime`` load averages are printed with the table: this is a CPU-bound
+decoding runs in the main process. The loader reads ``--slices`` energon slices (``data.mm_slices``), each with its
+own shuffle and packing buffers; the warm-up (default: one batch per slice, plus 5) fills them, so the figures are
+the steady state. ``uptime`` load averages are printed with the table: this is a CPU-bound
 loader, so a busy machine lowers every number.
 """
 
@@ -51,19 +53,23 @@ def prepare(out: Path, images: int) -> tuple[Path, Path]:
     return shards, tokenizer
 
 
-def measure(shards: Path, tokenizer: Path, args, workers: int, pack: bool) -> tuple[float, float]:
+def measure(shards: Path, tokenizer: Path, args, workers: int, pack: bool) -> tuple[float, float, float]:
     settings = MultimodalSettings(tokenizer=str(tokenizer), seq_length=args.seq_length, image_token_id=400,
                                   num_image_tokens=args.image_tokens, image_size=args.image_size, pack=pack)
-    loader = MultimodalLoader(shards, settings, LoaderOptions(micro_batch_size=args.micro_batch_size,
-                                                              num_workers=workers, packing_buffer_size=64))
-    for _ in range(args.warmup):
+    loader = MultimodalLoader(shards, settings, LoaderOptions(
+        micro_batch_size=args.micro_batch_size, num_workers=workers, packing_buffer_size=64,
+        shuffle_buffer_size=args.shuffle_buffer, num_slices=args.slices))
+    start = time.perf_counter()
+    for _ in range(args.warmup if args.warmup >= 0 else args.slices + 5):
         next(loader)
+    warmup_seconds = time.perf_counter() - start
     samples, start = 0, time.perf_counter()
     for _ in range(args.batches):
         batch = next(loader)
         samples += int(batch.document_ids.max(dim=1).values.add(1).sum())
     seconds = time.perf_counter() - start
-    return samples / seconds, args.batches / seconds
+    loader.close()
+    return samples / seconds, args.batches / seconds, warmup_seconds
 
 
 def main() -> None:
@@ -74,7 +80,9 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--batches", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=-1, help="batches before timing; -1: slices + 5")
+    p.add_argument("--slices", type=int, default=16, help="data.mm_slices")
+    p.add_argument("--shuffle-buffer", type=int, default=100, help="data.mm_shuffle_buffer_size (per slice)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1])
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the table shows medians")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-data-multimodal")
@@ -90,14 +98,16 @@ def main() -> None:
     rows = []
     for (workers, pack), runs in results.items():
         sps, bps = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-        rows.append((workers, "yes" if pack else "no", sps, sps / max(workers, 1), bps))
+        rows.append((workers, "yes" if pack else "no", sps, sps / max(workers, 1), bps,
+                     statistics.median(r[2] for r in runs)))
     print(f"\n{args.images} images (320x240..640x480 JPEG/PNG) -> {args.image_size}px, {args.image_tokens} image "
           f"tokens, seq_length {args.seq_length}, micro-batch {args.micro_batch_size}, {args.batches} batches, "
-          f"median of {args.repeats} interleaved rounds")
-    print("| workers | packing | samples/s | samples/s per worker | batches/s |")
-    print("|---|---|---|---|---|")
-    for w, pk, sps, spw, bps in rows:
-        print(f"| {w} | {pk} | {sps:.1f} | {spw:.1f} | {bps:.2f} |")
+          f"{args.slices} slices, shuffle buffer {args.shuffle_buffer} per slice, median of {args.repeats} "
+          "interleaved rounds")
+    print("| workers | packing | samples/s | samples/s per worker | batches/s | warm-up s |")
+    print("|---|---|---|---|---|---|")
+    for w, pk, sps, spw, bps, warm in rows:
+        print(f"| {w} | {pk} | {sps:.1f} | {spw:.1f} | {bps:.2f} | {warm:.1f} |")
     print("load average:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 

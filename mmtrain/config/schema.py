@@ -93,7 +93,9 @@ class DataConfig:
                                             "cross documents.")
     eod_mask_loss: bool = doc(False, "Mask the loss where the input token is the end-of-document token.")
     index_build_timeout_s: float = doc(1800.0, "Seconds a process waits for LOCAL_RANK 0 to build the sample indices.")
-    num_workers: int = doc(0, "Loader worker processes per rank.")
+    num_workers: int = doc(0, "Multimodal loader worker processes per rank (decoding and cooking media; the order does "
+                              "not depend on it). The text loader reads memory-mapped samples in the training "
+                              "process and uses no workers.")
     mm_tokenizer: str = doc("", "Multimodal: tokenizer of the text (SentencePiece .model, tokenizer.json or its folder); "
                                 "the sources are data.blend: energon entries of a blend spec, an energon metadataset "
                                 "YAML, or one mmtrain-prep media folder.")
@@ -109,8 +111,11 @@ class DataConfig:
     mm_video_frames: int = doc(4, "Multimodal: evenly spaced frames taken from each video (each is an image).")
     mm_pack: bool = doc(False, "Multimodal: pack several samples into each seq_length sequence (document ids and "
                                "position ids per sample).")
-    mm_packing_buffer_size: int = doc(32, "Multimodal: samples the packer chooses from when filling sequences.")
-    mm_shuffle_buffer_size: int = doc(100, "Multimodal: energon's sample shuffle buffer; 0 disables it.")
+    mm_packing_buffer_size: int = doc(32, "Multimodal: samples the packer of each slice chooses from when filling "
+                                          "sequences.")
+    mm_shuffle_buffer_size: int = doc(100, "Multimodal: energon's sample shuffle buffer of each slice; 0 disables it.")
+    mm_slices: int = doc(16, "Multimodal: the data is read as this many slices (energon streams) in one fixed order; "
+                             "must be a multiple of every data-parallel size the run uses or resumes at.")
 
 
 @dataclass

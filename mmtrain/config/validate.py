@@ -17,12 +17,13 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
         "model.ffn_hidden_size": m.ffn_hidden_size, "model.num_attention_heads": m.num_attention_heads,
         "model.vocab_size": m.vocab_size, "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp,
         "parallel.ep": p.ep, "parallel.virtual_pp": p.virtual_pp, "train.micro_batch_size": t.micro_batch_size,
-        "data.seq_length": d.seq_length,
+        "data.seq_length": d.seq_length, "data.mm_slices": d.mm_slices,
     }
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     for key, value in {"model.num_query_groups": m.num_query_groups, "parallel.dp": p.dp,
+                       "data.num_workers": d.num_workers,
                        "train.global_batch_size": t.global_batch_size, "train.steps": t.steps}.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
@@ -83,6 +84,9 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
         if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dims.dp):
             raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                               f"train.micro_batch_size * dp ({t.micro_batch_size} * {dims.dp})")
+        if d.mm_tokenizer and not d.mock and d.mm_slices % dims.dp:  # multimodal shards: a dp rank reads S / dp slices
+            raise ConfigError(f"data.mm_slices ({d.mm_slices}) must be a multiple of the data-parallel size "
+                              f"({dims.dp}); use a multiple of every data-parallel size the run may resume at")
         num_micro = (t.global_batch_size or t.micro_batch_size * dims.dp) // (t.micro_batch_size * dims.dp)
         if p.virtual_pp > 1 and num_micro % p.pp:
             raise ConfigError(f"with parallel.virtual_pp > 1 the micro-batches per step ({num_micro}) must be a "

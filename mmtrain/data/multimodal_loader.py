@@ -1,5 +1,7 @@
-"""Energon datasets and loaders for multimodal training: blend spec -> energon source, our data-parallel group ->
-``WorkerConfig``, and a loader whose ``state_dict()`` resumes exactly where it stopped.
+"""Energon datasets and loaders for multimodal training: blend spec -> energon source, and this rank's loader.
+Training reads one global order of energon slices (``mmtrain.data.multimodal_slices``) that no worker count or
+data-parallel size changes, and resumes exactly, also at another data-parallel size; validation is energon's own
+loader over this rank's shards (``WorkerConfig`` from our data-parallel group).
 
 The source is one of: an energon dataset folder (``mmtrain-prep media`` output), an energon metadataset YAML
 (``__class__: MetadatasetV2``, passed through unchanged), or a blend spec (docs/blend-spec.md) whose entries
@@ -9,17 +11,29 @@ weighs the datasets equally: energon sets carry no token counts to weigh by).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
 from mmtrain.data.blend_spec import BlendSpecError, load_blend_spec
-from mmtrain.data.multimodal import MultimodalBatch, MultimodalSettings, MultimodalTaskEncoder
+from mmtrain.data.multimodal import (
+    MultimodalBatch,
+    MultimodalSettings,
+    MultimodalTaskEncoder,
+)
+from mmtrain.data.multimodal_slices import (
+    InProcessReader,
+    SliceSpec,
+    WorkerPoolReader,
+    expected_batches,
+    rank_slices,
+)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 def _is_metadataset_yaml(path: Path) -> bool:
@@ -81,39 +95,65 @@ def worker_config_for(mesh=None, num_workers: int = 0, seed_offset: int = 0):
 class LoaderOptions:
     micro_batch_size: int = 2
     num_workers: int = 0
-    shuffle_buffer_size: int = 100
+    shuffle_buffer_size: int = 100  # per slice
     max_samples_per_sequence: int | None = 100
-    packing_buffer_size: int = 32  # samples the packer chooses from (only with settings.pack)
+    packing_buffer_size: int = 32  # samples the packer chooses from, per slice (only with settings.pack)
     seed_offset: int = 0
-    prefetch_factor: int = 2
+    prefetch_factor: int = 2  # batches each worker process keeps ready
+    num_slices: int = 16  # the order's slices; a multiple of every data-parallel size the run may use
 
 
 class MultimodalLoader:
-    """``MultimodalBatch``-es for one data-parallel rank. ``split="train"``: an endless shuffled iterator, resumable
-    exactly (``load_state_dict(state_dict())`` on a fresh loader, before its first batch, continues the same
-    stream). ``"valid"``/``"test"`` (energon's ``val``/``test`` shards): one ordered pass per ``for`` loop."""
+    """``MultimodalBatch``-es for one data-parallel rank.
+
+    ``split="train"``: an endless shuffled iterator over one global order (``mmtrain.data.multimodal_slices``)
+    that is the same for every data-parallel size dividing ``options.num_slices`` and every worker count.
+    ``state_dict()`` is this rank's part of the state; ``global_state_dict()`` (collective over the dp group)
+    or ``merge_loader_states`` gives the whole state, which ``load_state_dict`` on a fresh loader, before its first
+    batch, continues exactly, also at another data-parallel size. ``"valid"``/``"test"`` (energon's ``val``/``test``
+    shards): one ordered pass per ``for`` loop, read by energon's loader over this rank's shards."""
 
     def __init__(self, source: str | os.PathLike, settings: MultimodalSettings,
                  options: LoaderOptions = LoaderOptions(), mesh=None, split: str = "train") -> None:
-        from megatron.energon import get_loader, get_savable_loader, get_train_dataset, get_val_dataset
-
-        self.settings, self.options, self.split = settings, options, split
+        self.settings, self.options, self.split, self.mesh = settings, options, split, mesh
         self.training = split == "train"
         self.source = energon_source(source, split)
         self.task_encoder = MultimodalTaskEncoder(settings)
         self.worker_config = worker_config_for(mesh, options.num_workers, options.seed_offset)
-        common = dict(split_part={"valid": "val"}.get(split, split), worker_config=self.worker_config,
-                      batch_size=options.micro_batch_size, task_encoder=self.task_encoder,
-                      packing_buffer_size=options.packing_buffer_size if settings.pack else None)
+        self.dp_rank, self.dp_size = self.worker_config.rank, self.worker_config.world_size
+        if options.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {options.num_workers}")
         if self.training:
-            self.dataset = get_train_dataset(self.source, shuffle_buffer_size=options.shuffle_buffer_size or None,
-                                             max_samples_per_sequence=options.max_samples_per_sequence, **common)
-            self.loader = get_savable_loader(self.dataset, prefetch_factor=options.prefetch_factor)
+            s = options.num_slices
+            if s < 1 or s % self.dp_size:
+                raise ValueError(f"data.mm_slices ({s}) must be a positive multiple of the data-parallel size "
+                                 f"({self.dp_size}): the multimodal order has that many slices and each rank reads "
+                                 "its share; use a multiple of every data-parallel size the run may resume at")
+            self.spec = SliceSpec(source=self.source, settings=settings, num_slices=s,
+                                  micro_batch_size=options.micro_batch_size,
+                                  shuffle_buffer_size=options.shuffle_buffer_size,
+                                  max_samples_per_sequence=options.max_samples_per_sequence,
+                                  packing_buffer_size=options.packing_buffer_size, seed=options.seed_offset)
+            self.consumed_micro_batches = 0  # global: micro-batches all ranks together have taken
+            self._restored: dict[int, dict] = {}
+            self._reader = None
+            # fail early on a source energon cannot split into the slices (the reader rebuilds them)
+            InProcessReader(self.spec, rank_slices(0, self.dp_rank, self.dp_size, s), {})
         else:  # evaluation: one ordered pass per ``for`` loop, the same batches every time
-            self.dataset = get_val_dataset(self.source, **common)
+            from megatron.energon import get_loader, get_val_dataset
+
+            self.dataset = get_val_dataset(
+                self.source, split_part={"valid": "val"}.get(split, split), worker_config=self.worker_config,
+                batch_size=options.micro_batch_size, task_encoder=self.task_encoder,
+                packing_buffer_size=options.packing_buffer_size if settings.pack else None)
             self.loader = get_loader(self.dataset, prefetch_factor=options.prefetch_factor)
-        self._iter: Iterator | None = None
-        self.batches_yielded = 0
+
+    # ---- training ---------------------------------------------------------------------------------------
+
+    @property
+    def batches_yielded(self) -> int:
+        """Micro-batches per rank so far at the current data-parallel size (global count / dp)."""
+        return self.consumed_micro_batches // self.dp_size
 
     def __iter__(self):
         return self if self.training else iter(self.loader)
@@ -121,32 +161,102 @@ class MultimodalLoader:
     def __next__(self) -> MultimodalBatch:
         if not self.training:
             raise TypeError(f"the {self.split!r} loader is finite: iterate it with a for loop (one pass each)")
-        if self._iter is None:
-            self._iter = iter(self.loader)
-        batch = next(self._iter)
-        self.batches_yielded += 1
+        mine = self.consumed_micro_batches + self.dp_rank
+        if self._reader is None:
+            order = rank_slices(self.consumed_micro_batches, self.dp_rank, self.dp_size, self.spec.num_slices)
+            if self.options.num_workers == 0:
+                self._reader = InProcessReader(self.spec, order, self._restored)
+            else:
+                self._reader = WorkerPoolReader(self.spec, order, self._restored, self.options.num_workers,
+                                                self.options.prefetch_factor)
+        batch = self._reader.next(mine % self.spec.num_slices)
+        self.consumed_micro_batches += self.dp_size
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Energon's per-rank loader state (picklable; save it with the rank's checkpoint)."""
+        """This rank's part of the loader state: JSON-compatible, the same ``consumed_micro_batches`` on every
+        rank, the states of the slices this rank reads. Merge all dp ranks' parts (``global_state_dict``) to
+        resume at another data-parallel size."""
         if not self.training:
             raise TypeError(f"the {self.split!r} loader has no state: every pass reads the same batches")
-        return {"version": STATE_VERSION, "energon": self.loader.save_state_rank(),
-                "batches_yielded": self.batches_yielded, "dp_rank": self.worker_config.rank,
-                "dp_size": self.worker_config.world_size}
+        states = dict(self._restored) if self._reader is None else {**self._restored, **self._reader.states()}
+        mine = set(rank_slices(self.consumed_micro_batches, self.dp_rank, self.dp_size, self.spec.num_slices))
+        return {"version": STATE_VERSION, "consumed_micro_batches": self.consumed_micro_batches,
+                "micro_batch_size": self.spec.micro_batch_size, "num_slices": self.spec.num_slices,
+                "seed": self.spec.seed, "slices": {str(s): st for s, st in sorted(states.items()) if s in mine}}
+
+    def global_state_dict(self) -> dict[str, Any]:
+        """The whole loader state (every slice), the same on every rank: collective over the dp group. Save it
+        once per checkpoint (it is replicated); any data-parallel size dividing ``num_slices`` resumes from it."""
+        own = self.state_dict()
+        if self.dp_size == 1:
+            return own
+        import torch.distributed as dist
+
+        parts: list = [None] * self.dp_size
+        dist.all_gather_object(parts, own, group=self.worker_config.data_parallel_group)
+        return merge_loader_states(parts)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._iter is not None:
+        """Continue from a state of ``state_dict``/``global_state_dict``, before the first batch is drawn."""
+        if not self.training:
+            raise TypeError(f"the {self.split!r} loader has no state: every pass reads the same batches")
+        if self._reader is not None:
             raise RuntimeError("MultimodalLoader.load_state_dict must be called before the first batch is drawn")
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"multimodal loader state version {state.get('version')!r} is not {STATE_VERSION}; "
-                             "it was written by another mmtrain version")
-        if (state["dp_rank"], state["dp_size"]) != (self.worker_config.rank, self.worker_config.world_size):
-            raise ValueError(f"multimodal loader state is of dp rank {state['dp_rank']} of {state['dp_size']} but "
-                             f"this rank is {self.worker_config.rank} of {self.worker_config.world_size}; energon "
-                             "per-rank states resume only on the same data-parallel layout")
-        self.loader.restore_state_rank(state["energon"])
-        self.batches_yielded = int(state["batches_yielded"])
+            raise ValueError(f"multimodal loader state version {state.get('version')!r} is not {STATE_VERSION}; it "
+                             "was written by another mmtrain version (version 1: energon per-rank states), whose "
+                             "order this loader cannot continue -- start the data from the beginning")
+        for key, mine, what in (("num_slices", self.spec.num_slices, "data.mm_slices"),
+                                ("micro_batch_size", self.spec.micro_batch_size, "train.micro_batch_size"),
+                                ("seed", self.spec.seed, "data.seed")):
+            if state[key] != mine:
+                raise ValueError(f"the multimodal loader state was saved with {what} = {state[key]}, this run has "
+                                 f"{mine}; the order depends on it -- set it back to resume")
+        consumed = int(state["consumed_micro_batches"])
+        slices = {int(s): st for s, st in state["slices"].items()}
+        restored = {}
+        for s in rank_slices(consumed, self.dp_rank, self.dp_size, self.spec.num_slices):
+            want = expected_batches(s, self.spec.num_slices, consumed)
+            if want == 0:
+                continue
+            if s not in slices:
+                raise ValueError(f"the multimodal loader state has no state for slice {s}, which this rank "
+                                 f"({self.dp_rank} of {self.dp_size}) reads next; it is one rank's part -- save "
+                                 "loader.global_state_dict() to resume at another data-parallel size")
+            if int(slices[s]["batches"]) != want:
+                raise ValueError(f"multimodal loader state: slice {s} has given {slices[s]['batches']} batches, "
+                                 f"but {want} after {consumed} consumed micro-batches; the state is inconsistent")
+            restored[s] = slices[s]
+        self.consumed_micro_batches, self._restored = consumed, restored
+
+    def close(self) -> None:
+        """Stop the worker processes (also done when the loader is garbage-collected)."""
+        reader = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # at interpreter exit the queues may be gone; workers are daemons
+            self.close()
+
+
+def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state from the ``state_dict()`` of every data-parallel rank (ranks holding the same slice must agree)."""
+    first = states[0]
+    merged = {k: v for k, v in first.items() if k != "slices"}
+    slices: dict[str, Any] = {}
+    for st in states:
+        for key in ("version", "consumed_micro_batches", "micro_batch_size", "num_slices", "seed"):
+            if st.get(key) != first.get(key):
+                raise ValueError(f"multimodal loader states of the ranks differ in {key!r} ({first.get(key)} vs "
+                                 f"{st.get(key)}); were they saved at the same step?")
+        for s, slice_state in st["slices"].items():
+            if s in slices and slices[s] != slice_state:
+                raise ValueError(f"multimodal loader states of two ranks differ for slice {s}")
+            slices[s] = slice_state
+    merged["slices"] = dict(sorted(slices.items(), key=lambda kv: int(kv[0])))
+    return merged
 
 
 def settings_from_config(data_cfg) -> MultimodalSettings:
@@ -174,5 +284,5 @@ def build_multimodal_loader(cfg, mesh=None, split: str = "train") -> MultimodalL
                          "blend spec with type: energon entries")
     options = LoaderOptions(micro_batch_size=cfg.train.micro_batch_size, num_workers=d.num_workers,
                             shuffle_buffer_size=d.mm_shuffle_buffer_size, packing_buffer_size=d.mm_packing_buffer_size,
-                            seed_offset=d.seed)
+                            seed_offset=d.seed, num_slices=d.mm_slices)
     return MultimodalLoader(d.blend, settings_from_config(d), options, mesh=mesh, split=split)

@@ -6,13 +6,12 @@ row when ``floor((n + 1) * f) > floor(n * f)`` for the text fraction ``f``, so a
 ``floor(n * f)`` were text: the mix is exact and the same for every layout. Text row ``n`` is text sample
 ``floor(n * f)`` of the GPT samples; a media row is the next sample of this rank's energon stream (energon shards
 its data over the data-parallel ranks itself), or, for ``data.mock``, synthetic media sample ``n - floor(n * f)``.
-State: the global row count plus energon's per-rank state.
+State: the global row count plus this rank's part of the multimodal loader state (plain JSON values).
 """
 
 from __future__ import annotations
 
 import math
-import pickle
 from typing import Any
 
 import torch
@@ -74,16 +73,12 @@ class EnergonRows:
                          "--val-ratio) or set train.eval_every=0")
 
     def state_dict(self) -> dict:
-        """Energon's state pickled into a uint8 tensor: checkpoints load with ``torch.load(weights_only=True)``,
-        which refuses energon's state classes."""
-        if not self.loader.training:
-            return {}
-        blob = pickle.dumps(self.loader.state_dict())
-        return {"pickled": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
+        """This rank's part of the multimodal loader state (plain JSON values)."""
+        return self.loader.state_dict() if self.loader.training else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.loader.training and "pickled" in state:
-            self.loader.load_state_dict(pickle.loads(state["pickled"].numpy().tobytes()))
+        if self.loader.training and state:
+            self.loader.load_state_dict(state)
 
 
 class VLMBatches:

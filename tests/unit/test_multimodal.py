@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,6 +62,15 @@ def settings(data, **kw) -> MultimodalSettings:
     return MultimodalSettings(**{**base, **kw})
 
 
+def opts(**kw) -> LoaderOptions:
+    """Loader options for these tiny sets: 4 slices (the default 16 would spend the tests' time filling buffers)."""
+    return LoaderOptions(**{"num_slices": 4, **kw})
+
+
+def mesh(rank: int, size: int):
+    return SimpleNamespace(coord=SimpleNamespace(dp=rank), dims=SimpleNamespace(dp=size), dp_group=None)
+
+
 def take(loader, n):
     return [next(loader) for _ in range(n)]
 
@@ -74,7 +84,7 @@ def test_batches_have_fixed_shapes_and_captions_decode_back(data):
     from dataprep.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data["tokenizer"])
-    loader = MultimodalLoader(data["root"] / "a", settings(data), LoaderOptions(micro_batch_size=3))
+    loader = MultimodalLoader(data["root"] / "a", settings(data), opts(micro_batch_size=3))
     for batch in take(loader, 4):
         assert batch.tokens.shape == batch.labels.shape == batch.position_ids.shape == (3, 96)
         assert batch.images.shape == (3, 3, 32, 32) and batch.images.dtype == torch.float32
@@ -91,8 +101,8 @@ def test_batches_have_fixed_shapes_and_captions_decode_back(data):
 
 
 def test_crude_audio_and_video_are_cooked(data):
-    loader = MultimodalLoader(data["root"] / "mixed", settings(data), LoaderOptions(micro_batch_size=4,
-                                                                                    shuffle_buffer_size=0))
+    loader = MultimodalLoader(data["root"] / "mixed", settings(data), opts(micro_batch_size=4, shuffle_buffer_size=0,
+                                                                           num_slices=1))
     seen = {}
     for batch in take(loader, 8):  # 29 samples in order: one pass
         audio_at, image_at = 0, 0
@@ -114,8 +124,8 @@ def test_conversation_prompt_is_masked(data):
     from dataprep.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data["tokenizer"])
-    loader = MultimodalLoader(data["root"] / "mixed", settings(data), LoaderOptions(micro_batch_size=1,
-                                                                                    shuffle_buffer_size=0))
+    loader = MultimodalLoader(data["root"] / "mixed", settings(data), opts(micro_batch_size=1, shuffle_buffer_size=0,
+                                                                           num_slices=1))
     for batch in take(loader, 29):
         if batch.__key__[0] == "img-00023":
             break
@@ -127,12 +137,12 @@ def test_conversation_prompt_is_masked(data):
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_resume_mid_epoch_continues_identically(data, pack):
-    opts = LoaderOptions(micro_batch_size=2, packing_buffer_size=8)
-    first = MultimodalLoader(data["root"] / "a", settings(data, pack=pack), opts)
+    options = opts(micro_batch_size=2, packing_buffer_size=8)
+    first = MultimodalLoader(data["root"] / "a", settings(data, pack=pack), options)
     take(first, 3)
     state = first.state_dict()
     expected = take(first, 5)
-    resumed = MultimodalLoader(data["root"] / "a", settings(data, pack=pack), opts)
+    resumed = MultimodalLoader(data["root"] / "a", settings(data, pack=pack), options)
     resumed.load_state_dict(state)
     got = take(resumed, 5)
     assert all(same(a, b) for a, b in zip(expected, got))
@@ -140,7 +150,7 @@ def test_resume_mid_epoch_continues_identically(data, pack):
 
 
 def test_same_batches_across_runs(data):
-    runs = [take(MultimodalLoader(data["root"] / "mixed", settings(data, pack=True), LoaderOptions()), 4)
+    runs = [take(MultimodalLoader(data["root"] / "mixed", settings(data, pack=True), opts()), 4)
             for _ in range(2)]
     assert all(same(a, b) for a, b in zip(*runs))
 
@@ -149,7 +159,7 @@ def test_blend_spec_weights_are_respected(data, tmp_path):
     spec = tmp_path / "blend.yaml"
     spec.write_text(f"train:\n  - {{path: {data['root'] / 'a'}, weight: 0.8, type: energon}}\n"
                     f"  - {{path: {data['root'] / 'b'}, weight: 0.2, type: energon}}\n")
-    loader = MultimodalLoader(spec, settings(data), LoaderOptions(micro_batch_size=20))
+    loader = MultimodalLoader(spec, settings(data), opts(micro_batch_size=20))
     counts = Counter(key[0] for batch in take(loader, 20) for key in batch.__key__)
     share = counts["a"] / (counts["a"] + counts["b"])
     assert abs(share - 0.8) < 0.07, counts  # 400 draws: standard deviation 0.02
@@ -161,14 +171,14 @@ def test_energon_metadataset_yaml_is_accepted(data, tmp_path):
                    f"      - {{path: {data['root'] / 'a'}, weight: 1}}\n"
                    f"      - {{path: {data['root'] / 'b'}, weight: 1}}\n")
     assert energon_source(mds) == str(mds.resolve())
-    keys = {k[0] for batch in take(MultimodalLoader(mds, settings(data), LoaderOptions(micro_batch_size=8)), 5)
+    keys = {k[0] for batch in take(MultimodalLoader(mds, settings(data), opts(micro_batch_size=8)), 5)
             for k in batch.__key__}
     assert keys == {"a", "b"}
 
 
 def test_packing_keeps_images_whole_and_within_budget(data):
     loader = MultimodalLoader(data["root"] / "mixed", settings(data, pack=True, seq_length=128),
-                              LoaderOptions(micro_batch_size=2, packing_buffer_size=16))
+                              opts(micro_batch_size=2, packing_buffer_size=16))
     packed_rows = 0
     for batch in take(loader, 10):
         image_at = 0
@@ -206,14 +216,16 @@ def test_bad_sources_name_the_problem(data, tmp_path):
         settings(data, num_image_tokens=96)
 
 
-def test_resume_with_a_worker_process(data):
-    opts = LoaderOptions(micro_batch_size=2, num_workers=1)
-    first = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts)
+def test_resume_with_worker_processes(data):
+    """Each worker sends its slice's state with every batch, so the state is exact however far workers read ahead."""
+    options = opts(micro_batch_size=2, num_workers=2)
+    first = MultimodalLoader(data["root"] / "a", settings(data, pack=True), options)
     take(first, 3)
     state = first.state_dict()
     expected = take(first, 4)
-    resumed = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts)
-    resumed.load_state_dict(state)
+    first.close()
+    resumed = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts(micro_batch_size=2))
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # the state is plain JSON-compatible data
     assert all(same(a, b) for a, b in zip(expected, take(resumed, 4)))
 
 
@@ -225,22 +237,70 @@ def test_loader_from_run_config(data):
     cfg.data.blend, cfg.data.mm_tokenizer = str(data["root"] / "a"), data["tokenizer"]
     cfg.data.mm_image_token_id = IMAGE_ID
     cfg.data.mm_image_size, cfg.data.mm_num_image_tokens, cfg.data.seq_length, cfg.data.mm_pack = 32, 8, 128, True
-    cfg.train.micro_batch_size = 2
+    cfg.train.micro_batch_size, cfg.data.mm_slices = 2, 4
     batch = next(build_multimodal_loader(cfg))
     assert batch.tokens.shape == (2, 128) and batch.images.shape[1:] == (3, 32, 32)
     assert int(batch.document_ids.max()) >= 1  # packed
 
 
 def test_data_parallel_ranks_read_disjoint_samples(data):
-    from types import SimpleNamespace
-
-    def mesh(rank):
-        return SimpleNamespace(coord=SimpleNamespace(dp=rank), dims=SimpleNamespace(dp=2), dp_group=None)
-
-    opts = LoaderOptions(micro_batch_size=2, shuffle_buffer_size=0)
-    keys = [{k for batch in take(MultimodalLoader(data["root"] / "a", settings(data), opts, mesh=mesh(r)), 5)
+    options = opts(micro_batch_size=2, shuffle_buffer_size=0, num_slices=2)
+    keys = [{k for batch in take(MultimodalLoader(data["root"] / "a", settings(data), options, mesh=mesh(r, 2)), 5)
              for k in batch.__key__} for r in (0, 1)]
     assert len(keys[0]) == len(keys[1]) == 10 and not keys[0] & keys[1]
+
+
+def _global_order(data, n, **kw):
+    """The first ``n`` global micro-batches: one rank, no workers."""
+    return take(MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts(**kw)), n)
+
+
+def _dp_steps(data, state, dp, steps, workers=0):
+    """``steps`` micro-batches on each of ``dp`` ranks from ``state``, in global order; and the merged state after."""
+    from mmtrain.data.multimodal_loader import merge_loader_states
+
+    ranks = [MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts(num_workers=workers),
+                              mesh=mesh(r, dp)) for r in range(dp)]
+    for r in ranks:
+        if state is not None:
+            r.load_state_dict(state)
+    got = [next(r) for _ in range(steps) for r in ranks]  # one micro-batch per rank: consecutive global ones
+    state = json.loads(json.dumps(merge_loader_states([r.state_dict() for r in ranks])))  # plain data
+    for r in ranks:
+        r.close()
+    return got, state
+
+
+def test_resume_at_another_data_parallel_size_continues_the_global_order(data):
+    """dp 2 -> 1 (one worker) -> 2: the union of the ranks' batches is the single-rank order, batch for batch."""
+    reference = _global_order(data, 18)
+    first, state = _dp_steps(data, None, 2, 3)
+    second, state = _dp_steps(data, state, 1, 6, workers=1)
+    third, state = _dp_steps(data, state, 2, 3)
+    assert state["consumed_micro_batches"] == 18
+    assert all(same(a, b) for a, b in zip(reference, first + second + third, strict=True))
+
+
+def test_loader_state_errors_name_the_fix(data):
+    src, s = data["root"] / "a", settings(data)
+    ranks = [MultimodalLoader(src, s, opts(), mesh=mesh(r, 2)) for r in range(2)]
+    for _ in range(2):
+        for r in ranks:
+            next(r)
+    one_rank = ranks[0].state_dict()
+    assert set(one_rank["slices"]) == {"0", "2"}  # rank 0 of 2 reads slices 0 and 2 of 4
+    single = MultimodalLoader(src, s, opts())
+    with pytest.raises(ValueError, match="global_state_dict"):
+        single.load_state_dict(one_rank)
+    with pytest.raises(ValueError, match="train.micro_batch_size = 2"):
+        MultimodalLoader(src, s, opts(micro_batch_size=3)).load_state_dict(one_rank)
+    with pytest.raises(ValueError, match="version 1"):
+        single.load_state_dict({"version": 1, "energon": None})
+    with pytest.raises(ValueError, match=r"data.mm_slices \(4\) must be a positive multiple of the data-parallel size "
+                                         r"\(3\)"):
+        MultimodalLoader(src, s, opts(), mesh=mesh(0, 3))
+    with pytest.raises(ValueError, match="too few samples for 64 slices"):
+        MultimodalLoader(src, s, opts(num_slices=64))
 
 
 def test_list_images_and_undecoded_video(data, tmp_path):
@@ -251,51 +311,87 @@ def test_list_images_and_undecoded_video(data, tmp_path):
     (src / "extra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert prep(["media", "--input", str(src / "extra.jsonl"), "--output", str(tmp_path / "x"), "--no-progress",
                  "--val-ratio", "0", "--workers", "1"]) == 0
-    loader = MultimodalLoader(tmp_path / "x", settings(data), LoaderOptions(micro_batch_size=2, shuffle_buffer_size=0))
+    loader = MultimodalLoader(tmp_path / "x", settings(data), opts(micro_batch_size=2, shuffle_buffer_size=0, num_slices=1))
     batch = next(loader)
     counts = dict(zip(batch.__key__, batch.image_counts.tolist()))
     assert counts == {"pair": 2, "slide": 4} and batch.images.shape == (6, 3, 32, 32)
 
 
-def test_sample_errors_are_raised_not_skipped(data):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sample_errors_are_raised_not_skipped(data, workers):
     from mmtrain.data.multimodal_media import MediaSampleError
 
     loader = MultimodalLoader(data["root"] / "mixed", settings(data, audio_token_id=None),
-                              LoaderOptions(micro_batch_size=1, shuffle_buffer_size=0))
-    with pytest.raises(MediaSampleError, match="clip-000.*no audio_token_id"):
+                              opts(micro_batch_size=1, shuffle_buffer_size=0, num_slices=1, num_workers=workers))
+    with pytest.raises(MediaSampleError, match="clip-000.*no audio_token_id"):  # from a worker: the same error
         take(loader, 29)
+    loader.close()
 
 
 def test_validation_loader_is_one_ordered_pass(data, tmp_path):
     assert prep(["media", "--input", str(data["root"] / "in" / "a.jsonl"), "--output", str(tmp_path / "v"),
                  "--no-progress", "--val-ratio", "0.5", "--workers", "1"]) == 0
     n_val = json.loads((tmp_path / "v" / "manifest.json").read_text())["counts"]["splits"]["val"]
-    loader = MultimodalLoader(tmp_path / "v", settings(data), LoaderOptions(micro_batch_size=4), split="valid")
+    loader = MultimodalLoader(tmp_path / "v", settings(data), opts(micro_batch_size=4), split="valid")
     passes = [[k for batch in loader for k in batch.__key__] for _ in range(2)]
     assert passes[0] == passes[1] and len(passes[0]) == len(set(passes[0])) == n_val > 0
 
 
-def test_zero_and_one_worker_give_the_same_batches(data):
-    """energon hands each worker its own shards, so batches are the same for 0 and 1 workers; with 2+ workers
-    the order is again deterministic run to run but differs from the 1-worker order."""
-    runs = [take(MultimodalLoader(data["root"] / "a", settings(data), LoaderOptions(micro_batch_size=2,
-                                                                                     num_workers=w)), 4)
-            for w in (0, 1)]
-    assert all(same(a, b) for a, b in zip(*runs))
+def test_worker_count_does_not_change_the_batches(data):
+    """Workers own some of the rank's slices each and the rank takes their batches in the fixed order."""
+    reference = _global_order(data, 6)
+    for workers in (2, 3):
+        loader = MultimodalLoader(data["root"] / "a", settings(data, pack=True), opts(num_workers=workers))
+        assert all(same(a, b) for a, b in zip(reference, take(loader, 6))), workers
+        loader.close()
+
+
+def test_workers_start_after_the_rank_used_openmp(data):
+    """A worker forked after the rank ran a parallel torch op must not wait on the parent's OpenMP pool
+    (it would hang in its first image resize)."""
+    import torch.nn.functional as F
+
+    F.interpolate(torch.rand(1, 3, 512, 512), size=(224, 224), mode="bilinear", antialias=True)
+    loader = MultimodalLoader(data["root"] / "a", settings(data, image_size=224),
+                              opts(num_workers=2, shuffle_buffer_size=2))
+    assert take(loader, 2)[1].images.shape[-1] == 224
+    loader.close()
 
 
 def test_same_batches_in_another_process(data):
+    import hashlib
     import subprocess
     import sys
 
-    code = ("import sys, hashlib, torch; from mmtrain.data.multimodal_loader import MultimodalLoader, LoaderOptions;"
-            "from mmtrain.data.multimodal import MultimodalSettings; import json;"
+    code = ("import sys, hashlib, json; from mmtrain.data.multimodal_loader import MultimodalLoader, LoaderOptions;"
+            "from mmtrain.data.multimodal import MultimodalSettings;"
             "s = MultimodalSettings(**json.loads(sys.argv[2]));"
-            "it = MultimodalLoader(sys.argv[1], s, LoaderOptions(micro_batch_size=2));"
+            "it = MultimodalLoader(sys.argv[1], s, LoaderOptions(micro_batch_size=2, num_slices=4, num_workers=2));"
             "h = hashlib.sha256();"
-            "[h.update(next(it).tokens.numpy().tobytes()) for _ in range(4)]; print(h.hexdigest())")
-    base = dict(tokenizer=data["tokenizer"], seq_length=96, image_token_id=IMAGE_ID, num_image_tokens=8,
-                image_size=32, audio_token_id=AUDIO_ID, num_audio_tokens=4, video_frames=4)
-    digests = {subprocess.run([sys.executable, "-c", code, str(data["root"] / "a"), json.dumps(base)],
-                              capture_output=True, text=True, check=True).stdout.strip() for _ in range(2)}
-    assert len(digests) == 1
+            "[h.update(next(it).tokens.numpy().tobytes()) for _ in range(4)]; it.close(); print(h.hexdigest())")
+    base = {"tokenizer": data["tokenizer"], "seq_length": 96, "image_token_id": IMAGE_ID, "num_image_tokens": 8,
+            "image_size": 32, "audio_token_id": AUDIO_ID, "num_audio_tokens": 4, "video_frames": 4}
+    here = hashlib.sha256()
+    for batch in take(MultimodalLoader(data["root"] / "a", settings(data), opts(micro_batch_size=2)), 4):
+        here.update(batch.tokens.numpy().tobytes())
+    there = subprocess.run([sys.executable, "-c", code, str(data["root"] / "a"), json.dumps(base)],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert there == here.hexdigest()
+
+
+def test_vlm_energon_rows_state_is_plain_json(data):
+    """The VLM batches keep this rank's loader state in the checkpoint's JSON as it is."""
+    from mmtrain.data.vlm_batches import EnergonRows
+
+    def rows():
+        return EnergonRows(MultimodalLoader(data["root"] / "a", settings(data), opts(micro_batch_size=1)))
+
+    first = rows()
+    for _ in range(3):
+        first.next()
+    state = json.loads(json.dumps(first.state_dict()))
+    expected = [first.next() for _ in range(2)]
+    again = rows()
+    again.load_state_dict(state)
+    assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.images, b.images)
+               for a, b in zip(expected, [again.next() for _ in range(2)], strict=True))
