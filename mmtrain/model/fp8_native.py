@@ -54,7 +54,8 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
     tensor's current amax; ``amax_g`` (delayed scaling) is raised in place to this micro-batch's gradient amax."""
 
     @staticmethod
-    def forward(ctx, x2, weight, w_fp8, w_t_fp8, w_inv, x_scale, g_scale, amax_g, fwd_dtype, grad_dtype):
+    def forward(ctx, x2, weight, w_fp8, w_t_fp8, w_inv, x_scale, g_scale, amax_g, fwd_dtype, grad_dtype,
+                bwd_fast_accum):
         if x_scale is None:
             x_scale = scale_from_amax(tensor_amax(x2), FP8_MAX[fwd_dtype])
         x_fp8 = quantize(x2, x_scale, fwd_dtype)
@@ -64,6 +65,7 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
         # not saved: saved tensors are version-checked, and another micro-batch's backward may raise it first
         ctx.amax_g = amax_g
         ctx.grad_dtype, ctx.out_dtype, ctx.w_dtype = grad_dtype, x2.dtype, weight.dtype
+        ctx.bwd_fast_accum = bwd_fast_accum
         return y
 
     @staticmethod
@@ -79,9 +81,10 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
                 g_scale = scale_from_amax(g_amax, FP8_MAX[ctx.grad_dtype])
         g_fp8 = quantize(g2, g_scale, ctx.grad_dtype)
         g_inv = g_scale.reciprocal().reshape(1)
-        dx = scaled_mm(g_fp8, w_t_fp8.t(), g_inv, w_inv, ctx.out_dtype)
-        dw = scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(), g_inv, x_inv, ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None
+        fast = ctx.bwd_fast_accum
+        dx = scaled_mm(g_fp8, w_t_fp8.t(), g_inv, w_inv, ctx.out_dtype, fast_accum=fast)
+        dw = scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(), g_inv, x_inv, ctx.w_dtype, fast_accum=fast)
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 class _RowwiseFp8Linear(torch.autograd.Function):
@@ -139,11 +142,12 @@ class Fp8Matmul(nn.Module):
     """``F.linear`` in FP8 for one weight: the weight's cached FP8 copies and, for delayed scaling, the
     scale/amax buffers (all non-persistent: checkpoints are the same as in BF16)."""
 
-    def __init__(self, recipe: str = "tensorwise", fmt: str = "hybrid") -> None:
+    def __init__(self, recipe: str = "tensorwise", fmt: str = "hybrid", fast_accum_backward: bool = False) -> None:
         super().__init__()
         if recipe not in ("tensorwise", "delayed", "rowwise"):
             raise ValueError(f"native fp8 recipe must be tensorwise, delayed or rowwise, got {recipe!r}")
         self.recipe = recipe
+        self.fast_accum_backward = fast_accum_backward  # dgrad/wgrad with use_fast_accum (fp8.fast_accum_backward)
         self.fwd_dtype, self.grad_dtype = fp8_dtypes(fmt)
         self.weight_stale = True
         for name in ("w_a", "w_a_inv", "w_b", "w_b_inv"):  # FP8 weight copies, sized at the first refresh
@@ -155,7 +159,8 @@ class Fp8Matmul(nn.Module):
             self.register_buffer("amax_g", torch.zeros(1), persistent=False)
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe}, fwd={self.fwd_dtype}, grad={self.grad_dtype}"
+        return (f"recipe={self.recipe}, fwd={self.fwd_dtype}, grad={self.grad_dtype}, "
+                f"fast_accum_backward={self.fast_accum_backward}")
 
     @torch.no_grad()
     def refresh_weight(self, weight: torch.Tensor, amax: torch.Tensor | None = None) -> None:
@@ -200,7 +205,8 @@ class Fp8Matmul(nn.Module):
             # known scales (delayed, after the first update) let the cast fuse with whatever produced x
             x_scale, g_scale = (self.scales[0], self.scales[1]) if delayed and self.delayed_ready else (None, None)
             y = _TensorwiseFp8Linear.apply(x2, weight, self.w_a, self.w_b, self.w_a_inv, x_scale, g_scale,
-                                           self.amax_g if record else None, self.fwd_dtype, self.grad_dtype)
+                                           self.amax_g if record else None, self.fwd_dtype, self.grad_dtype,
+                                           self.fast_accum_backward)
         y = y.view(*x.shape[:-1], out_f)
         return y + bias if bias is not None else y
 
@@ -208,14 +214,14 @@ class Fp8Matmul(nn.Module):
 class Fp8Linear(nn.Module):
     """Drop-in for a single-device ``nn.Linear`` (same ``weight``/``bias`` parameters and names)."""
 
-    def __init__(self, linear: nn.Linear, recipe: str, fmt: str) -> None:
+    def __init__(self, linear: nn.Linear, recipe: str, fmt: str, fast_accum_backward: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         if hasattr(linear, "part_sizes"):
             self.part_sizes = linear.part_sizes
-        self.matmul = Fp8Matmul(recipe, fmt).to(linear.weight.device)  # its amax/scale buffers beside the weight
+        self.matmul = Fp8Matmul(recipe, fmt, fast_accum_backward).to(linear.weight.device)  # its amax/scale buffers beside the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)

@@ -25,12 +25,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "hybrid"), ("delayed", "hybrid"), ("rowwise", "e4m3")])
+@pytest.mark.parametrize("recipe,fmt,fast_bwd", [("tensorwise", "hybrid", False), ("delayed", "hybrid", False),
+                                                  ("rowwise", "e4m3", False), ("tensorwise", "hybrid", True),
+                                                  ("delayed", "hybrid", True)])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_native_linear_on_the_gpu(recipe, fmt, compiled):
+def test_native_linear_on_the_gpu(recipe, fmt, fast_bwd, compiled):
     torch.manual_seed(0)
     ref = nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
-    lin = Fp8Linear(ref, recipe, fmt)
+    lin = Fp8Linear(ref, recipe, fmt, fast_accum_backward=fast_bwd)
     run = torch.compile(lin) if compiled else lin
     x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16)
@@ -62,6 +64,7 @@ VARIANTS = [["fp8.backend=native", "fp8.recipe=tensorwise"],
             ["fp8.backend=native", "fp8.recipe=delayed", "train.compile=true"],
             ["fp8.backend=native", "fp8.recipe=rowwise", "fp8.format=e4m3", "train.compile=true"],
             ["fp8.backend=native", "fp8.recipe=tensorwise", "fp8.bf16_first_layers=1"],
+            ["fp8.backend=native", "fp8.recipe=delayed", "train.compile=true", "fp8.fast_accum_backward=true"],
             ["fp8.backend=te", "fp8.recipe=delayed"],
             ["fp8.backend=te", "fp8.recipe=tensorwise", "train.compile=true"]]
 

@@ -24,6 +24,7 @@ from mmtrain.model.fp8_scaling import (
     fp8_dtypes,
     quantize,
     quantize_rowwise,
+    rows_then_amax,
     scale_from_amax,
 )
 from mmtrain.model.gpt import GPTModel
@@ -126,6 +127,28 @@ def test_fp8_linear_forward_and_grads_close_to_fp32(recipe, fmt, bound):
     assert fp8.weight is ref.weight and [n for n, _ in fp8.named_parameters()] == ["weight", "bias"]
 
 
+def test_fast_accum_backward_option_reaches_every_matmul_and_keeps_grads_close():
+    cfg = _cfg("fp8.recipe=delayed", "fp8.fast_accum_backward=true")
+    matmuls = apply_native_fp8(GPTModel(cfg.model), cfg)
+    assert matmuls and all(m.fast_accum_backward for m in matmuls)
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 48, bias=False)
+    lin = Fp8Linear(ref, "tensorwise", "hybrid", fast_accum_backward=True)
+    x = torch.randn(32, 64, requires_grad=True)
+    g = torch.randn(32, 48)
+    lin(x).backward(g)
+    dx, dw = x.grad.clone(), ref.weight.grad.clone()
+    x.grad = ref.weight.grad = None
+    ref(x).backward(g)
+    assert rel(dx, x.grad) < 0.09 and rel(dw, ref.weight.grad) < 0.09
+
+
+def test_rows_then_amax_equals_the_tensor_amax():
+    x = torch.randn(16, 48, dtype=torch.bfloat16) * torch.logspace(-2, 2, 16)[:, None].to(torch.bfloat16)
+    assert rows_then_amax(x).dtype == torch.float32
+    assert rows_then_amax(x).item() == x.float().abs().max().item()
+
+
 def test_delayed_records_amaxes_and_uses_the_scales():
     torch.manual_seed(0)
     lin = Fp8Linear(nn.Linear(32, 16, bias=False), "delayed", "hybrid")
@@ -214,6 +237,8 @@ def test_runtime_recasts_every_forward_until_the_loop_takes_over():
     (["fp8.amax_history_len=0"], "fp8.amax_history_len"),
     (["fp8.bf16_first_layers=2", "fp8.bf16_last_layers=2"], "leave no FP8 layer"),
     (["fp8.param_gather=true"], "fp8.param_gather"),
+    (["fp8.backend=te", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward=true applies to the native"),
+    (["fp8.recipe=rowwise", "fp8.format=e4m3", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward"),
     (["train.device=cpu"], "train.precision=fp8 needs a Hopper/Blackwell GPU"),
 ])
 def test_config_errors_name_the_keys(extra, match):
