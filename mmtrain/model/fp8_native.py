@@ -35,6 +35,7 @@ from mmtrain.model.fp8_scaling import (
     fp8_dtypes,
     quantize,
     quantize_rowwise,
+    rows_then_amax,
     scale_from_amax,
     tensor_amax,
 )
@@ -57,7 +58,7 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
     def forward(ctx, x2, weight, w_fp8, w_t_fp8, w_inv, x_scale, g_scale, amax_g, fwd_dtype, grad_dtype,
                 bwd_fast_accum):
         if x_scale is None:
-            x_scale = scale_from_amax(tensor_amax(x2), FP8_MAX[fwd_dtype])
+            x_scale = scale_from_amax(rows_then_amax(x2), FP8_MAX[fwd_dtype])
         x_fp8 = quantize(x2, x_scale, fwd_dtype)
         x_inv = x_scale.reciprocal().reshape(1)
         y = scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv, x2.dtype, fast_accum=True)
@@ -74,7 +75,7 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
         amax_g = ctx.amax_g
         g2 = g2.contiguous()
         if amax_g is not None or g_scale is None:
-            g_amax = tensor_amax(g2)
+            g_amax = rows_then_amax(g2)
             if amax_g is not None:
                 amax_g.copy_(torch.maximum(amax_g, g_amax.reshape(1)))
             if g_scale is None:
@@ -201,7 +202,7 @@ class Fp8Matmul(nn.Module):
             record = delayed and self.training
             if record:
                 with torch.no_grad():
-                    self.amax_x.copy_(torch.maximum(self.amax_x, tensor_amax(x2).reshape(1)))
+                    self.amax_x.copy_(torch.maximum(self.amax_x, rows_then_amax(x2).reshape(1)))
             # known scales (delayed, after the first update) let the cast fuse with whatever produced x
             x_scale, g_scale = (self.scales[0], self.scales[1]) if delayed and self.delayed_ready else (None, None)
             y = _TensorwiseFp8Linear.apply(x2, weight, self.w_a, self.w_b, self.w_a_inv, x_scale, g_scale,
