@@ -18,7 +18,7 @@ from torch import nn
 
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.schema import GPTRunConfig
-from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul
+from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, refresh_weights_in_place
 from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes
 
 FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
@@ -148,8 +148,9 @@ class Fp8Runtime:
             amax = amax.float()  # one multi-tensor kernel for all weights
             if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
-            for m, a in zip(per_tensor, amax.unbind(0)):
-                m.refresh_weight(m.weight_ref, a)
+            if not refresh_weights_in_place(per_tensor, amax):  # the first refresh sizes the buffers
+                for m, a in zip(per_tensor, amax.unbind(0)):
+                    m.refresh_weight(m.weight_ref, a)
         for m in matmuls:
             if m.recipe == "rowwise":  # row scales of this rank's shard (rows of a row-parallel weight are cut)
                 m.refresh_weight(m.weight_ref)

@@ -139,6 +139,47 @@ def cast_weight_pair(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     return _compiled_cast(w, amax, dtype)
 
 
+def _cast_weights_into(weights: list, amax: torch.Tensor, a_bufs: list, b_bufs: list, inv_bufs: list,
+                       dtype: torch.dtype) -> None:
+    """Every weight's W and W^T in FP8 and its inverse scale, written into the existing buffers in place."""
+    scales = scale_from_amax(amax, FP8_MAX[dtype])
+    for i, w in enumerate(weights):
+        q = quantize(w, scales[i], dtype)
+        a_bufs[i].copy_(q)
+        b_bufs[i].copy_(q.t())
+        inv_bufs[i].copy_(scales[i].reciprocal().reshape(1))
+
+
+_compiled_cast_into = None
+
+
+@torch.no_grad()
+def refresh_weights_in_place(matmuls: list, amax: torch.Tensor) -> bool:
+    """Re-cast the FP8 weight copies of many per-tensor matmuls at once (``amax``: one per matmul) into the
+    buffers they already have: on the GPU one compiled graph for all of them (one call instead of a call and
+    four copies per weight, whose launches would otherwise leave the GPU waiting at the start of each step).
+    False, doing nothing, when a buffer is not sized yet (the first refresh) or the matmuls mix FP8 formats."""
+    global _compiled_cast_into
+    if not matmuls or len({m.fwd_dtype for m in matmuls}) > 1:
+        return False
+    weights = [m.weight_ref.detach() for m in matmuls]
+    for m, w in zip(matmuls, weights):
+        if (m.w_a.shape != w.shape or m.w_b.shape != w.t().shape or m.w_a.device != w.device
+                or m.w_a_inv.numel() != 1):
+            return False
+    fn = _cast_weights_into
+    if weights[0].is_cuda:
+        if _compiled_cast_into is None:
+            _compiled_cast_into = torch.compile(_cast_weights_into, dynamic=False)
+        fn = _compiled_cast_into
+    fn(weights, amax.float(), [m.w_a for m in matmuls], [m.w_b for m in matmuls],
+       [m.w_a_inv for m in matmuls], matmuls[0].fwd_dtype)
+    torch._foreach_copy_([m.w_b_inv for m in matmuls], [m.w_a_inv for m in matmuls])
+    for m in matmuls:
+        m.weight_stale = False
+    return True
+
+
 class Fp8Matmul(nn.Module):
     """``F.linear`` in FP8 for one weight: the weight's cached FP8 copies and, for delayed scaling, the
     scale/amax buffers (all non-persistent: checkpoints are the same as in BF16)."""

@@ -14,7 +14,12 @@ from mmtrain.model.fp8 import (
     fp8_layer_indices,
     resolve_fp8_backend,
 )
-from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, scaled_mm
+from mmtrain.model.fp8_native import (
+    Fp8Linear,
+    Fp8Matmul,
+    refresh_weights_in_place,
+    scaled_mm,
+)
 from mmtrain.model.fp8_scaling import (
     E4M3,
     E5M2,
@@ -227,6 +232,35 @@ def test_runtime_recasts_every_forward_until_the_loop_takes_over():
     model(ids)
     assert all(not m.weight_stale for m in rt.matmuls)
     assert "backend native, recipe tensorwise, format hybrid" in rt.describe()
+
+
+def test_weights_recast_in_place_all_at_once_equal_the_per_weight_cast():
+    torch.manual_seed(0)
+    cfg = _cfg("model.vocab_size=64")
+    model = GPTModel(cfg.model)
+    model.init_weights(1)
+    matmuls = apply_native_fp8(model, cfg)
+    assert not refresh_weights_in_place(matmuls, torch.ones(len(matmuls)))  # buffers not sized yet: no-op
+    for m in matmuls:
+        m.refresh_weight(m.weight_ref)
+    storages = [m.w_a.data_ptr() for m in matmuls]
+    with torch.no_grad():
+        for m in matmuls:
+            m.weight_ref.mul_(1.5)
+    want = []
+    for m in matmuls:
+        fresh = Fp8Matmul("tensorwise", "hybrid")
+        fresh.refresh_weight(m.weight_ref)
+        want.append(fresh)
+    amax = torch.stack([m.weight_ref.detach().abs().amax().float() for m in matmuls])
+    for m in matmuls:
+        m.weight_stale = True
+    assert refresh_weights_in_place(matmuls, amax)
+    for m, w in zip(matmuls, want):
+        for name in ("w_a", "w_b", "w_a_inv", "w_b_inv"):
+            assert torch.equal(getattr(m, name).float(), getattr(w, name).float()), name
+        assert not m.weight_stale
+    assert [m.w_a.data_ptr() for m in matmuls] == storages  # same storage: compiled graphs keep their inputs
 
 
 # ------------------------------------------------------------------------------------------ config errors
