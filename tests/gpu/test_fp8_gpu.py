@@ -9,7 +9,7 @@ from torch import nn
 
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.model.fp8 import te_importable
-from mmtrain.model.fp8_native import Fp8Linear
+from mmtrain.model.fp8_native import Fp8Linear, refresh_weights_in_place
 from mmtrain.parallel import ParallelDims, init_distributed
 from mmtrain.train.loop import train_gpt
 
@@ -45,6 +45,27 @@ def test_native_linear_on_the_gpu(recipe, fmt, fast_bwd, compiled):
     assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
     assert rel(y, y_ref) < 0.06
     assert rel(dx, x.grad) < 0.1 and rel(dw, ref.weight.grad) < 0.1
+
+
+def test_weights_recast_in_place_on_the_gpu_equal_the_per_weight_cast():
+    """The compiled all-weights cast (refresh_weights_in_place) against the per-weight one."""
+    torch.manual_seed(0)
+    lins = [Fp8Linear(nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16), "tensorwise", "hybrid")
+            for i, o in ((256, 768), (256, 256), (256, 1024), (512, 256))]
+    matmuls = [lin.matmul for lin in lins]
+    for lin in lins:
+        object.__setattr__(lin.matmul, "weight_ref", lin.weight)
+        lin.matmul.refresh_weight(lin.weight)
+    with torch.no_grad():
+        for lin in lins:
+            lin.weight.mul_(3.0)
+    amax = torch.stack([lin.weight.detach().abs().amax().float() for lin in lins])
+    assert refresh_weights_in_place(matmuls, amax)
+    for lin in lins:
+        want = Fp8Linear(lin, "tensorwise", "hybrid").matmul
+        want.refresh_weight(lin.weight)
+        for name in ("w_a", "w_b", "w_a_inv", "w_b_inv"):
+            assert torch.equal(getattr(lin.matmul, name).float(), getattr(want, name).float()), name
 
 
 @pytest.fixture(scope="module")
