@@ -32,6 +32,8 @@ VARIANTS = [
     ("bf16", []),
     ("fp8 native tensorwise", [*NATIVE, "fp8.recipe=tensorwise"]),
     ("fp8 native delayed", [*NATIVE, "fp8.recipe=delayed"]),
+    ("fp8 native delayed fast-bwd", [*NATIVE, "fp8.recipe=delayed", "fp8.fast_accum_backward=true"]),
+    ("fp8 native tensorwise fast-bwd", [*NATIVE, "fp8.recipe=tensorwise", "fp8.fast_accum_backward=true"]),
     ("fp8 native rowwise", [*NATIVE, "fp8.recipe=rowwise", "fp8.format=e4m3"]),
     ("fp8 te delayed", [*TE, "fp8.recipe=delayed"]),
     ("fp8 te tensorwise", [*TE, "fp8.recipe=tensorwise"]),

@@ -200,6 +200,10 @@ class Fp8Config:
     bf16_last_layers: int = doc(0, "Keep this many last transformer blocks in BF16.")
     param_gather: bool = doc(False, "All-gather parameters over data-parallel ranks in FP8 (not implemented yet: "
                                     "true is a configuration error).")
+    fast_accum_backward: bool = doc(
+        False, "Native backend, tensorwise/delayed: fast accumulation (use_fast_accum) in the backward GEMMs too "
+               "(dgrad, wgrad). Faster on Hopper, but the FP8 tensor cores then keep fewer accumulator bits over "
+               "long contractions (wgrad sums over all tokens); false keeps full-precision accumulation, like TE.")
 
 
 @dataclass

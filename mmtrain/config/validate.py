@@ -146,6 +146,9 @@ def _validate_fp8(cfg) -> None:
     if f.param_gather:
         raise ConfigError("fp8.param_gather=true is not implemented yet: parameters are gathered in BF16; "
                           "set fp8.param_gather=false")
+    if f.fast_accum_backward and (f.backend == "te" or f.recipe not in ("tensorwise", "delayed")):
+        raise ConfigError(f"fp8.fast_accum_backward=true applies to the native backend's tensorwise and delayed "
+                          f"recipes (got fp8.backend={f.backend}, fp8.recipe={f.recipe}); set it to false")
     if f.backend == "te" and p.tp > 1 and m.add_bias:
         raise ConfigError("fp8.backend=te with parallel.tp > 1 and model.add_bias=true is not supported (the "
                           "row-parallel bias would be summed over TP ranks); use fp8.backend=native")

@@ -18,7 +18,7 @@ from torch import nn
 
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.schema import GPTRunConfig
-from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul
+from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, refresh_weights_in_place
 from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes
 
 FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
@@ -55,6 +55,9 @@ def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
         raise ConfigError(f"fp8.recipe={f.recipe} needs Transformer Engine (fp8.backend=te), which "
                           f"{'is not installed' if not te_importable() else 'was not chosen'}; the native backend "
                           f"offers {', '.join(NATIVE_FP8_RECIPES)}")
+    if backend == "te" and f.fast_accum_backward:
+        raise ConfigError("fp8.fast_accum_backward=true is a native-backend option, but fp8.backend=auto chose "
+                          "Transformer Engine; set fp8.backend=native or fp8.fast_accum_backward=false")
     if backend == "te" and cfg.train.activation_checkpointing == "full":
         raise ConfigError("train.activation_checkpointing=full recomputes blocks outside TE's FP8 autocast; with "
                           "fp8.backend=te use selective or none, or fp8.backend=native")
@@ -90,10 +93,10 @@ def apply_native_fp8(model: nn.Module, cfg: GPTRunConfig) -> list[Fp8Matmul]:
             if lin is None:  # an MoE block has no mlp.up/down: its experts stay BF16
                 continue
             if isinstance(lin, nn.Linear):
-                lin = Fp8Linear(lin, f.recipe, f.format)
+                lin = Fp8Linear(lin, f.recipe, f.format, f.fast_accum_backward)
                 setattr(parent, name, lin)
             elif hasattr(lin, "matmul"):  # ColumnParallelLinear / RowParallelLinear
-                lin.matmul = Fp8Matmul(f.recipe, f.format)
+                lin.matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward)
             else:
                 continue
             object.__setattr__(lin.matmul, "weight_ref", lin.weight)  # a plain reference, not a submodule param
@@ -125,6 +128,8 @@ class Fp8Runtime:
         span = f"layers {layers[0]}-{layers[-1]}" if layers else "no layers"
         extra = (f", amax history {f.amax_history_len} ({f.amax_compute_algo}), margin {f.margin}"
                  if f.recipe == "delayed" else "")
+        if self.backend == "native" and f.fast_accum_backward and f.recipe != "rowwise":
+            extra += ", fast accumulation in backward GEMMs"
         count = f", {len(self.matmuls)} FP8 linears on this rank" if self.backend == "native" else ""
         return (f"fp8: backend {self.backend}, recipe {f.recipe}, format {f.format}{extra}; {span} in FP8 "
                 f"(qkv, proj, MLP){count}; embeddings, attention, norms and the output layer in BF16")
@@ -143,8 +148,9 @@ class Fp8Runtime:
             amax = amax.float()  # one multi-tensor kernel for all weights
             if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
-            for m, a in zip(per_tensor, amax.unbind(0)):
-                m.refresh_weight(m.weight_ref, a)
+            if not refresh_weights_in_place(per_tensor, amax):  # the first refresh sizes the buffers
+                for m, a in zip(per_tensor, amax.unbind(0)):
+                    m.refresh_weight(m.weight_ref, a)
         for m in matmuls:
             if m.recipe == "rowwise":  # row scales of this rank's shard (rows of a row-parallel weight are cut)
                 m.refresh_weight(m.weight_ref)

@@ -35,6 +35,7 @@ from mmtrain.model.fp8_scaling import (
     fp8_dtypes,
     quantize,
     quantize_rowwise,
+    rows_then_amax,
     scale_from_amax,
     tensor_amax,
 )
@@ -54,9 +55,10 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
     tensor's current amax; ``amax_g`` (delayed scaling) is raised in place to this micro-batch's gradient amax."""
 
     @staticmethod
-    def forward(ctx, x2, weight, w_fp8, w_t_fp8, w_inv, x_scale, g_scale, amax_g, fwd_dtype, grad_dtype):
+    def forward(ctx, x2, weight, w_fp8, w_t_fp8, w_inv, x_scale, g_scale, amax_g, fwd_dtype, grad_dtype,
+                bwd_fast_accum):
         if x_scale is None:
-            x_scale = scale_from_amax(tensor_amax(x2), FP8_MAX[fwd_dtype])
+            x_scale = scale_from_amax(rows_then_amax(x2), FP8_MAX[fwd_dtype])
         x_fp8 = quantize(x2, x_scale, fwd_dtype)
         x_inv = x_scale.reciprocal().reshape(1)
         y = scaled_mm(x_fp8, w_fp8.t(), x_inv, w_inv, x2.dtype, fast_accum=True)
@@ -64,6 +66,7 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
         # not saved: saved tensors are version-checked, and another micro-batch's backward may raise it first
         ctx.amax_g = amax_g
         ctx.grad_dtype, ctx.out_dtype, ctx.w_dtype = grad_dtype, x2.dtype, weight.dtype
+        ctx.bwd_fast_accum = bwd_fast_accum
         return y
 
     @staticmethod
@@ -72,16 +75,17 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
         amax_g = ctx.amax_g
         g2 = g2.contiguous()
         if amax_g is not None or g_scale is None:
-            g_amax = tensor_amax(g2)
+            g_amax = rows_then_amax(g2)
             if amax_g is not None:
                 amax_g.copy_(torch.maximum(amax_g, g_amax.reshape(1)))
             if g_scale is None:
                 g_scale = scale_from_amax(g_amax, FP8_MAX[ctx.grad_dtype])
         g_fp8 = quantize(g2, g_scale, ctx.grad_dtype)
         g_inv = g_scale.reciprocal().reshape(1)
-        dx = scaled_mm(g_fp8, w_t_fp8.t(), g_inv, w_inv, ctx.out_dtype)
-        dw = scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(), g_inv, x_inv, ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None
+        fast = ctx.bwd_fast_accum
+        dx = scaled_mm(g_fp8, w_t_fp8.t(), g_inv, w_inv, ctx.out_dtype, fast_accum=fast)
+        dw = scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(), g_inv, x_inv, ctx.w_dtype, fast_accum=fast)
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 class _RowwiseFp8Linear(torch.autograd.Function):
@@ -135,15 +139,57 @@ def cast_weight_pair(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     return _compiled_cast(w, amax, dtype)
 
 
+def _cast_weights_into(weights: list, amax: torch.Tensor, a_bufs: list, b_bufs: list, inv_bufs: list,
+                       dtype: torch.dtype) -> None:
+    """Every weight's W and W^T in FP8 and its inverse scale, written into the existing buffers in place."""
+    scales = scale_from_amax(amax, FP8_MAX[dtype])
+    for i, w in enumerate(weights):
+        q = quantize(w, scales[i], dtype)
+        a_bufs[i].copy_(q)
+        b_bufs[i].copy_(q.t())
+        inv_bufs[i].copy_(scales[i].reciprocal().reshape(1))
+
+
+_compiled_cast_into = None
+
+
+@torch.no_grad()
+def refresh_weights_in_place(matmuls: list, amax: torch.Tensor) -> bool:
+    """Re-cast the FP8 weight copies of many per-tensor matmuls at once (``amax``: one per matmul) into the
+    buffers they already have: on the GPU one compiled graph for all of them (one call instead of a call and
+    four copies per weight, whose launches would otherwise leave the GPU waiting at the start of each step).
+    False, doing nothing, when a buffer is not sized yet (the first refresh) or the matmuls mix FP8 formats."""
+    global _compiled_cast_into
+    if not matmuls or len({m.fwd_dtype for m in matmuls}) > 1:
+        return False
+    weights = [m.weight_ref.detach() for m in matmuls]
+    for m, w in zip(matmuls, weights):
+        if (m.w_a.shape != w.shape or m.w_b.shape != w.t().shape or m.w_a.device != w.device
+                or m.w_a_inv.numel() != 1):
+            return False
+    fn = _cast_weights_into
+    if weights[0].is_cuda:
+        if _compiled_cast_into is None:
+            _compiled_cast_into = torch.compile(_cast_weights_into, dynamic=False)
+        fn = _compiled_cast_into
+    fn(weights, amax.float(), [m.w_a for m in matmuls], [m.w_b for m in matmuls],
+       [m.w_a_inv for m in matmuls], matmuls[0].fwd_dtype)
+    torch._foreach_copy_([m.w_b_inv for m in matmuls], [m.w_a_inv for m in matmuls])
+    for m in matmuls:
+        m.weight_stale = False
+    return True
+
+
 class Fp8Matmul(nn.Module):
     """``F.linear`` in FP8 for one weight: the weight's cached FP8 copies and, for delayed scaling, the
     scale/amax buffers (all non-persistent: checkpoints are the same as in BF16)."""
 
-    def __init__(self, recipe: str = "tensorwise", fmt: str = "hybrid") -> None:
+    def __init__(self, recipe: str = "tensorwise", fmt: str = "hybrid", fast_accum_backward: bool = False) -> None:
         super().__init__()
         if recipe not in ("tensorwise", "delayed", "rowwise"):
             raise ValueError(f"native fp8 recipe must be tensorwise, delayed or rowwise, got {recipe!r}")
         self.recipe = recipe
+        self.fast_accum_backward = fast_accum_backward  # dgrad/wgrad with use_fast_accum (fp8.fast_accum_backward)
         self.fwd_dtype, self.grad_dtype = fp8_dtypes(fmt)
         self.weight_stale = True
         for name in ("w_a", "w_a_inv", "w_b", "w_b_inv"):  # FP8 weight copies, sized at the first refresh
@@ -155,7 +201,8 @@ class Fp8Matmul(nn.Module):
             self.register_buffer("amax_g", torch.zeros(1), persistent=False)
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe}, fwd={self.fwd_dtype}, grad={self.grad_dtype}"
+        return (f"recipe={self.recipe}, fwd={self.fwd_dtype}, grad={self.grad_dtype}, "
+                f"fast_accum_backward={self.fast_accum_backward}")
 
     @torch.no_grad()
     def refresh_weight(self, weight: torch.Tensor, amax: torch.Tensor | None = None) -> None:
@@ -196,11 +243,12 @@ class Fp8Matmul(nn.Module):
             record = delayed and self.training
             if record:
                 with torch.no_grad():
-                    self.amax_x.copy_(torch.maximum(self.amax_x, tensor_amax(x2).reshape(1)))
+                    self.amax_x.copy_(torch.maximum(self.amax_x, rows_then_amax(x2).reshape(1)))
             # known scales (delayed, after the first update) let the cast fuse with whatever produced x
             x_scale, g_scale = (self.scales[0], self.scales[1]) if delayed and self.delayed_ready else (None, None)
             y = _TensorwiseFp8Linear.apply(x2, weight, self.w_a, self.w_b, self.w_a_inv, x_scale, g_scale,
-                                           self.amax_g if record else None, self.fwd_dtype, self.grad_dtype)
+                                           self.amax_g if record else None, self.fwd_dtype, self.grad_dtype,
+                                           self.fast_accum_backward)
         y = y.view(*x.shape[:-1], out_f)
         return y + bias if bias is not None else y
 
@@ -208,14 +256,14 @@ class Fp8Matmul(nn.Module):
 class Fp8Linear(nn.Module):
     """Drop-in for a single-device ``nn.Linear`` (same ``weight``/``bias`` parameters and names)."""
 
-    def __init__(self, linear: nn.Linear, recipe: str, fmt: str) -> None:
+    def __init__(self, linear: nn.Linear, recipe: str, fmt: str, fast_accum_backward: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         if hasattr(linear, "part_sizes"):
             self.part_sizes = linear.part_sizes
-        self.matmul = Fp8Matmul(recipe, fmt).to(linear.weight.device)  # its amax/scale buffers beside the weight
+        self.matmul = Fp8Matmul(recipe, fmt, fast_accum_backward).to(linear.weight.device)  # its amax/scale buffers beside the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)

@@ -31,6 +31,13 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float()
 
 
+def rows_then_amax(x2: torch.Tensor) -> torch.Tensor:
+    """max |x| of a 2-D activation/gradient as a 0-d fp32 tensor, reduced per row first, then over the rows.
+    Same value as ``tensor_amax``; the per-row reduction has the loop shape of the row-major cast and of row-wise
+    producers (RMSNorm, SwiGLU), so Inductor computes it in their kernel instead of re-reading the tensor."""
+    return x2.detach().abs().amax(dim=-1).amax().float()
+
+
 def scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
     """fp8_max / amax / 2**margin; 1.0 where amax is zero or not finite (an all-zero tensor casts exactly with
     any scale, and a NaN/Inf amax must not poison later steps)."""

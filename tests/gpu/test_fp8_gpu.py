@@ -9,7 +9,7 @@ from torch import nn
 
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.model.fp8 import te_importable
-from mmtrain.model.fp8_native import Fp8Linear
+from mmtrain.model.fp8_native import Fp8Linear, refresh_weights_in_place
 from mmtrain.parallel import ParallelDims, init_distributed
 from mmtrain.train.loop import train_gpt
 
@@ -25,12 +25,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "hybrid"), ("delayed", "hybrid"), ("rowwise", "e4m3")])
+@pytest.mark.parametrize("recipe,fmt,fast_bwd", [("tensorwise", "hybrid", False), ("delayed", "hybrid", False),
+                                                  ("rowwise", "e4m3", False), ("tensorwise", "hybrid", True),
+                                                  ("delayed", "hybrid", True)])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_native_linear_on_the_gpu(recipe, fmt, compiled):
+def test_native_linear_on_the_gpu(recipe, fmt, fast_bwd, compiled):
     torch.manual_seed(0)
     ref = nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
-    lin = Fp8Linear(ref, recipe, fmt)
+    lin = Fp8Linear(ref, recipe, fmt, fast_accum_backward=fast_bwd)
     run = torch.compile(lin) if compiled else lin
     x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16)
@@ -43,6 +45,27 @@ def test_native_linear_on_the_gpu(recipe, fmt, compiled):
     assert y.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
     assert rel(y, y_ref) < 0.06
     assert rel(dx, x.grad) < 0.1 and rel(dw, ref.weight.grad) < 0.1
+
+
+def test_weights_recast_in_place_on_the_gpu_equal_the_per_weight_cast():
+    """The compiled all-weights cast (refresh_weights_in_place) against the per-weight one."""
+    torch.manual_seed(0)
+    lins = [Fp8Linear(nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16), "tensorwise", "hybrid")
+            for i, o in ((256, 768), (256, 256), (256, 1024), (512, 256))]
+    matmuls = [lin.matmul for lin in lins]
+    for lin in lins:
+        object.__setattr__(lin.matmul, "weight_ref", lin.weight)
+        lin.matmul.refresh_weight(lin.weight)
+    with torch.no_grad():
+        for lin in lins:
+            lin.weight.mul_(3.0)
+    amax = torch.stack([lin.weight.detach().abs().amax().float() for lin in lins])
+    assert refresh_weights_in_place(matmuls, amax)
+    for lin in lins:
+        want = Fp8Linear(lin, "tensorwise", "hybrid").matmul
+        want.refresh_weight(lin.weight)
+        for name in ("w_a", "w_b", "w_a_inv", "w_b_inv"):
+            assert torch.equal(getattr(lin.matmul, name).float(), getattr(want, name).float()), name
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +85,7 @@ VARIANTS = [["fp8.backend=native", "fp8.recipe=tensorwise"],
             ["fp8.backend=native", "fp8.recipe=delayed", "train.compile=true"],
             ["fp8.backend=native", "fp8.recipe=rowwise", "fp8.format=e4m3", "train.compile=true"],
             ["fp8.backend=native", "fp8.recipe=tensorwise", "fp8.bf16_first_layers=1"],
+            ["fp8.backend=native", "fp8.recipe=delayed", "train.compile=true", "fp8.fast_accum_backward=true"],
             ["fp8.backend=te", "fp8.recipe=delayed"],
             ["fp8.backend=te", "fp8.recipe=tensorwise", "train.compile=true"]]
 

@@ -14,7 +14,12 @@ from mmtrain.model.fp8 import (
     fp8_layer_indices,
     resolve_fp8_backend,
 )
-from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, scaled_mm
+from mmtrain.model.fp8_native import (
+    Fp8Linear,
+    Fp8Matmul,
+    refresh_weights_in_place,
+    scaled_mm,
+)
 from mmtrain.model.fp8_scaling import (
     E4M3,
     E5M2,
@@ -24,6 +29,7 @@ from mmtrain.model.fp8_scaling import (
     fp8_dtypes,
     quantize,
     quantize_rowwise,
+    rows_then_amax,
     scale_from_amax,
 )
 from mmtrain.model.gpt import GPTModel
@@ -126,6 +132,28 @@ def test_fp8_linear_forward_and_grads_close_to_fp32(recipe, fmt, bound):
     assert fp8.weight is ref.weight and [n for n, _ in fp8.named_parameters()] == ["weight", "bias"]
 
 
+def test_fast_accum_backward_option_reaches_every_matmul_and_keeps_grads_close():
+    cfg = _cfg("fp8.recipe=delayed", "fp8.fast_accum_backward=true")
+    matmuls = apply_native_fp8(GPTModel(cfg.model), cfg)
+    assert matmuls and all(m.fast_accum_backward for m in matmuls)
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 48, bias=False)
+    lin = Fp8Linear(ref, "tensorwise", "hybrid", fast_accum_backward=True)
+    x = torch.randn(32, 64, requires_grad=True)
+    g = torch.randn(32, 48)
+    lin(x).backward(g)
+    dx, dw = x.grad.clone(), ref.weight.grad.clone()
+    x.grad = ref.weight.grad = None
+    ref(x).backward(g)
+    assert rel(dx, x.grad) < 0.09 and rel(dw, ref.weight.grad) < 0.09
+
+
+def test_rows_then_amax_equals_the_tensor_amax():
+    x = torch.randn(16, 48, dtype=torch.bfloat16) * torch.logspace(-2, 2, 16)[:, None].to(torch.bfloat16)
+    assert rows_then_amax(x).dtype == torch.float32
+    assert rows_then_amax(x).item() == x.float().abs().max().item()
+
+
 def test_delayed_records_amaxes_and_uses_the_scales():
     torch.manual_seed(0)
     lin = Fp8Linear(nn.Linear(32, 16, bias=False), "delayed", "hybrid")
@@ -206,6 +234,35 @@ def test_runtime_recasts_every_forward_until_the_loop_takes_over():
     assert "backend native, recipe tensorwise, format hybrid" in rt.describe()
 
 
+def test_weights_recast_in_place_all_at_once_equal_the_per_weight_cast():
+    torch.manual_seed(0)
+    cfg = _cfg("model.vocab_size=64")
+    model = GPTModel(cfg.model)
+    model.init_weights(1)
+    matmuls = apply_native_fp8(model, cfg)
+    assert not refresh_weights_in_place(matmuls, torch.ones(len(matmuls)))  # buffers not sized yet: no-op
+    for m in matmuls:
+        m.refresh_weight(m.weight_ref)
+    storages = [m.w_a.data_ptr() for m in matmuls]
+    with torch.no_grad():
+        for m in matmuls:
+            m.weight_ref.mul_(1.5)
+    want = []
+    for m in matmuls:
+        fresh = Fp8Matmul("tensorwise", "hybrid")
+        fresh.refresh_weight(m.weight_ref)
+        want.append(fresh)
+    amax = torch.stack([m.weight_ref.detach().abs().amax().float() for m in matmuls])
+    for m in matmuls:
+        m.weight_stale = True
+    assert refresh_weights_in_place(matmuls, amax)
+    for m, w in zip(matmuls, want):
+        for name in ("w_a", "w_b", "w_a_inv", "w_b_inv"):
+            assert torch.equal(getattr(m, name).float(), getattr(w, name).float()), name
+        assert not m.weight_stale
+    assert [m.w_a.data_ptr() for m in matmuls] == storages  # same storage: compiled graphs keep their inputs
+
+
 # ------------------------------------------------------------------------------------------ config errors
 @pytest.mark.parametrize("extra,match", [
     (["fp8.backend=native", "fp8.recipe=mxfp8"], "fp8.recipe=mxfp8 is not offered by fp8.backend=native"),
@@ -214,6 +271,8 @@ def test_runtime_recasts_every_forward_until_the_loop_takes_over():
     (["fp8.amax_history_len=0"], "fp8.amax_history_len"),
     (["fp8.bf16_first_layers=2", "fp8.bf16_last_layers=2"], "leave no FP8 layer"),
     (["fp8.param_gather=true"], "fp8.param_gather"),
+    (["fp8.backend=te", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward=true applies to the native"),
+    (["fp8.recipe=rowwise", "fp8.format=e4m3", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward"),
     (["train.device=cpu"], "train.precision=fp8 needs a Hopper/Blackwell GPU"),
 ])
 def test_config_errors_name_the_keys(extra, match):
