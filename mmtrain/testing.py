@@ -46,6 +46,16 @@ def _context():
     return ctx
 
 
+def start_rank_server() -> None:
+    """Start the forkserver now, so that its imports overlap with other work (the test session calls this
+    before collecting); ``run_distributed`` starts it otherwise."""
+    if os.environ.get("MMTRAIN_TEST_START_METHOD", "forkserver") == "forkserver":
+        from multiprocessing import forkserver
+
+        _context()
+        forkserver.ensure_running()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

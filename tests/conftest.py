@@ -9,6 +9,14 @@ import pytest
 _KINDS = ("unit", "distributed", "gpu")
 
 
+def pytest_sessionstart(session):
+    # the distributed tests' ranks fork from a server that imports torch and mmtrain once; it does that on the
+    # other core while this process collects
+    from mmtrain.testing import start_rank_server
+
+    start_rank_server()
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
