@@ -75,7 +75,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, ba
     try:
         import datetime
 
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         value = fn(rank, world_size, *args)
         # Serialize to bytes: torch's queue pickling shares tensor storage through file descriptors, which
         # vanish when this process exits before the parent has read them.
@@ -96,9 +98,17 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
                     env: dict[str, str] | None = None, pg_timeout_s: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns the per-rank results.
     ``pg_timeout_s``: how long a collective may wait (the process group's timeout)."""
+    import datetime
+
+    import torch.distributed as dist
+
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    # The rendezvous store lives here, bound to a port the OS picks: no window in which another process can take a
+    # port chosen in advance (EADDRINUSE on a busy machine).
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=pg_timeout_s))
+    port = store.port
     rank_env = {**os.environ, **(env or {})}
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, backend, results, rank_env, pg_timeout_s),
                          daemon=True) for r in range(world_size)]
@@ -137,6 +147,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store
     if errors:
         first_rank, first_tb = errors[0]
         others = ", ".join(str(r) for r, _ in errors[1:])
