@@ -9,6 +9,19 @@ import pytest
 _KINDS = ("unit", "distributed", "gpu")
 
 
+def pytest_sessionstart(session):
+    # the distributed tests' ranks fork from a server that imports torch and mmtrain once; when they are about
+    # to run, start it now so that it imports on the other core while this process collects
+    distributed = Path(__file__).parent / "distributed"
+    for arg in session.config.args:
+        path = Path(arg.split("::")[0]).resolve()
+        if path == distributed or distributed in path.parents or path in distributed.parents:
+            from mmtrain.testing import start_rank_server
+
+            start_rank_server()
+            return
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

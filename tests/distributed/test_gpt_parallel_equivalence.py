@@ -3,13 +3,15 @@ parameters after them (fp32, CPU, gloo), to 1e-5 relative."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config
 from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.tensor import tp_shard_of
-from mmtrain.testing import run_distributed
+from mmtrain.testing import DistributedTestFailure, run_distributed
 from mmtrain.train.loop import train_gpt
 
 # lr 3e-3 on weights of std 0.02: large enough that 10 steps visibly train, small enough that fp32
@@ -27,18 +29,6 @@ def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
     result = train_gpt(cfg, mesh, torch.device("cpu"))
     params = {k: v.detach().clone() for k, v in result.model.named_parameters()}
     return result.losses, params, tuple(mesh.coord), mesh.dims.tp
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache = {}
-
-    def get(extra: tuple[str, ...]):
-        if extra not in cache:
-            losses, params, _, _ = run_distributed(_train, 1, str(tmp_path_factory.mktemp("ref")), list(extra))[0]
-            cache[extra] = (losses, params)
-        return cache[extra]
-    return get
 
 
 LAYOUTS = [
@@ -87,13 +77,78 @@ MOE_LAYOUTS = [
 ]
 
 
+def _val_losses(rank: int, world_size: int, run_dir: str, extra: list[str]):
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "train.eval_every=5",
+                                           "train.eval_steps=2", *extra])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+    return train_gpt(cfg, mesh, torch.device("cpu")).val_losses
+
+
+EVAL_LAYOUTS = (["parallel.pp=2", "parallel.tp=2"], ["parallel.pp=2", "parallel.virtual_pp=2", "parallel.dp=2"])
+
+
+def _jobs_of(item) -> list[tuple[int, str, tuple[str, ...]]]:
+    """The runs (world size, function name, overrides) that one selected test of this file reads."""
+    name = item.originalname
+    if name == "test_layout_matches_single_process":
+        p = item.callspec.params
+        return [(1, "_train", tuple(p["model_extra"])), (p["world_size"], "_train", (*p["layout"], *p["model_extra"]))]
+    if name == "test_activation_checkpointing_changes_nothing":
+        return [(1, "_train", ()), (1, "_train", (f"train.activation_checkpointing={item.callspec.params['mode']}",))]
+    if name == "test_evaluation_matches_across_pipeline_and_tensor_parallel":
+        return [(1, "_val_losses", ()), *[(4, "_val_losses", tuple(layout)) for layout in EVAL_LAYOUTS]]
+    return []
+
+
+def _run_jobs(rank: int, world_size: int, run_dir: str, jobs: list[tuple[str, tuple[str, ...]]]) -> list:
+    """Several runs in one group of processes, one after the other; each builds its own mesh (new process
+    groups) and writes to its own run folder, as a fresh launch would."""
+    return [globals()[fn](rank, world_size, f"{run_dir}/{i}", list(extra)) for i, (fn, extra) in enumerate(jobs)]
+
+
+class _Runs:
+    """Per-rank results of every run this file's selected tests need, made on first use with ONE
+    ``run_distributed`` call per world size instead of one per run: starting a process group costs more than
+    training these tiny models. If a shared call fails, each test runs its own runs alone, exactly as it would
+    without sharing, so a failure still shows the traceback of the layout that caused it."""
+
+    def __init__(self, session, tmp_path_factory):
+        self.tmp = tmp_path_factory
+        self.jobs: dict[int, list[tuple[str, tuple[str, ...]]]] = {}
+        for item in session.items:
+            if getattr(item, "module", None) is not None and item.module.__name__ == __name__:
+                for world_size, fn, extra in _jobs_of(item):
+                    if (fn, extra) not in self.jobs.setdefault(world_size, []):
+                        self.jobs[world_size].append((fn, extra))
+        self.results: dict[int, dict] = {}
+
+    def get(self, world_size: int, fn: str, extra) -> list:
+        key = (fn, tuple(extra))
+        if world_size not in self.results and key in self.jobs.get(world_size, []):
+            jobs = self.jobs[world_size]
+            try:
+                runs = run_distributed(_run_jobs, world_size, str(self.tmp.mktemp(f"shared{world_size}_")), jobs,
+                                       timeout_s=min(500.0, 60.0 + 30.0 * len(jobs)))
+                self.results[world_size] = {job: [per_rank[i] for per_rank in runs] for i, job in enumerate(jobs)}
+            except DistributedTestFailure as e:
+                warnings.warn(f"the shared {world_size}-process runs failed; each test runs its own: {e}", stacklevel=1)
+                self.results[world_size] = {}
+        if key in self.results.get(world_size, {}):
+            return self.results[world_size][key]
+        return run_distributed(globals()[fn], world_size, str(self.tmp.mktemp("alone")), list(extra))
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> _Runs:
+    return _Runs(request.session, tmp_path_factory)
+
+
 @pytest.mark.parametrize("world_size, layout, model_extra", LAYOUTS + MOE_LAYOUTS,
                          ids=lambda v: ",".join(v) if isinstance(v, list) else str(v))
-def test_layout_matches_single_process(tmp_path, reference, world_size, layout, model_extra):
-    ref_losses, ref_params = reference(tuple(model_extra))
-    runs = run_distributed(_train, world_size, str(tmp_path), [*layout, *model_extra])
+def test_layout_matches_single_process(runs, world_size, layout, model_extra):
+    ref_losses, ref_params, _, _ = runs.get(1, "_train", model_extra)[0]
     cfg = load_config(GPTRunConfig, None, [*BASE, *model_extra]).model  # model_extra: anything both runs share
-    for losses, params, coord, tp in runs:
+    for losses, params, coord, tp in runs.get(world_size, "_train", [*layout, *model_extra]):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, value in params.items():
             expected = tp_shard_of(name, ref_params[name if name in ref_params else "embed.weight"], cfg, coord[0], tp)
@@ -109,24 +164,16 @@ def test_layout_matches_single_process(tmp_path, reference, world_size, layout, 
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_changes_nothing(tmp_path, reference, mode):
-    ref_losses, _ = reference(())
-    losses, _, _, _ = run_distributed(_train, 1, str(tmp_path), [f"train.activation_checkpointing={mode}"])[0]
+def test_activation_checkpointing_changes_nothing(runs, mode):
+    ref_losses = runs.get(1, "_train", ())[0][0]
+    losses = runs.get(1, "_train", [f"train.activation_checkpointing={mode}"])[0][0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
 
 
-def _val_losses(rank: int, world_size: int, run_dir: str, extra: list[str]):
-    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "train.eval_every=5",
-                                           "train.eval_steps=2", *extra])
-    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
-    return train_gpt(cfg, mesh, torch.device("cpu")).val_losses
-
-
-def test_evaluation_matches_across_pipeline_and_tensor_parallel(tmp_path):
-    ref = run_distributed(_val_losses, 1, str(tmp_path / "a"), [])[0]
+def test_evaluation_matches_across_pipeline_and_tensor_parallel(runs):
+    ref = runs.get(1, "_val_losses", ())[0]
     assert sorted(ref) == [5, 10]
-    for n, layout in enumerate((["parallel.pp=2", "parallel.tp=2"],
-                                ["parallel.pp=2", "parallel.virtual_pp=2", "parallel.dp=2"])):
-        for got in run_distributed(_val_losses, 4, str(tmp_path / f"run{n}"), layout):
+    for layout in EVAL_LAYOUTS:
+        for got in runs.get(4, "_val_losses", layout):
             for step, value in ref.items():
                 assert abs(got[step] - value) / value < 1e-5
