@@ -42,9 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json (PREFIX_<key>.* for several keys)")
     p.add_argument("--tokenizer", required=True,
-                   help="SentencePiece .model, Hugging Face tokenizer.json, or a folder holding tokenizer.json")
+                   help="SentencePiece .model, Hugging Face tokenizer.json or a folder holding it, or GPT-2 "
+                        "vocab.json or a folder holding vocab.json + merges.txt")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="override the type detected from --tokenizer")
+    p.add_argument("--merge-file", default=None, metavar="MERGES",
+                   help="GPT-2 merges.txt for a --tokenizer vocab.json that has none next to it (type gpt2-bpe)")
     p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                    help="JSON keys to tokenize; several keys give one .bin/.idx pair per key (default: text)")
     p.add_argument("--append-eod", action="store_true",
@@ -171,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         raise PrepError("--workers must be 0 or more")
     files = expand_inputs(args.input)
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
-                               add_special_tokens=args.add_special_tokens)
+                               add_special_tokens=args.add_special_tokens, merge_file=args.merge_file)
     if args.append_eod and tokenizer.eod_id is None:
         raise PrepError(f"--append-eod: tokenizer {args.tokenizer} defines no end-of-sequence token; "
                         "name one with --eod-token")
@@ -181,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads_per_worker or max(1, cpus // max(workers, 1))
     options = EncodeOptions(str(tokenizer.path if tokenizer.type == "sentencepiece" else args.tokenizer),
                             tokenizer.type, args.eod_token, args.add_special_tokens, keys, args.append_eod,
-                            tokenizer.eod_id, args.keep_empty, dtype.name, threads)
+                            tokenizer.eod_id, args.keep_empty, dtype.name, threads,
+                            str(tokenizer.merges_path) if tokenizer.type == "gpt2-bpe" else None)
     prefix = os.fspath(args.output_prefix)
     prefixes = key_prefixes(prefix, keys)
     remove_old_outputs(prefix, list(prefixes.values()))

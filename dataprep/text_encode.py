@@ -35,6 +35,7 @@ class EncodeOptions:
     keep_empty: bool
     dtype: str
     threads: int = 1
+    merge_file: str | None = None  # GPT-2 merges.txt (type gpt2-bpe)
 
 
 @dataclass
@@ -116,7 +117,8 @@ class BlockEncoder:
         self.options = options
         self.tokenizer = tokenizer or load_tokenizer(options.tokenizer, options.tokenizer_type,
                                                      eod_token=options.eod_token,
-                                                     add_special_tokens=options.add_special_tokens)
+                                                     add_special_tokens=options.add_special_tokens,
+                                                     merge_file=options.merge_file)
         self.tokenizer.set_threads(options.threads)
         self.dtype = np.dtype(options.dtype)
 
