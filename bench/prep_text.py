@@ -12,10 +12,13 @@ medians over the rounds are reported. Tokenizer kinds and what Megatron-LM runs 
 - ``huggingface``: a 32k byte-level BPE ``tokenizer.json``; Megatron ``HuggingFaceTokenizer`` (transformers).
 - ``gpt2-bpe``: the same kind of BPE saved in GPT-2 file format (``vocab.json`` + ``merges.txt``, with
   ``<|endoftext|>``); Megatron ``GPT2BPETokenizer --vocab-file --merge-file``, the GPT data path of its
-  documentation, run with ``--legacy-tokenizer``: Megatron-LM's own pure-Python GPT-2 BPE. (Its default
-  tokenizer system builds GPT2BPETokenizer from the Hugging Face hub model "gpt2" and does not read
-  --merge-file, so it cannot encode a local vocabulary and fails without network.) Ours encodes the same
-  files with the Rust ``tokenizers`` library.
+  documentation. Which code that runs depends on the Megatron-LM version: up to core_v0.16 it has
+  ``--legacy-tokenizer``, Megatron's own pure-Python GPT-2 BPE, used here (its default system there builds the
+  tokenizer from the hub model "gpt2" and ignores --merge-file). From core_v0.17 on the pure-Python code is
+  gone: GPT2BPETokenizer is transformers' ``AutoTokenizer("gpt2", vocab_file=, merges_file=)``, which needs
+  the hub; it is run offline by serving the name "gpt2" from a local folder with these files (Megatron's
+  working directory), and with transformers 5 it encodes in Rust too. Ours encodes the files with the Rust
+  ``tokenizers`` library.
 
 Reported per run: wall time (process start to exit), docs/s, MB/s, tokens/s, CPU seconds of the whole
 process tree (os.wait4), peak RSS summed over the process tree (sampled every 50 ms), and whether the two
@@ -224,8 +227,9 @@ def ours_cmd(py: str, data: Path, prefix: Path, tokenizer: Path, workers: int, t
 
 
 def megatron_cmd(py: str, meg: Path, data: Path, prefix: Path, kind: str, tokenizer: Path, workers: int) -> list[str]:
+    legacy = ["--legacy-tokenizer"] if kind == "gpt2-bpe" and megatron_has_legacy_gpt2(meg) else []
     return [py, str(meg / "tools" / "preprocess_data.py"), "--input", str(data), "--output-prefix", str(prefix),
-            *MEGATRON_TOKENIZER[kind](tokenizer), "--workers", str(workers), "--append-eod",
+            *MEGATRON_TOKENIZER[kind](tokenizer), *legacy, "--workers", str(workers), "--append-eod",
             "--log-interval", "1000000"]
 
 
@@ -233,8 +237,31 @@ MEGATRON_TOKENIZER = {
     "sentencepiece": lambda t: ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", str(t)],
     "huggingface": lambda t: ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(t)],
     "gpt2-bpe": lambda t: ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(t / "vocab.json"),
-                           "--merge-file", str(t / "merges.txt"), "--legacy-tokenizer"],
+                           "--merge-file", str(t / "merges.txt")],
 }
+
+
+def megatron_has_legacy_gpt2(meg: Path) -> bool:
+    """Megatron-LM up to core_v0.16 keeps its pure-Python GPT-2 BPE behind --legacy-tokenizer."""
+    args = meg / "megatron" / "training" / "arguments.py"
+    return args.is_file() and "--legacy-tokenizer" in args.read_text(encoding="utf-8") and \
+        (meg / "megatron" / "training" / "tokenizer" / "gpt2_tokenization.py").is_file()
+
+
+def hub_gpt2_folder(work: Path, gpt2_files: Path) -> Path:
+    """A working directory whose ``gpt2/`` folder answers transformers' AutoTokenizer("gpt2") offline."""
+    import shutil
+
+    home = work / "megatron-cwd"
+    folder = home / "gpt2"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copyfile(gpt2_files / name, folder / name)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
+         "unk_token": "<|endoftext|>", "add_prefix_space": False}))
+    return home
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,10 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-megatron", action="store_true")
     args = ap.parse_args(argv)
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="prep_text_bench_"))
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="prep_text_bench_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    corpus = Path(args.input) if args.input else work / "corpus.jsonl"
+    corpus = Path(args.input).resolve() if args.input else work / "corpus.jsonl"
     if not corpus.exists():
         print(f"building {args.build_mb:.0f} MB corpus at {corpus} ...", flush=True)
         build_corpus(corpus, args.build_mb)
@@ -280,25 +307,33 @@ def main(argv: list[str] | None = None) -> int:
                                                            if p)}
     tokenizers = {}
     if "sentencepiece" in args.kinds:
-        tokenizers["sentencepiece"] = Path(args.tokenizer) if args.tokenizer else work / "sp32k.model"
+        tokenizers["sentencepiece"] = Path(args.tokenizer).resolve() if args.tokenizer else work / "sp32k.model"
         if not tokenizers["sentencepiece"].exists():
             print(f"training tokenizer {tokenizers['sentencepiece']} ...", flush=True)
             subprocess.run([py, "-m", "dataprep", "train-tokenizer", "--input", str(corpus), "--output-prefix",
                             str(tokenizers["sentencepiece"].with_suffix("")), "--vocab-size", str(args.vocab_size),
                             "--sample-docs", "20000"], env=ours_env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     if "huggingface" in args.kinds:
-        tokenizers["huggingface"] = Path(args.hf_tokenizer) if args.hf_tokenizer else work / "hf32k"
+        tokenizers["huggingface"] = Path(args.hf_tokenizer).resolve() if args.hf_tokenizer else work / "hf32k"
         if not (tokenizers["huggingface"] / "tokenizer.json").exists():
             print(f"training tokenizer {tokenizers['huggingface']} ...", flush=True)
             build_hf_tokenizer(tokenizers["huggingface"], corpus, args.vocab_size)
     if "gpt2-bpe" in args.kinds:
-        tokenizers["gpt2-bpe"] = Path(args.gpt2_files) if args.gpt2_files else work / "gpt2-32k"
+        tokenizers["gpt2-bpe"] = Path(args.gpt2_files).resolve() if args.gpt2_files else work / "gpt2-32k"
         if not (tokenizers["gpt2-bpe"] / "merges.txt").exists():
             print(f"training tokenizer {tokenizers['gpt2-bpe']} (GPT-2 file format) ...", flush=True)
             build_gpt2_files(tokenizers["gpt2-bpe"], corpus, args.vocab_size)
     meg = Path(args.megatron).resolve()
     meg_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(meg), args.megatron_pythonpath) if p),
                "PYTHONUTF8": "1", "HF_HUB_OFFLINE": "1"}
+    meg_cwd = {k: meg for k in tokenizers}
+    if "gpt2-bpe" in tokenizers:
+        if megatron_has_legacy_gpt2(meg):
+            print("Megatron-LM GPT2BPETokenizer: its pure-Python BPE (--legacy-tokenizer)", flush=True)
+        else:
+            meg_cwd["gpt2-bpe"] = hub_gpt2_folder(work, tokenizers["gpt2-bpe"])
+            print("Megatron-LM GPT2BPETokenizer: transformers AutoTokenizer('gpt2') (no pure-Python BPE in this "
+                  f"version), served offline from {meg_cwd['gpt2-bpe']}/gpt2", flush=True)
     inputs = {k: corpus_head(corpus, kind_mb[k]) if k in kind_mb else corpus for k in tokenizers}
     stats = {path: (count_lines(path), path.stat().st_size) for path in set(inputs.values())}
     for path, (docs, size) in sorted(stats.items()):
@@ -319,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                         cmd = (ours_cmd(py, probe, work / "probe", tokenizer, workers, 0) if tool == "ours" else
                                megatron_cmd(py, meg, probe, work / "probe_meg", kind, tokenizer, workers))
                         wall, _, cpu, _ = run_measured(pin(cmd, cores), ours_env if tool == "ours" else meg_env,
-                                                       REPO if tool == "ours" else meg)
+                                                       REPO if tool == "ours" else meg_cwd[kind])
                         startup.setdefault((kind, tool, workers), []).append(wall)
                         print(f"  round {rnd + 1} {kind:13s} {tool:8s} start-up w={workers}: {wall:5.1f}s "
                               f"CPU {cpu:5.1f}s", flush=True)
@@ -346,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                 meg_prefix = work / f"megatron_{kind}_w{workers}"
                 mcmd = megatron_cmd(py, meg, data, meg_prefix, kind, tokenizer, workers)
                 load = load_avg()
-                wall, rss, cpu, _ = run_measured(pin(mcmd, cores), meg_env, meg)
+                wall, rss, cpu, _ = run_measured(pin(mcmd, cores), meg_env, meg_cwd[kind])
                 same = all(filecmp.cmp(f"{p}{ext}", f"{meg_prefix}_text_document{ext}", shallow=False)
                            for p in ours_prefixes for ext in (".bin", ".idx"))
                 if not same:
