@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from dataprep import text_encode
 from dataprep.errors import PrepError
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
 from dataprep.text_input import Truncated, expand_inputs, stream_blocks
@@ -130,14 +131,16 @@ class _Run:
                 "blank_lines": self.blank}
 
 
-def _pipeline(blocks, options: EncodeOptions, workers: int):
-    """Encoded results in input order. ``workers`` processes, each with at most 4 blocks queued."""
+def _pipeline(blocks, options: EncodeOptions, workers: int, tokenizer=None):
+    """Encoded results in input order. ``workers`` processes, each with at most 4 blocks queued.
+    ``tokenizer``: already loaded with ``options``; used here (workers=0) or inherited by forked workers."""
     if workers == 0:
-        encoder = BlockEncoder(options)
+        encoder = BlockEncoder(options, tokenizer)
         for item in blocks:
             yield item if isinstance(item, Truncated) else encoder.encode(item)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    text_encode.PRELOADED = tokenizer if method == "fork" else None
     # concurrent.futures rather than multiprocessing.Pool: a worker that dies (e.g. out of memory) raises
     # BrokenProcessPool here instead of leaving the run waiting forever.
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         state = _Run(args, files, writers, rejects)
         blocks = stream_blocks(files, int(args.block_mb * (1 << 20)),
                                on_progress=bar.update if bar is not None else None)
-        results = _pipeline(blocks, options, workers)
+        results = _pipeline(blocks, options, workers, tokenizer)
         for result in results:
             state.consume(result)
             if bar is not None:
