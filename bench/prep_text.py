@@ -23,8 +23,8 @@ medians over the rounds are reported. Tokenizer kinds and what Megatron-LM runs 
 Reported per run: wall time (process start to exit), docs/s, MB/s, tokens/s, CPU seconds of the whole
 process tree (os.wait4), peak RSS summed over the process tree (sampled every 50 ms), and whether the two
 .bin/.idx pairs are byte-identical (checked every run; a difference is an error). Each round also runs both
-tools on the first 20 documents (``--startup-docs``): that wall time is the start-up (imports, tokenizer
-load, pool start); the "steady" ratio divides the run times less their start-ups, the end-to-end ratio does not. ``--pin-cores`` runs each
+tools on the first 20 documents (``--startup-docs``, at the first worker count): that wall time is the
+start-up (imports, tokenizer load, pool start); the "steady" ratio divides the run times less their start-ups, the end-to-end ratio does not. ``--pin-cores`` runs each
 command under ``taskset`` on as many cores as it has workers (so each side gets the same CPU; our tokenizer
 then uses one thread per worker). Load averages are printed with the figures.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import functools
 import json
 import os
 import random
@@ -56,14 +57,17 @@ def build_corpus(path: Path, target_mb: float, seed: int = 0) -> Path:
     """Documents cut from the text files of this Python installation, repeated to ``target_mb``."""
     roots = sorted({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]})
     texts: list[str] = []
+    enough = max(2 * target_mb * 1e6, 50e6)  # a big site-packages holds far more text than needed
+    gathered = 0
     for root in roots:
         for dirpath, _, names in sorted(os.walk(root)):
             for name in sorted(names):
-                if name.endswith(_TEXT_SUFFIXES):
+                if name.endswith(_TEXT_SUFFIXES) and gathered < enough:
                     try:
                         texts.append(Path(dirpath, name).read_text(encoding="utf-8"))
                     except (UnicodeDecodeError, OSError):
                         continue
+                    gathered += len(texts[-1])
     rng = random.Random(seed)
     rng.shuffle(texts)
     target = int(target_mb * 1e6)
@@ -88,7 +92,9 @@ def build_corpus(path: Path, target_mb: float, seed: int = 0) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=2)
 def _train_byte_level_bpe(corpus: Path, vocab_size: int, sample_docs: int):
+    """One training serves both the tokenizer.json and the GPT-2 files (the same BPE, two file formats)."""
     import itertools
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.startup_docs:
                 probe = probe_input(corpus, args.startup_docs)
                 for tool in ("ours", "megatron")[:1 if args.skip_megatron else 2]:
-                    for workers in args.workers:
+                    for workers in args.workers[:1]:  # start-up hardly depends on the worker count
                         cores = workers if args.pin_cores else None
                         cmd = (ours_cmd(py, probe, work / "probe", tokenizer, workers, 0) if tool == "ours" else
                                megatron_cmd(py, meg, probe, work / "probe_meg", kind, tokenizer, workers))
@@ -392,17 +398,32 @@ def main(argv: list[str] | None = None) -> int:
                              "identical": same})
                 print(f"  round {rnd + 1} {kind:13s} megatron  w={workers}: {wall:6.1f}s CPU {cpu:6.1f}s  "
                       f"RSS {rss / 2**20:5.0f}MB  (load {load}); .bin/.idx byte-identical: {same}", flush=True)
+                if args.json_out:  # so far, in case the run is cut short
+                    Path(args.json_out).write_text(json.dumps(
+                        {"runs": runs, "table": summarize(runs, startup, stats, args, show=False)}, indent=1))
 
+    table = summarize(runs, startup, stats, args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"runs": runs, "table": table}, indent=1))
+    if not args.skip_megatron:
+        print("every run's .bin/.idx was byte-identical to Megatron-LM's on the same input")
+    return 0
+
+
+def summarize(runs: list[dict], startup: dict, stats: dict, args, show: bool = True) -> list[dict]:
+    """Medians per (kind, tool, workers), ratios to Megatron-LM; printed as a table when ``show``."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["kind"], r["tool"], r["workers"]), []).append(r)
     def start(kind, tool, workers):
-        return median(startup[(kind, "megatron" if tool == "megatron" else "ours", workers)]) if startup else 0.0
+        key = (kind, "megatron" if tool == "megatron" else "ours", args.workers[0])
+        return median(startup[key]) if key in startup else 0.0
 
     meg_wall = {(k, w): median([r["wall"] for r in rs]) for (k, t, w), rs in groups.items() if t == "megatron"}
-    print(f"\nmedians of {args.repeats} interleaved round(s); cores pinned = workers: {args.pin_cores}; "
-          f"load now {load_avg()}")
-    print(f"{'tokenizer':<13} {'tool':<12} {'workers':>7} {'MB':>6} {'wall s':>7} {'docs/s':>8} {'MB/s':>6} "
+    out = print if show else (lambda *a, **k: None)
+    out(f"\nmedians of {args.repeats} interleaved round(s); cores pinned = workers: {args.pin_cores}; "
+        f"load now {load_avg()}")
+    out(f"{'tokenizer':<13} {'tool':<12} {'workers':>7} {'MB':>6} {'wall s':>7} {'docs/s':>8} {'MB/s':>6} "
           f"{'tokens/s':>10} {'CPU s':>7} {'peak RSS':>9} {'start s':>7} {'vs Megatron':>11} {'steady':>7}")
     table = []
     for (kind, tool, workers), rs in groups.items():
@@ -417,14 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                "cpu": median([r["cpu"] for r in rs]), "rss_mb": max(r["rss"] for r in rs) / 2**20,
                "startup_s": up, "vs_megatron": ratio, "vs_megatron_steady": steady, "rounds": len(rs)}
         table.append(row)
-        print(f"{kind:<13} {tool:<12} {workers:>7} {row['mb']:>6.1f} {wall:>7.1f} {row['docs_s']:>8,.0f} "
+        out(f"{kind:<13} {tool:<12} {workers:>7} {row['mb']:>6.1f} {wall:>7.1f} {row['docs_s']:>8,.0f} "
               f"{row['mb_s']:>6.2f} {row['tokens_s']:>10,.0f} {row['cpu']:>7.1f} {row['rss_mb']:>7,.0f}MB "
               f"{up:>7.1f} {ratio:>10.2f}x {steady:>6.2f}x")
-    if not args.skip_megatron:
-        print("every run's .bin/.idx was byte-identical to Megatron-LM's on the same input")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"runs": runs, "table": table}, indent=1))
-    return 0
+    return table
 
 
 if __name__ == "__main__":
