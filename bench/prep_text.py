@@ -431,8 +431,10 @@ def summarize(runs: list[dict], startup: dict, stats: dict, args, show: bool = T
         wall = median([r["wall"] for r in rs])
         ratio = meg_wall.get((kind, workers), 0) / wall
         up = start(kind, tool, workers)
-        steady = ((meg_wall.get((kind, workers), 0) - start(kind, "megatron", workers)) / max(wall - up, 1e-9)
-                  if startup else float("nan"))
+        meg_run = meg_wall.get((kind, workers), 0) - start(kind, "megatron", workers)
+        steady = float("nan")  # when a run is mostly start-up, its steady speed is not measurable
+        if startup and wall - up > 0.2 * wall and meg_run > 0.2 * meg_wall.get((kind, workers), 0):
+            steady = meg_run / (wall - up)
         row = {"kind": kind, "tool": tool, "workers": workers, "mb": size / 1e6, "wall": wall,
                "docs_s": docs / wall, "mb_s": size / 1e6 / wall, "tokens_s": rs[0]["tokens"] / wall,
                "cpu": median([r["cpu"] for r in rs]), "rss_mb": max(r["rss"] for r in rs) / 2**20,
