@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import tarfile
 from pathlib import Path
@@ -43,6 +44,7 @@ def test_greedy_boundaries_keep_order_and_fixed_headers(tmp_path_factory, sizes)
             assert writer.index[rec.name] == (scanned, end)  # recorded while writing = read back
             got.append([s.key for s in scanned])
             assert rec.samples == len(scanned) and rec.bytes == (out / rec.name).stat().st_size
+            assert rec.sha256 == hashlib.sha256((out / rec.name).read_bytes()).hexdigest()
             data_end = sum(n for k, n in want if k in got[-1])
             assert end == data_end and (data_end <= SHARD_SIZE or len(scanned) == 1)
             with tarfile.open(out / rec.name) as tar:
