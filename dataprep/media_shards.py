@@ -19,7 +19,6 @@ import json
 import os
 import sqlite3
 import struct
-import sys
 import tarfile
 import uuid
 from dataclasses import dataclass, field
@@ -108,33 +107,6 @@ class ShardRecord:
         return dict(self.__dict__)
 
 
-# The fsync before a shard's rename would otherwise wait for the whole shard to reach the disk; asking the
-# kernel to start writing back every 64 MiB as we go (Linux sync_file_range, which does not wait) leaves
-# that fsync little to do. Elsewhere, or if the call fails, the fsync simply does all the work.
-_WRITEBACK_STEP = 64 << 20
-
-
-def _load_sync_file_range():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, do not wait
-
-
 class _OpenShard:
     def __init__(self, out_dir: Path, name: str, split: str):
         self.name, self.split = name, split
@@ -147,16 +119,11 @@ class _OpenShard:
         self.data_bytes = 0
         self.modalities: dict[str, int] = {}
         self.index: list[ScannedSample] = []  # what scan_shard would read back, known without reading
-        self.kicked = 0  # bytes handed to background writeback so far
 
     def _write(self, b: bytes) -> None:
         self.f.write(b)
         self.hash.update(b)
         self.offset += len(b)
-        if self.offset - self.kicked >= _WRITEBACK_STEP:
-            self.f.flush()
-            _start_writeback(self.f.fileno(), self.kicked, self.offset - self.kicked)
-            self.kicked = self.offset
 
     def add(self, key: str, parts: dict[str, bytes], modality: str) -> None:
         sample = ScannedSample(key, self.offset, 0, [])

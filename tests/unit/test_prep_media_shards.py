@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import tarfile
 from pathlib import Path
 
@@ -68,22 +67,3 @@ def test_fast_tar_header_equals_tarfile(name, size):
             return str(exc)
 
     assert outcome(_header) == outcome(_tarfile_header)
-
-
-def test_background_writeback_while_writing(tmp_path, monkeypatch):
-    from dataprep import media_shards
-
-    calls = []
-    monkeypatch.setattr(media_shards, "_WRITEBACK_STEP", 4096)
-    real = media_shards._start_writeback
-    monkeypatch.setattr(media_shards, "_start_writeback", lambda fd, off, n: (calls.append((off, n)), real(fd, off, n)))
-    done = []
-    writer = ShardSetWriter(tmp_path, 10**6, {}, done.append)
-    for i in range(10):
-        writer.add("train", f"s{i}", {"bin": bytes([i]) * 3000, "txt": b"caption"}, "image")
-    writer.finish()
-    (rec,) = done
-    assert calls and all(a + n == b for (a, n), (b, _) in itertools.pairwise(calls))  # contiguous ranges
-    assert writer.index[rec.name] == scan_shard(tmp_path / rec.name)
-    with tarfile.open(tmp_path / rec.name) as tar:
-        assert tar.extractfile("s7.bin").read() == bytes([7]) * 3000
