@@ -10,6 +10,7 @@ rejected (with its line number and reason).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -193,6 +194,14 @@ def init_worker(options: EncodeOptions) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled once, by the writing process
+    if sys.platform.startswith("linux"):
+        # A killed writing process must not leave its workers waiting forever for work that never comes.
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
     _ENCODER = BlockEncoder(options, PRELOADED)
 
 
