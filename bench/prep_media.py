@@ -79,8 +79,9 @@ def _baseline_child(manifest: Path, out: Path, workers: int, validate: bool) -> 
             text = row.get("caption") or row.get("text")
             sink.write({"__key__": row["id"], path.suffix[1:].lower(): data, "txt": text,
                         "json": json.dumps(row).encode()})
-    energon = Path(sys.executable).with_name("energon")
-    subprocess.run([str(energon), "prepare", str(out), "--non-interactive", "--split-ratio", "99,1,0",
+    # energon's console script, run through this interpreter (works where only the package is on PYTHONPATH)
+    energon = [sys.executable, "-c", "import sys; from megatron.energon.cli.main import main; sys.exit(main())"]
+    subprocess.run([*energon, "prepare", str(out), "--non-interactive", "--split-ratio", "99,1,0",
                     "--sample-type", "CrudeWebdataset", "--num-workers", str(workers), "--no-progress"],
                    check=True, stdout=subprocess.DEVNULL)
 
@@ -104,6 +105,12 @@ def main() -> None:
     ap.add_argument("--workdir", default=str(ROOT / "runs" / "bench-prep-media"))
     ap.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported (default 3)")
     ap.add_argument("--no-copy-baseline", action="store_true", help="skip the no-validation reference run")
+    ap.add_argument("--no-validating-baseline", action="store_true",
+                    help="skip the hand-written pipeline that fully decodes every file")
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="run every pipeline under taskset on as many cores as its worker count")
+    ap.add_argument("--json-out", default=None, help="also write the runs and medians as JSON here")
+    ap.add_argument("--ours-args", default="", help="extra flags for mmtrain-prep media (e.g. --full-decode)")
     ap.add_argument("--_child", choices=["validate", "copy"], help=argparse.SUPPRESS)
     ap.add_argument("--_manifest", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
@@ -123,24 +130,29 @@ def main() -> None:
     for rep in range(args.repeats):  # rounds: every pipeline once per round, so all see the same load
         for n in args.workers:
             runs = [("ours", [py, "-m", "dataprep", "media", "--input", str(manifest), "--no-progress",
-                              "--workers", str(n), "--output"]),
-                    ("wds+prepare", [py, __file__, "--_child", "validate", "--_manifest", str(manifest),
-                                     "--_n", str(n), "--_out"])]
+                              "--workers", str(n), *args.ours_args.split(), "--output"])]
+            if not args.no_validating_baseline:
+                runs.append(("wds+prepare", [py, __file__, "--_child", "validate", "--_manifest", str(manifest),
+                                             "--_n", str(n), "--_out"]))
             if not args.no_copy_baseline:
                 runs.append(("wds-copy+prepare", [py, __file__, "--_child", "copy", "--_manifest", str(manifest),
                                                   "--_n", str(n), "--_out"]))
             for name, cmd in runs:
                 out = workdir / f"out-{name}-{n}"
                 shutil.rmtree(out, ignore_errors=True)
+                if args.pin_cores:
+                    cmd = ["taskset", "-c", ",".join(map(str, sorted(os.sched_getaffinity(0))[:n]))] + cmd
                 seconds, rss, cpu = _run(cmd + [str(out)], env)
                 samples.setdefault((name, n), []).append({"seconds": seconds, "rss": rss, "cpu": cpu})
                 load1 = os.getloadavg()[0]
                 print(f"  round {rep + 1} {name:17s} workers={n}: {seconds:6.2f}s  peak RSS {rss:6.0f} MiB  "
                       f"CPU {cpu:6.2f}s  (load {load1:.2f})", flush=True)
                 shutil.rmtree(out, ignore_errors=True)
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"\ninput: {len(rows)} samples ({args.images} images, {args.audio} audio), {in_mb:.1f} MB; "
-          f"{os.cpu_count()} CPUs; {args.repeats} round(s), median and best wall time; {load}")
+          f"{len(os.sched_getaffinity(0))} CPUs" + (" (each run pinned to as many as its workers)" if args.pin_cores
+                                                     else "") + f"; {args.repeats} round(s), median and best "
+          f"wall time; {load}")
     print(f"{'pipeline':18s} {'workers':>7s} {'median s':>9s} {'best s':>7s} {'samples/s':>10s} {'MB/s':>7s} "
           f"{'peak RSS MiB':>13s} {'CPU s':>7s}")
     med = {}
@@ -151,9 +163,14 @@ def main() -> None:
         med[(name, n)] = m
         print(f"{name:18s} {n:7d} {m:9.2f} {secs[0]:7.2f} {len(rows) / m:10.1f} {in_mb / m:7.1f} "
               f"{max(r['rss'] for r in runs_):13.0f} {cpu:7.2f}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({
+            "samples": len(rows), "input_mb": in_mb, "pinned": args.pin_cores, "rounds": args.repeats,
+            "median_s": {f"{name}@{n}": m for (name, n), m in med.items()},
+            "runs": {f"{name}@{n}": r for (name, n), r in samples.items()}}, indent=1))
     for n in args.workers:
         ratios = ", ".join(f"{med[(b, n)] / med[('ours', n)]:.2f}x {b}'s speed"
-                           for b in ("wds+prepare", "wds-copy+prepare") if (b, n) in med)
+                           for b in ("wds+prepare", "wds-copy+prepare") if (b, n) in med) or "(no baseline run)"
         print(f"workers={n} (median wall time): ours runs at {ratios}")
 
 if __name__ == "__main__":

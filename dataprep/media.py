@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also store K evenly spaced frames of each video as JPEG (frame000.jpg ...)")
     g.add_argument("--max-file-mb", type=float, default=512.0, help="reject media files larger than this (default 512)")
     g.add_argument("--max-image-pixels", type=int, default=100_000_000, help="reject larger images (default 1e8)")
+    g.add_argument("--full-decode", action="store_true",
+                   help="validate kept images by decoding every pixel at full size (default: JPEG decoded at "
+                        "1/8 scale, which still reads every coded bit; PNG checked by the CRC of every chunk)")
     g.add_argument("--fix-extensions", action="store_true",
                    help="store images whose extension disagrees with their content under the right extension "
                         "(default: reject them)")
@@ -100,7 +103,7 @@ def _options(args: argparse.Namespace) -> MediaOptions:
     return MediaOptions(image_format=args.image_format, max_side=args.max_side, jpeg_quality=args.jpeg_quality,
                         audio_rate=args.audio_rate, mono=args.mono, video_frames=args.video_frames,
                         max_file_bytes=int(args.max_file_mb * 1e6), max_image_pixels=args.max_image_pixels,
-                        fix_extensions=args.fix_extensions)
+                        fix_extensions=args.fix_extensions, full_decode=args.full_decode)
 
 
 def _our_files(out: Path) -> list[Path]:
@@ -330,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         sample_type = "captioning" if all(m == "image" and t in ("caption", "text") for m, t in kinds) else "crude"
     modalities = sorted({m for m, _ in kinds})
     subflavor = modalities[0] if len(modalities) == 1 else "mixed"
-    write_energon_meta(out, shards, sample_type, subflavor)
+    write_energon_meta(out, shards, sample_type, subflavor, writer.index)
     _write_rejects(out, rejects, source_order)
     reject_codes = collections.Counter(r.code for r in rejects)
     ordered = sorted(shards, key=lambda s: (SPLITS.index(s.split), s.name))

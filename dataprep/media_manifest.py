@@ -7,6 +7,7 @@ is either packed later or reported in `rejects.jsonl`. Decoding the media is `me
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -105,15 +106,21 @@ class _RowError(Exception):
 def _resolve(base: Path, value, field_name: str, allow_outside: bool) -> tuple[str, str]:
     if not isinstance(value, str) or not value.strip():
         raise _RowError("bad_field", f"field {field_name!r} must be a non-empty path string, got {value!r}")
-    if os.path.isabs(value) or ".." in Path(value).parts:
-        if not allow_outside:
-            raise _RowError("outside_path", f"{field_name} path {value!r} is absolute or climbs out with '..'; "
-                            "paths are relative to the manifest's folder (pass --allow-outside to permit)")
-    path = (base / value).resolve()
-    if not allow_outside and not path.is_relative_to(base.resolve()):
-        raise _RowError("outside_path", f"{field_name} path {value!r} resolves outside the manifest's folder "
-                        f"(to {path}); pass --allow-outside to permit")
-    return str(path), value
+    if (os.path.isabs(value) or ".." in Path(value).parts) and not allow_outside:
+        raise _RowError("outside_path", f"{field_name} path {value!r} is absolute or climbs out with '..'; "
+                        "paths are relative to the manifest's folder (pass --allow-outside to permit)")
+    path = os.path.realpath(os.path.join(base, value))
+    if not allow_outside:
+        root = _real_folder(str(base))
+        if path != root and not path.startswith(root.rstrip(os.sep) + os.sep):
+            raise _RowError("outside_path", f"{field_name} path {value!r} resolves outside the manifest's folder "
+                            f"(to {path}); pass --allow-outside to permit")
+    return path, value
+
+
+@functools.lru_cache(maxsize=64)
+def _real_folder(folder: str) -> str:
+    return os.path.realpath(folder)
 
 
 def parse_record(obj, base: Path, source: str, line: int, record: str, allow_outside: bool) -> MediaRow:

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from dataprep import text_encode
 from dataprep.errors import PrepError
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
 from dataprep.text_input import Truncated, expand_inputs, stream_blocks
@@ -42,9 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json (PREFIX_<key>.* for several keys)")
     p.add_argument("--tokenizer", required=True,
-                   help="SentencePiece .model, Hugging Face tokenizer.json, or a folder holding tokenizer.json")
+                   help="SentencePiece .model, Hugging Face tokenizer.json or a folder holding it, or GPT-2 "
+                        "vocab.json or a folder holding vocab.json + merges.txt")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="override the type detected from --tokenizer")
+    p.add_argument("--merge-file", default=None, metavar="MERGES",
+                   help="GPT-2 merges.txt for a --tokenizer vocab.json that has none next to it (type gpt2-bpe)")
     p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                    help="JSON keys to tokenize; several keys give one .bin/.idx pair per key (default: text)")
     p.add_argument("--append-eod", action="store_true",
@@ -127,14 +131,16 @@ class _Run:
                 "blank_lines": self.blank}
 
 
-def _pipeline(blocks, options: EncodeOptions, workers: int):
-    """Encoded results in input order. ``workers`` processes, each with at most 4 blocks queued."""
+def _pipeline(blocks, options: EncodeOptions, workers: int, tokenizer=None):
+    """Encoded results in input order. ``workers`` processes, each with at most 4 blocks queued.
+    ``tokenizer``: already loaded with ``options``; used here (workers=0) or inherited by forked workers."""
     if workers == 0:
-        encoder = BlockEncoder(options)
+        encoder = BlockEncoder(options, tokenizer)
         for item in blocks:
             yield item if isinstance(item, Truncated) else encoder.encode(item)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    text_encode.PRELOADED = tokenizer if method == "fork" else None
     # concurrent.futures rather than multiprocessing.Pool: a worker that dies (e.g. out of memory) raises
     # BrokenProcessPool here instead of leaving the run waiting forever.
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
@@ -171,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         raise PrepError("--workers must be 0 or more")
     files = expand_inputs(args.input)
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
-                               add_special_tokens=args.add_special_tokens)
+                               add_special_tokens=args.add_special_tokens, merge_file=args.merge_file)
     if args.append_eod and tokenizer.eod_id is None:
         raise PrepError(f"--append-eod: tokenizer {args.tokenizer} defines no end-of-sequence token; "
                         "name one with --eod-token")
@@ -181,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads_per_worker or max(1, cpus // max(workers, 1))
     options = EncodeOptions(str(tokenizer.path if tokenizer.type == "sentencepiece" else args.tokenizer),
                             tokenizer.type, args.eod_token, args.add_special_tokens, keys, args.append_eod,
-                            tokenizer.eod_id, args.keep_empty, dtype.name, threads)
+                            tokenizer.eod_id, args.keep_empty, dtype.name, threads,
+                            str(tokenizer.merges_path) if tokenizer.type == "gpt2-bpe" else None)
     prefix = os.fspath(args.output_prefix)
     prefixes = key_prefixes(prefix, keys)
     remove_old_outputs(prefix, list(prefixes.values()))
@@ -196,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         state = _Run(args, files, writers, rejects)
         blocks = stream_blocks(files, int(args.block_mb * (1 << 20)),
                                on_progress=bar.update if bar is not None else None)
-        results = _pipeline(blocks, options, workers)
+        results = _pipeline(blocks, options, workers, tokenizer)
         for result in results:
             state.consume(result)
             if bar is not None:

@@ -10,6 +10,7 @@ rejected (with its line number and reason).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -35,6 +36,7 @@ class EncodeOptions:
     keep_empty: bool
     dtype: str
     threads: int = 1
+    merge_file: str | None = None  # GPT-2 merges.txt (type gpt2-bpe)
 
 
 @dataclass
@@ -116,7 +118,8 @@ class BlockEncoder:
         self.options = options
         self.tokenizer = tokenizer or load_tokenizer(options.tokenizer, options.tokenizer_type,
                                                      eod_token=options.eod_token,
-                                                     add_special_tokens=options.add_special_tokens)
+                                                     add_special_tokens=options.add_special_tokens,
+                                                     merge_file=options.merge_file)
         self.tokenizer.set_threads(options.threads)
         self.dtype = np.dtype(options.dtype)
 
@@ -181,6 +184,9 @@ class BlockEncoder:
 
 # One encoder per worker process, built by the pool initializer.
 _ENCODER: BlockEncoder | None = None
+# The writing process's own tokenizer (same options), set just before it forks the workers: they inherit it
+# instead of loading the files again (a GPT-2/HF tokenizer takes ~0.5 s to parse).
+PRELOADED: Tokenizer | None = None
 
 
 def init_worker(options: EncodeOptions) -> None:
@@ -188,7 +194,15 @@ def init_worker(options: EncodeOptions) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled once, by the writing process
-    _ENCODER = BlockEncoder(options)
+    if sys.platform.startswith("linux"):
+        # A killed writing process must not leave its workers waiting forever for work that never comes.
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    _ENCODER = BlockEncoder(options, PRELOADED)
 
 
 def encode_in_worker(block: Block) -> EncodedBlock:

@@ -173,8 +173,8 @@ def _tokenizer_for(args, t: Target):
     source = args.tokenizer or ((t.manifest or {}).get("tokenizer") or {}).get("path")
     if not source:
         raise PrepError(f"--doc needs a tokenizer: {t.data_prefix} has no manifest naming one; pass --tokenizer")
-    kind = None if args.tokenizer else (t.manifest or {}).get("tokenizer", {}).get("type")
-    return load_tokenizer(source, kind)
+    recorded = {} if args.tokenizer else (t.manifest or {}).get("tokenizer") or {}
+    return load_tokenizer(source, recorded.get("type"), merge_file=recorded.get("merges_path"))
 
 
 def inspect_text(args: argparse.Namespace) -> int:

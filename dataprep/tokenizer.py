@@ -1,4 +1,5 @@
-"""One tokenizer interface over SentencePiece ``.model`` files and Hugging Face ``tokenizer.json`` files.
+"""One tokenizer interface over SentencePiece ``.model`` files, Hugging Face ``tokenizer.json`` files and
+GPT-2-format byte-level BPE files (``vocab.json`` + ``merges.txt``, what Megatron-LM's ``GPT2BPETokenizer`` reads).
 
 Both libraries do the real work (batch encoding in C++ / Rust); this module only gives them the same face:
 ``encode``, ``encode_batch``, ``decode``, ``vocab_size``, ``max_id`` (added tokens included: it decides the
@@ -17,7 +18,9 @@ from typing import Sequence
 
 from dataprep.errors import PrepError
 
-TOKENIZER_TYPES = ("sentencepiece", "huggingface")
+TOKENIZER_TYPES = ("sentencepiece", "huggingface", "gpt2-bpe")
+# GPT-2 files: Megatron-LM hard-codes this token as the end of document of its GPT2BPETokenizer.
+GPT2_EOD = "<|endoftext|>"
 # Tried in order when a Hugging Face tokenizer folder has no tokenizer_config.json naming its eos_token.
 _HF_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 
@@ -170,28 +173,94 @@ class HuggingFaceTokenizer(Tokenizer):
         return file_sha256(self.path)
 
 
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    """GPT-2-format byte-level BPE (``vocab.json`` + ``merges.txt``), encoded by the Rust ``tokenizers`` library.
+
+    Built exactly like the original GPT-2 encoder: GPT-2's pre-tokenization regex on the raw text, bytes mapped
+    to printable characters, merges applied by rank; no normalizer, no prefix space, and no added/special
+    tokens, so ``<|endoftext|>`` inside a document is plain text (as in Megatron-LM's ``GPT2BPETokenizer``).
+    The end of document is the vocabulary's ``<|endoftext|>``. The ids equal Megatron-LM's pure-Python
+    implementation (``bench/prep_text.py`` compares the .bin/.idx bytes).
+    """
+
+    type = "gpt2-bpe"
+
+    def __init__(self, vocab: Path, merges: Path | None = None) -> None:  # no super().__init__: built from two files
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        self.path = vocab / "vocab.json" if vocab.is_dir() else vocab
+        self.merges_path = merges or gpt2_merges_for(vocab)
+        if not self.path.is_file() or self.merges_path is None or not self.merges_path.is_file():
+            raise PrepError(f"{vocab}: a GPT-2 tokenizer needs vocab.json and merges.txt; pass a folder holding "
+                            "both, or the vocab file and --merge-file")
+        try:
+            model = models.BPE.from_file(str(self.path), str(self.merges_path))
+        except Exception as exc:  # noqa: BLE001 - the library raises bare Exception
+            raise PrepError(f"{self.path} + {self.merges_path}: not a GPT-2 vocab/merges pair ({exc})") from None
+        self._tk = HFTokenizer(model)
+        self._tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._tk.decoder = decoders.ByteLevel()
+        self._add_special = False
+        self._vocab = self._tk.get_vocab(with_added_tokens=True)
+        self.eod_id = self._vocab.get(GPT2_EOD)
+        self._encode = getattr(self._tk, "encode_batch_fast", self._tk.encode_batch)
+
+    def checksum(self) -> str:
+        h = hashlib.sha256()
+        for path in (self.path, self.merges_path):
+            h.update(file_sha256(path).encode())
+        return h.hexdigest()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "merges_path": str(self.merges_path)}
+
+
+def gpt2_merges_for(vocab: Path) -> Path | None:
+    """The merges file that goes with a GPT-2 ``vocab.json``: ``merges.txt`` in a folder, else the sibling
+    named like the vocab file (``gpt2-vocab.json`` -> ``gpt2-merges.txt``)."""
+    if vocab.is_dir():
+        candidate = vocab / "merges.txt"
+    elif "vocab" in vocab.name:
+        candidate = vocab.with_name(vocab.name.replace("vocab", "merges").removesuffix(".json") + ".txt")
+    else:
+        return None
+    return candidate if candidate.is_file() else None
+
+
 def detect_tokenizer_type(path: Path) -> str:
-    if path.is_dir() or path.suffix == ".json":
+    if path.is_dir():
+        if not (path / "tokenizer.json").exists() and (path / "vocab.json").is_file() \
+                and (path / "merges.txt").is_file():
+            return "gpt2-bpe"
         return "huggingface"
+    if path.suffix == ".json":
+        return "gpt2-bpe" if path.name != "tokenizer.json" and gpt2_merges_for(path) else "huggingface"
     return "sentencepiece"
 
 
 def load_tokenizer(path: str | os.PathLike, tokenizer_type: str | None = None, *,
-                   eod_token: str | None = None, add_special_tokens: bool = False) -> Tokenizer:
-    """Open ``path`` (SentencePiece ``.model``, ``tokenizer.json`` or a folder holding one).
+                   eod_token: str | None = None, add_special_tokens: bool = False,
+                   merge_file: str | os.PathLike | None = None) -> Tokenizer:
+    """Open ``path`` (SentencePiece ``.model``, ``tokenizer.json`` or a folder holding one, GPT-2
+    ``vocab.json`` or a folder holding ``vocab.json`` + ``merges.txt``).
 
-    ``eod_token`` (a token string) overrides the end-of-document id the library reports.
+    ``eod_token`` (a token string) overrides the end-of-document id the library reports. ``merge_file``
+    names the GPT-2 merges file (and makes the type ``gpt2-bpe``) when it is not next to the vocabulary.
     """
     path = Path(path)
     if not path.exists():
-        raise PrepError(f"tokenizer {path} not found; pass a SentencePiece .model, a tokenizer.json or its folder")
-    kind = tokenizer_type or detect_tokenizer_type(path)
+        raise PrepError(f"tokenizer {path} not found; pass a SentencePiece .model, a tokenizer.json or its folder, "
+                        "or a GPT-2 vocab.json (with --merge-file)")
+    kind = tokenizer_type or ("gpt2-bpe" if merge_file is not None else detect_tokenizer_type(path))
     if kind == "sentencepiece":
         if path.is_dir():
             raise PrepError(f"{path} is a folder; a SentencePiece tokenizer is one .model file")
         tok: Tokenizer = SentencePieceTokenizer(path)
     elif kind == "huggingface":
         tok = HuggingFaceTokenizer(path, add_special_tokens=add_special_tokens)
+    elif kind == "gpt2-bpe":
+        tok = GPT2BPETokenizer(path, Path(merge_file) if merge_file is not None else None)
     else:
         raise PrepError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
     if eod_token is not None:

@@ -116,6 +116,63 @@ def test_every_bad_input_class_is_rejected_with_its_reason(tmp_path):
     assert not codes & {6, 13, 14}
 
 
+def _png_chunks(data: bytes) -> dict[bytes, tuple[int, int]]:
+    """Chunk type -> (offset of its length field, data length), first of each type."""
+    import struct
+
+    found, pos = {}, 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        found.setdefault(data[pos + 4:pos + 8], (pos, length))
+        pos += 12 + length
+    return found
+
+
+def test_quick_image_checks_catch_truncated_and_corrupt_files(tmp_path):
+    """Kept JPEGs are decoded at 1/8 scale and kept PNGs checked chunk by chunk (CRC-32) instead of being
+    inflated: files cut short or damaged after they were written are still rejected. A PNG whose encoder
+    wrote a broken pixel stream with correct CRCs passes that check; --full-decode rejects it too."""
+    import struct
+    import zlib
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(1).integers(0, 256, (90, 120, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    png = buf.getvalue()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90, progressive=True)
+    progressive = buf.getvalue()
+    pos, length = _png_chunks(png)[b"IDAT"]
+    flipped = bytearray(png)
+    flipped[pos + 8 + length // 2] ^= 0xFF  # a changed byte inside IDAT: its CRC no longer matches
+    rewritten = bytearray(flipped)  # the same damage with the CRC recomputed, as a faulty encoder would write
+    rewritten[pos + 8 + length:pos + 12 + length] = struct.pack(">I", zlib.crc32(flipped[pos + 4:pos + 8 + length]))
+    files = {"ok.png": png, "ok.jpg": progressive, "scan_cut.jpg": _noisy_jpeg()[:9000],
+             "progressive_cut.jpg": progressive[:len(progressive) * 2 // 3], "no_eoi.jpg": _noisy_jpeg()[:-2],
+             "idat_flipped.png": bytes(flipped), "idat_cut.png": png[:pos + 8 + length // 2],
+             "no_iend.png": png[:_png_chunks(png)[b"IEND"][0]], "iend_cut.png": png[:-3],
+             "encoder_bug.png": bytes(rewritten)}
+    d = tmp_path / "in"
+    d.mkdir()
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    manifest = d / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"id": n.replace(".", "_"), "image": n, "caption": "x"}) + "\n"
+                                for n in files))
+    expect = {"scan_cut_jpg": "truncated_media", "progressive_cut_jpg": "truncated_media",
+              "no_eoi_jpg": "truncated_media", "idat_flipped_png": "unreadable_media",
+              "idat_cut_png": "truncated_media", "no_iend_png": "truncated_media", "iend_cut_png": "truncated_media"}
+    for extra, also in (((), {}), (("--full-decode",), {"encoder_bug_png": "unreadable_media"})):
+        out = tmp_path / f"out{len(extra)}"
+        assert prep(manifest, out, "--val-ratio", "0", *extra) == 0
+        rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+        assert {json.loads(r["record"])["id"]: r["code"] for r in rejects} == {**expect, **also}
+        assert json.loads((out / "manifest.json").read_text())["counts"]["written"] == 3 - len(also)
+
+
 def test_all_rows_rejected_is_an_error_that_points_at_the_rejects(tmp_path, capsys):
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(json.dumps({"image": "nope.jpg", "caption": "x"}) + "\n")

@@ -14,7 +14,14 @@ import pytest
 
 from dataprep.cli import main as prep
 from mmtrain.data.indexed import IndexedDataset
-from tests.unit.test_tokenizer import TRICKY_DOCS, build_hf_bpe, build_hf_wide, build_sentencepiece
+from tests.unit.test_tokenizer import (
+    TRICKY_DOCS,
+    build_gpt2_files,
+    build_hf_bpe,
+    build_hf_wide,
+    build_sentencepiece,
+    gpt2_reference_encode,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LONG_DOC = "A very long document with Unicode ünïcödé and 🙂 emoji. " * 3000  # ~170k characters
@@ -106,6 +113,29 @@ def test_huggingface_gz_zst_keep_empty(tmp_path, hf_dir):
     assert [Path(i["path"]).name for i in m["inputs"]] == ["a.jsonl.gz", "b.jsonl.zst"]
     assert m["documents"]["written"] == len(DOCS) and m["documents"]["empty"] == 0
     assert m["tokenizer"]["type"] == "huggingface" and m["tokenizer"]["max_id"] == ref.token_to_id("<|extra|>")
+
+
+def test_gpt2_vocab_merges_files(tmp_path, capsys):
+    """Megatron-LM's GPT2BPETokenizer input (vocab.json + merges.txt), as a folder or vocab + --merge-file."""
+    vocab = build_gpt2_files(tmp_path / "tok", "gpt2-vocab.json", "gpt2-merges.txt")
+    merges = vocab.with_name("gpt2-merges.txt")
+    docs = DOCS[:40] + ["<|endoftext|> inside a document stays text"]
+    data = write_jsonl(tmp_path / "in.jsonl", docs)
+    eod = json.loads(vocab.read_text())["<|endoftext|>"]
+    want = [gpt2_reference_encode(vocab, merges, d) + [eod] for d in docs if d]
+    for workers, how in (("0", ["--tokenizer", str(vocab), "--merge-file", str(merges)]),
+                         ("2", ["--tokenizer-type", "gpt2-bpe", "--tokenizer", str(vocab)])):
+        prefix = tmp_path / f"g{workers}"
+        assert prep(["text", "--input", str(data), "--output-prefix", str(prefix), *how, "--append-eod",
+                     "--workers", workers, "--block-mb", "0.002"]) == 0
+        ds = IndexedDataset(prefix)
+        assert ds.dtype == np.uint16 and [ds[i].tolist() for i in range(len(ds))] == want
+        m = manifest(prefix)
+        assert m["tokenizer"]["type"] == "gpt2-bpe" and m["tokenizer"]["merges_path"] == str(merges)
+        assert m["eod_id"] == eod
+    capsys.readouterr()
+    assert prep(["inspect", str(tmp_path / "g2"), "--doc", "1", "--json"]) == 0  # tokenizer from the manifest
+    assert json.loads(capsys.readouterr().out)[0]["decoded"][0]["text"] == docs[1] + "<|endoftext|>"
 
 
 def test_bom_crlf_and_glob_inputs(tmp_path, sp_model):

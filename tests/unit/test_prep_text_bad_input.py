@@ -116,6 +116,19 @@ def test_unreadable_inputs_are_clear_errors(tmp_path, sp_model, capsys):
     assert "Traceback" not in err
 
 
+def _processes_with(text: str) -> list[int]:
+    """Pids of live (not zombie) processes whose command line contains ``text`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes() and \
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 def test_killed_run_leaves_nothing_complete_looking(tmp_path, sp_model):
     docs = [{"text": f"line {i} " + "word " * 40} for i in range(4000)]
     data = tmp_path / "in.jsonl"
@@ -146,5 +159,9 @@ def test_killed_run_leaves_nothing_complete_looking(tmp_path, sp_model):
             proc.wait()
     assert _outputs(prefix) == []
     assert all(p.name.startswith(".") and p.name.endswith(".tmp") for p in prefix.parent.iterdir())
+    deadline = time.monotonic() + 30  # its worker processes die with it (not left waiting forever)
+    while _processes_with(str(prefix)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(str(prefix)) == []
     subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=REPO)  # a re-run completes normally
     assert prep(["verify", str(prefix)]) == 0

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from dataprep.errors import PrepError
-from dataprep.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, load_tokenizer
+from dataprep.tokenizer import (
+    GPT2BPETokenizer,
+    HuggingFaceTokenizer,
+    SentencePieceTokenizer,
+    load_tokenizer,
+)
 
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -68,6 +73,55 @@ def build_hf_wide(folder: Path, size: int = 70_000) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(folder / "tokenizer.json"))
     return folder / "tokenizer.json"
+
+
+def build_gpt2_files(folder: Path, vocab_name: str = "vocab.json", merges_name: str = "merges.txt") -> Path:
+    """GPT-2-format vocab.json + merges.txt (byte-level BPE, <|endoftext|> in the vocabulary), trained locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAINING_TEXT + ["it's we'll they'd I'm you've", "<|endoftext|> as text"], trainer)
+    vocab, merges = tok.model.save(str(folder))
+    if vocab_name != "vocab.json":
+        Path(vocab).rename(folder / vocab_name)
+        Path(merges).rename(folder / merges_name)
+    return folder / vocab_name
+
+
+def gpt2_reference_encode(vocab_file: Path, merges_file: Path, text: str) -> list[int]:
+    """Byte-level BPE as the GPT-2 paper's encoder defines it, written out plainly (slow, for checking)."""
+    import regex
+
+    vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+    lines = merges_file.read_text(encoding="utf-8").split("\n")
+    rank = {tuple(line.split(" ")): i for i, line in enumerate(x for x in lines[1:] if x)}
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    char_of = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    words = regex.findall(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+", text)
+    ids = []
+    for word in words:
+        parts = [char_of[b] for b in word.encode("utf-8")]
+        while len(parts) > 1:
+            best = min(range(len(parts) - 1), key=lambda i: rank.get((parts[i], parts[i + 1]), 1 << 60))
+            pair = (parts[best], parts[best + 1])
+            if pair not in rank:
+                break
+            merged, i = [], 0
+            while i < len(parts):  # every occurrence of the best pair, left to right
+                if i + 1 < len(parts) and (parts[i], parts[i + 1]) == pair:
+                    merged.append(parts[i] + parts[i + 1])
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        ids.extend(vocab[p] for p in parts)
+    return ids
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +205,36 @@ def test_train_tokenizer_is_lossless_and_sampled(tmp_path):
     m = json.loads((tmp_path / "tok" / "sp.manifest.json").read_text())
     assert m["documents"] == {"read": len(TRAINING_TEXT), "bad": 1, "sampled": 50}
     assert m["model"]["sha256"] == tok.checksum()
+
+
+GPT2_DOCS = TRICKY_DOCS + ["<|endoftext|> is plain text here", "it's they'll I'M 'S  \t\n\n  x",
+                           "\x1c\x1d\x1e\x1f \x85 \xa0 \u3000 \u200b \ufeff", "١٢٣ ½ ² Ⅳ a\u0301", ""]
+
+
+def test_gpt2_files_match_the_reference_algorithm(tmp_path):
+    vocab = build_gpt2_files(tmp_path / "g")
+    merges = vocab.with_name("merges.txt")
+    for source, kwargs in ((vocab.parent, {}), (vocab, {}), (vocab, {"merge_file": merges}),
+                           (vocab.parent, {"tokenizer_type": "gpt2-bpe"})):
+        tok = load_tokenizer(source, **kwargs)
+        assert isinstance(tok, GPT2BPETokenizer) and tok.type == "gpt2-bpe"
+        assert tok.eod_id == json.loads(vocab.read_text())["<|endoftext|>"]
+        assert tok.max_id == tok.vocab_size - 1 == len(json.loads(vocab.read_text())) - 1
+        assert tok.encode_batch(GPT2_DOCS) == [gpt2_reference_encode(vocab, merges, d) for d in GPT2_DOCS]
+        assert tok.decode(tok.encode("NUL\x00 🙂 <|endoftext|>")) == "NUL\x00 🙂 <|endoftext|>"
+        assert tok.describe()["merges_path"] == str(merges) and len(tok.checksum()) == 64
+    tok.set_threads(2)
+    assert tok.encode_batch(GPT2_DOCS) == [gpt2_reference_encode(vocab, merges, d) for d in GPT2_DOCS]
+
+
+def test_gpt2_file_names_and_errors(tmp_path):
+    named = build_gpt2_files(tmp_path / "n", "gpt2-vocab.json", "gpt2-merges.txt")
+    assert load_tokenizer(named).merges_path == named.with_name("gpt2-merges.txt")  # sibling found by name
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "vocab.json").write_text(named.read_text())
+    with pytest.raises(PrepError, match="needs vocab.json and merges.txt"):
+        load_tokenizer(lone / "vocab.json", "gpt2-bpe")
+    (lone / "merges.txt").write_text("#version: 0.2\nzz qq\n")  # merges of tokens the vocabulary lacks
+    with pytest.raises(PrepError, match="not a GPT-2 vocab/merges pair"):
+        load_tokenizer(lone)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Put into .device/ what bench/prep_device.sh needs and a bare GPU host lacks (run here, where pip can download
+# and the Megatron-LM mirror is). The host is assumed to have Python 3.12 with sentencepiece, transformers,
+# tokenizers, pillow, numpy, torch and torchaudio (and their own dependencies). Found by running every command
+# of the benchmark under `python -S` with only those packages on the path and adding what was missing:
+#   six 1.17.0               Megatron-LM's tools/preprocess_data.py imports it (through megatron.core)
+#   av 18.1.0                PyAV: mmtrain-prep media validates audio/video with it
+#   webdataset 1.0.2         the hand-written reference pipeline (ShardWriter loop) ...
+#   braceexpand 0.1.7        ... and its one dependency
+#   megatron-energon 7.4.1   ... and `energon prepare` (its other declared dependencies are not imported by
+#                            `prepare` on a local folder; installed with --no-deps)
+# Versions are the ones in /work/main/.venv. Also exported (git archive, no history):
+#   .device/megatron-lm              Megatron-LM core_v0.16.1 megatron/ + tools/ (the version of the
+#                                    megatron-core the tests use; still has the pure-Python GPT-2 BPE)
+#   .device/megatron-lm-head.tar.gz  the mirror's newest commit, same folders (needs Python 3.12; its
+#                                    GPT2BPETokenizer runs on transformers)
+# Carry them with: carry=[".device"]  (about 50 MB: the av wheel is most of it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP=${PIP:-/work/main/.venv/bin/pip}
+MIRROR=${MEGATRON_MIRROR:-/work/.mirror/NVIDIA+Megatron-LM/repo}
+mkdir -p .device/whl
+for spec in six==1.17.0 av==18.1.0 webdataset==1.0.2 braceexpand==0.1.7 megatron-energon==7.4.1; do
+  "$PIP" download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .device/whl "$spec"
+done
+rm -rf .device/megatron-lm && mkdir -p .device/megatron-lm
+git --git-dir="$MIRROR" archive core_v0.16.1 megatron tools | tar -x -C .device/megatron-lm
+git --git-dir="$MIRROR" archive --format=tar.gz -o .device/megatron-lm-head.tar.gz HEAD megatron tools
+ls -la .device/whl && du -sh .device/*
