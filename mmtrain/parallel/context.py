@@ -20,7 +20,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from mmtrain.parallel.comm import _all_gather, gather_seq
 
@@ -51,6 +50,9 @@ def _global_order(gathered: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
 
 def cp_attention(q, k, v, attn_mask, group) -> torch.Tensor:
     """Causal attention of the two local query chunks against the gathered keys/values (B, H, S, D)."""
+    # imported here: the module pulls in torch._dynamo (~1 s of every process start that never uses CP)
+    from torch.nn.attention.bias import causal_lower_right
+
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = q.shape[2] // 2
     k_all = _global_order(gather_seq(k, group, dim=2), cp, 2)
