@@ -6,21 +6,26 @@ The public API — everything a custom training loop needs — is importable fro
 Layout and processes
     ParallelDims, ParallelMesh, init_distributed, pick_device, shutdown_distributed
 Configuration
-    GPTRunConfig, ModelConfig, load_config, save_config, validate_gpt_config, ConfigError
+    GPTRunConfig, ModelConfig, VLMRunConfig, VLMModelConfig, load_config, save_config, validate_gpt_config,
+    validate_vlm_config, ConfigError
 Models and parallel plans
-    GPTModel, build_gpt_stage, apply_tensor_parallel, apply_context_parallel, apply_expert_parallel
+    GPTModel, VLMModel, build_gpt_stage, build_vlm_stage, apply_tensor_parallel, apply_context_parallel,
+    apply_expert_parallel
 Forward-backward schedule
     run_micro_batches, reduce_loss_stats
 Gradients and optimizer
     GradBuckets, MixedPrecisionAdamW, finalize_grads, clip_grad_norm, lr_at
 Data
-    MicroBatches, MockGPTSamples, GPTSamples, build_gpt_samples_from_config, IndexedDataset
+    MicroBatches, MockGPTSamples, GPTSamples, build_gpt_samples_from_config, IndexedDataset,
+    build_multimodal_loader, MultimodalBatch
 Checkpoints
-    save_checkpoint, load_checkpoint, find_checkpoint, CheckpointWriter
+    save_checkpoint, load_checkpoint, find_checkpoint, CheckpointWriter, load_model_weights_only
 The whole loop
-    train_gpt
+    train_gpt, train_vlm
 
-Anything not listed is internal and may change without notice.
+Each subpackage (``mmtrain.config``, ``.parallel``, ``.model``, ``.data``, ``.train``, ``.convert``) lists its own
+public names in ``__all__``. Anything not listed is internal and may change without notice; module-level helpers
+used by one module only carry a leading underscore.
 """
 
 from __future__ import annotations
@@ -48,9 +53,22 @@ _PUBLIC = {
     "save_checkpoint": "mmtrain.train.checkpoint", "load_checkpoint": "mmtrain.train.checkpoint",
     "find_checkpoint": "mmtrain.train.checkpoint", "CheckpointWriter": "mmtrain.train.checkpoint",
     "train_gpt": "mmtrain.train.loop",
+    "VLMRunConfig": "mmtrain.config.vlm_run_schema", "VLMModelConfig": "mmtrain.config.vlm_schema",
+    "validate_vlm_config": "mmtrain.config.vlm_validate", "VLMModel": "mmtrain.model.vlm",
+    "build_vlm_stage": "mmtrain.train.build_vlm", "build_multimodal_loader": "mmtrain.data.multimodal_loader",
+    "MultimodalBatch": "mmtrain.data.multimodal", "load_model_weights_only": "mmtrain.train.checkpoint_state",
+    "train_vlm": "mmtrain.train.vlm_train",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = ["CheckpointWriter", "ConfigError", "GPTModel", "GPTRunConfig", "GPTSamples", "GradBuckets",
+           "IndexedDataset", "MicroBatches", "MixedPrecisionAdamW", "MockGPTSamples", "ModelConfig",
+           "MultimodalBatch", "ParallelDims", "ParallelMesh", "VLMModel", "VLMModelConfig", "VLMRunConfig",
+           "apply_context_parallel", "apply_expert_parallel", "apply_tensor_parallel",
+           "build_gpt_samples_from_config", "build_gpt_stage", "build_multimodal_loader", "build_vlm_stage",
+           "clip_grad_norm", "finalize_grads", "find_checkpoint", "init_distributed", "load_checkpoint",
+           "load_config", "load_model_weights_only", "lr_at", "pick_device", "reduce_loss_stats",
+           "run_micro_batches", "save_checkpoint", "save_config", "shutdown_distributed", "train_gpt", "train_vlm",
+           "validate_gpt_config", "validate_vlm_config"]
 
 
 def __getattr__(name: str):

@@ -30,7 +30,7 @@ def _step(title: str, cmd: list[str]) -> None:
     print(f"--- done in {time.monotonic() - start:.1f}s", flush=True)
 
 
-def write_blend(path: Path, text_prefix: Path, media_dir: Path, text_weight: float, media_weight: float) -> Path:
+def _write_blend(path: Path, text_prefix: Path, media_dir: Path, text_weight: float, media_weight: float) -> Path:
     """A blend spec (docs/blend-spec.md) mixing the indexed text and the energon media shards."""
     from mmtrain.utils.atomic import atomic_write_text
 
@@ -40,7 +40,7 @@ def write_blend(path: Path, text_prefix: Path, media_dir: Path, text_weight: flo
     return atomic_write_text(path, body)
 
 
-def caption_image(run_dir: Path, image_path: Path, max_new_tokens: int = 16) -> str:
+def _caption_image(run_dir: Path, image_path: Path, max_new_tokens: int = 16) -> str:
     """Greedy caption of one image by the run's last checkpoint (one process, CPU)."""
     import torch
     from PIL import Image
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     _step("pack images, audio and video into WebDataset shards",
           [py, "-m", "dataprep", "media", "--input", str(manifest), "--output", str(media), "--workers", "2",
            "--val-ratio", "0.05", "--overwrite", "--no-progress"])
-    blend = write_blend(out / "blend.yaml", prefix.resolve(), media.resolve(), text_weight=1, media_weight=3)
+    blend = _write_blend(out / "blend.yaml", prefix.resolve(), media.resolve(), text_weight=1, media_weight=3)
     print(f"\n=== blend spec {blend}:\n{blend.read_text()}", flush=True)
     run_dir = out / "train"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (a kept run dir would resume)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     k = max(1, len(losses) // 10)
     print(f"\n=== loss: first {k} steps {sum(losses[:k]) / k:.3f} -> last {k} steps {sum(losses[-k:]) / k:.3f}")
     image_row = next(r for r in rows if "caption" in r and "image" in r)
-    caption = caption_image(run_dir, manifest.parent / image_row["image"])
+    caption = _caption_image(run_dir, manifest.parent / image_row["image"])
     print(f"=== caption of {image_row['image']}\n    true:      {image_row['caption']}\n    generated: {caption}")
     print(f"\nVLM demo done. Outputs under {out}/", flush=True)
     return 0

@@ -52,15 +52,15 @@ def read_yaml_with_includes(path: str | os.PathLike, _chain: tuple[Path, ...] = 
         raise ConfigError(f"{path}: '{INCLUDE_KEY}' must be a path or a list of paths")
     merged: dict[str, Any] = {}
     for inc in includes:
-        merged = deep_merge(merged, read_yaml_with_includes(path.parent / inc, (*_chain, path)))
-    return deep_merge(merged, data)
+        merged = _deep_merge(merged, read_yaml_with_includes(path.parent / inc, (*_chain, path)))
+    return _deep_merge(merged, data)
 
 
-def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+            out[key] = _deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -179,7 +179,7 @@ def apply_mapping(obj: Any, mapping: dict[str, Any], source: str, root_cls: type
             setattr(obj, key, _coerce(value, ftype, dotted, source))
 
 
-def parse_override(text: str) -> tuple[str, Any]:
+def _parse_override(text: str) -> tuple[str, Any]:
     """``a.b=value`` -> ("a.b", parsed value). Values are read as YAML scalars/lists (``[1,2]``, ``true``)."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' is not of the form key=value (e.g. optim.lr=1e-4)")
@@ -194,7 +194,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def apply_override(obj: Any, key: str, value: Any) -> None:
+def _apply_override(obj: Any, key: str, value: Any) -> None:
     nested: dict[str, Any] = {}
     cursor = nested
     parts = key.split(".")
@@ -210,16 +210,16 @@ def load_config(cls: type, config_file: str | os.PathLike | None = None, overrid
     if config_file:
         apply_mapping(cfg, read_yaml_with_includes(config_file), str(config_file))
     for item in overrides:
-        apply_override(cfg, *parse_override(item))
+        _apply_override(cfg, *_parse_override(item))
     return cfg
 
 
-def config_to_dict(cfg: Any) -> dict[str, Any]:
+def _config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
 def save_config(cfg: Any, path: str | os.PathLike) -> Path:
     """Write the resolved config as YAML (atomically); loading it back gives an equal object."""
     text = "# Resolved mmtrain config: defaults + config file + overrides.\n"
-    text += yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+    text += yaml.safe_dump(_config_to_dict(cfg), sort_keys=False, default_flow_style=False)
     return atomic_write_text(path, text)

@@ -58,10 +58,10 @@ def reference_markdown(root: type = GPTRunConfig, with_vlm: bool = True) -> str:
     for section in dataclasses.fields(root):
         _section(lines, section.name, hints[section.name], section.metadata.get("help", ""))
     text = "\n".join(lines)
-    return text + "\n" + vlm_reference_markdown() if with_vlm and root is GPTRunConfig else text
+    return text + "\n" + _vlm_reference_markdown() if with_vlm and root is GPTRunConfig else text
 
 
-def vlm_reference_markdown() -> str:
+def _vlm_reference_markdown() -> str:
     """The VLM run config: its model sections and top-level keys; the other sections are the GPT run's."""
     from mmtrain.config.vlm_run_schema import VLMRunConfig
 

@@ -2,7 +2,7 @@
 
 A checkpoint stores each weight as ``model.<global name>`` with its global shape (``mmtrain.train.checkpoint_state``),
 so reading full tensors is one DCP load of whole tensors, whatever layout wrote it. Writing lays the tensors
-out as the ranks of a TP x PP run would (the same boxes, from ``stage_parameter_names`` built on the meta
+out as the ranks of a TP x PP run would (the same boxes, from ``_stage_parameter_names`` built on the meta
 device and ``mmtrain.parallel.global_chunks``): a checkpoint written here is what such a run would have saved,
 minus optimizer, loader and RNG state. Such a *weights-only* checkpoint says so with ``"weights_only": true``
 in ``complete.json``; ``load_model_weights`` starts a run from it (or from any training checkpoint) at any
@@ -50,17 +50,17 @@ class ConvertError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- layout
-def layout_dict(tp: int, pp: int) -> dict[str, int]:
+def _layout_dict(tp: int, pp: int) -> dict[str, int]:
     """The ``layout`` record of a checkpoint written by the converter (one replica: no DP/CP/EP)."""
     return {"world_size": tp * pp, "tp": tp, "pp": pp, "cp": 1, "dp": 1, "ep": 1}
 
 
-def rank_of(tp_rank: int, pp_rank: int, tp: int, cp: int = 1, dp: int = 1) -> int:
+def _rank_of(tp_rank: int, pp_rank: int, tp: int, cp: int = 1, dp: int = 1) -> int:
     """Global rank of (tp, cp=0, dp=0, pp) — the numbering of ``ParallelDims.rank``."""
     return tp_rank + tp * cp * dp * pp_rank
 
 
-def stage_parameter_names(cfg: ModelConfig, pp: int, stage: int, pipeline_layers: list[int] | None = None) -> list[str]:
+def _stage_parameter_names(cfg: ModelConfig, pp: int, stage: int, pipeline_layers: list[int] | None = None) -> list[str]:
     """The state-dict names of pipeline stage ``stage`` (built on the meta device: no memory, exact names)."""
     ranges = stage_layer_ranges(cfg.num_layers, pp, pipeline_layers)
     with torch.device("meta"):
@@ -81,12 +81,12 @@ def _full_tensor_for(name: str, full: dict[str, torch.Tensor], cfg: ModelConfig)
 RankStates = Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]
 
 
-def iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
+def _iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
                      pipeline_layers: list[int] | None = None) -> RankStates:
     """((tp_rank, pp_rank), that rank's model state dict) for a TP x PP layout, one rank at a time (so writing
     a large model holds one rank's shards besides the full tensors)."""
     for stage in range(pp):
-        names = stage_parameter_names(cfg, pp, stage, pipeline_layers)
+        names = _stage_parameter_names(cfg, pp, stage, pipeline_layers)
         for r in range(tp):
             yield (r, stage), {name: tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, r, tp)
                                for name in names}
@@ -95,10 +95,10 @@ def iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, p
 def split_full_state(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
                      pipeline_layers: list[int] | None = None) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
     """{(tp_rank, pp_rank): that rank's model state dict} for a TP x PP layout."""
-    return dict(iter_rank_states(full, cfg, tp, pp, pipeline_layers))
+    return dict(_iter_rank_states(full, cfg, tp, pp, pipeline_layers))
 
 
-def merge_tp_shards(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+def _merge_tp_shards(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     """The full tensor of ``name`` from its TP shards in rank order (the inverse of ``tp_shard_of``)."""
     spec = tp_partition(name, cfg)
     if spec is None or len(pieces) == 1:
@@ -122,23 +122,23 @@ def merge_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], cfg: Mo
         for name in shards[(0, stage)]:
             if name == "output.weight" and cfg.tie_embeddings:
                 continue
-            full[name] = merge_tp_shards(name, [shards[(r, stage)][name] for r in range(tp)], cfg)
+            full[name] = _merge_tp_shards(name, [shards[(r, stage)][name] for r in range(tp)], cfg)
     return full
 
 
 # ----------------------------------------------------------------------------------------------- write
-def run_config_dict(cfg: ModelConfig, tp: int, pp: int, pipeline_layers: list[int] | None) -> dict[str, Any]:
+def _run_config_dict(cfg: ModelConfig, tp: int, pp: int, pipeline_layers: list[int] | None) -> dict[str, Any]:
     run = GPTRunConfig(model=cfg, parallel=ParallelConfig(tp=tp, pp=pp, pipeline_layers=list(pipeline_layers or [])))
     return dataclasses.asdict(run)
 
 
-def layout_chunks(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
+def _layout_chunks(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
                   pipeline_layers: list[int] | None = None) -> list[Chunk]:
     """The chunks (views of ``full``) that the ranks of a TP x PP run hold, as a training checkpoint stores them
     (replicated values once)."""
     chunks: dict[tuple, Chunk] = {}
     for stage in range(pp):
-        for name in stage_parameter_names(cfg, pp, stage, pipeline_layers):
+        for name in _stage_parameter_names(cfg, pp, stage, pipeline_layers):
             if stored_name(name, cfg) != name:
                 continue  # a tied embedding's last-stage copy: stored once, as embed.weight
             for r in range(tp):
@@ -156,10 +156,10 @@ def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cf
     folder."""
     root = Path(root)
     folder = root / f"step_{step:08d}"
-    save_chunks(folder, layout_chunks(full, cfg, tp, pp, pipeline_layers), no_dist=True)
-    meta = {"step": step, "layout": layout_dict(tp, pp), "weights_only": True, "format": "torch.distributed.checkpoint",
+    save_chunks(folder, _layout_chunks(full, cfg, tp, pp, pipeline_layers), no_dist=True)
+    meta = {"step": step, "layout": _layout_dict(tp, pp), "weights_only": True, "format": "torch.distributed.checkpoint",
             "mmtrain_version": mmtrain.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "config": run_config_dict(cfg, tp, pp, pipeline_layers), **(extra_meta or {})}
+            "config": _run_config_dict(cfg, tp, pp, pipeline_layers), **(extra_meta or {})}
     atomic_write_text(folder / "complete.json", json.dumps(meta, indent=1))
     atomic_write_text(root / "model.yaml", "# Model shape of the converted checkpoint; include it in a run config.\n"
                       + yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False))
@@ -168,7 +168,7 @@ def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cf
 
 
 # ------------------------------------------------------------------------------------------------ read
-def resolve_checkpoint_folder(path: str | Path) -> Path:
+def _resolve_checkpoint_folder(path: str | Path) -> Path:
     """A step folder itself, or a checkpoints root through its ``latest`` file."""
     path = Path(path)
     if (path / "complete.json").is_file():
@@ -179,7 +179,7 @@ def resolve_checkpoint_folder(path: str | Path) -> Path:
     raise ConvertError(f"{path}: not a complete mmtrain checkpoint (no complete.json, no latest naming one)")
 
 
-def read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[int]]:
+def _read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[int]]:
     """(complete.json, its ModelConfig, its parallel.pipeline_layers)."""
     meta = json.loads((folder / "complete.json").read_text(encoding="utf-8"))
     run = meta.get("config") or {}
@@ -192,8 +192,8 @@ def read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, lis
 
 def read_full_state(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """Full tensors, ModelConfig and complete.json of a checkpoint (weights-only or from training, any layout)."""
-    folder = resolve_checkpoint_folder(path)
-    meta, cfg, _ = read_checkpoint_meta(folder)
+    folder = _resolve_checkpoint_folder(path)
+    meta, cfg, _ = _read_checkpoint_meta(folder)
     full = {key.removeprefix("model."): torch.empty(shape, dtype=dtype)
             for key, (shape, dtype) in saved_tensors(folder).items() if key.startswith("model.")}
     load_chunks(folder, [Chunk(f"model.{name}", tuple(t.shape), (0,) * t.ndim, t) for name, t in full.items()])
@@ -207,8 +207,8 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     TP/EP plans applied). Returns complete.json. Optimizer, loader and RNG are left as the fresh run made them:
     training starts at step 0 from these weights, so call it before the optimizer copies its fp32 masters.
     ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's."""
-    folder = resolve_checkpoint_folder(path)
-    meta, cfg, _ = read_checkpoint_meta(folder)
+    folder = _resolve_checkpoint_folder(path)
+    meta, cfg, _ = _read_checkpoint_meta(folder)
     if run_model_cfg is not None:
         differ = [f"model.{k}: run {getattr(run_model_cfg, k)!r}, checkpoint {getattr(cfg, k)!r}"
                   for k in ARCHITECTURE_FIELDS if getattr(run_model_cfg, k) != getattr(cfg, k)]

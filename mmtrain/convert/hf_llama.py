@@ -96,7 +96,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def hf_model_type_of(cfg: ModelConfig) -> str:
+def _hf_model_type_of(cfg: ModelConfig) -> str:
     if cfg.num_experts:
         return "mixtral"
     return "qwen2" if cfg.qkv_bias else "llama"
@@ -114,7 +114,7 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
                                       f"supported: {', '.join(map(repr, allowed))}")
     if cfg.num_experts and cfg.moe_ffn_hidden_size not in (0, cfg.ffn_hidden_size):
         raise UnsupportedHFConfig("model.moe_ffn_hidden_size must be 0 or equal ffn_hidden_size for Mixtral")
-    model_type = hf_model_type_of(cfg)
+    model_type = _hf_model_type_of(cfg)
     hf: dict[str, Any] = {}
     if base and base.get("model_type") == model_type:
         hf.update({k: v for k, v in base.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")})

@@ -58,7 +58,7 @@ class BlendedSamples:
         return self.datasets[int(self.dataset_index[n])][int(self.dataset_sample_index[n])]
 
 
-def blend_spec_from_config(cfg) -> BlendSpec:
+def _blend_spec_from_config(cfg) -> BlendSpec:
     d = cfg.data
     if d.blend:
         return load_blend_spec(d.blend)
@@ -83,7 +83,7 @@ def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     d = cfg.data
-    spec = blend_spec_from_config(cfg)
+    spec = _blend_spec_from_config(cfg)
     entries = spec.entries_for(split)
     if not entries:
         raise BlendSpecError(f"{spec.source}: no {split} blend; add a '{split}:' list")

@@ -93,7 +93,7 @@ def _is_number(x) -> bool:
         return False
 
 
-def parse_megatron_list(items: list, base_dir: Path | None, where: str) -> list[BlendEntry]:
+def _parse_megatron_list(items: list, base_dir: Path | None, where: str) -> list[BlendEntry]:
     """``[w1, p1, w2, p2, ...]`` (or paths only, weighed by tokens) -> entries."""
     if not items:
         raise BlendSpecError(f"{where}: empty blend")
@@ -112,15 +112,15 @@ def parse_megatron_list(items: list, base_dir: Path | None, where: str) -> list[
             for i, p in enumerate(items)]
 
 
-def parse_blend(value, base_dir: Path | None, where: str) -> list[BlendEntry]:
+def _parse_blend(value, base_dir: Path | None, where: str) -> list[BlendEntry]:
     """A blend as a list of ``{path, weight, type}`` mappings, a Megatron list, or a Megatron string."""
     if isinstance(value, str):
-        return parse_megatron_list(value.split(), base_dir, where)
+        return _parse_megatron_list(value.split(), base_dir, where)
     if not isinstance(value, list) or not value:
         raise BlendSpecError(f"{where}: expected a non-empty list of datasets or a 'weight path ...' string, "
                              f"got {value!r}")
     if not any(isinstance(x, dict) for x in value):
-        return parse_megatron_list(value, base_dir, where)
+        return _parse_megatron_list(value, base_dir, where)
     entries = []
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
@@ -139,7 +139,7 @@ def parse_blend(value, base_dir: Path | None, where: str) -> list[BlendEntry]:
     return entries
 
 
-def check_entries(entries: list[BlendEntry], where: str) -> None:
+def _check_entries(entries: list[BlendEntry], where: str) -> None:
     """Weights all given or all left out; no dataset twice; every prefix/folder exists."""
     given = [e.weight is not None for e in entries]
     if any(given) and not all(given):
@@ -184,8 +184,8 @@ def load_blend_spec(path: str | os.PathLike) -> BlendSpec:
         raise BlendSpecError(f"{path}: give either 'datasets' (split by document ranges) or per-split blends "
                              f"({', '.join(has_splits)}), not both")
     if "datasets" in raw:
-        datasets = parse_blend(raw["datasets"], base, f"{path}: datasets")
-        check_entries(datasets, f"{path}: datasets")
+        datasets = _parse_blend(raw["datasets"], base, f"{path}: datasets")
+        _check_entries(datasets, f"{path}: datasets")
         split = raw.get("split")
         return BlendSpec(str(path), datasets, None, None if split is None else str(split))
     if not has_splits:
@@ -194,8 +194,8 @@ def load_blend_spec(path: str | os.PathLike) -> BlendSpec:
         raise BlendSpecError(f"{path}: 'split' only applies to 'datasets'; per-split blends use each dataset whole")
     per_split = {}
     for k in has_splits:
-        per_split[k] = parse_blend(raw[k], base, f"{path}: {k}")
-        check_entries(per_split[k], f"{path}: {k}")
+        per_split[k] = _parse_blend(raw[k], base, f"{path}: {k}")
+        _check_entries(per_split[k], f"{path}: {k}")
     return BlendSpec(str(path), None, per_split)
 
 
@@ -208,14 +208,14 @@ def blend_from_prefixes(prefixes: list[str], weights: list[float]) -> BlendSpec:
         items: list = [x for w, p in zip(weights, prefixes) for x in (w, p)]
     else:
         items = list(prefixes)
-    entries = parse_megatron_list(items, Path.cwd(), where)
-    check_entries(entries, where)
+    entries = _parse_megatron_list(items, Path.cwd(), where)
+    _check_entries(entries, where)
     return BlendSpec(where, entries, None)
 
 
 # ---- manifests: tokenizer identity, vocabulary bound, EOD id -------------------------------------------------
 
-def read_prefix_manifest(prefix: str) -> dict | None:
+def _read_prefix_manifest(prefix: str) -> dict | None:
     """The manifest ``mmtrain-prep`` wrote for PREFIX (at PREFIX, or at P for a multi-key output P_<key>)."""
     own = Path(f"{prefix}.manifest.json")
     candidates = [own]
@@ -232,23 +232,23 @@ def read_prefix_manifest(prefix: str) -> dict | None:
 
 
 @dataclass(frozen=True)
-class TextDatasetInfo:
+class _TextDatasetInfo:
     prefix: str
     where: str
     tokenizer: dict | None
     eod_id: int | None
 
 
-def describe_text_dataset(entry: BlendEntry) -> TextDatasetInfo:
-    manifest = read_prefix_manifest(entry.path) or {}
+def _describe_text_dataset(entry: BlendEntry) -> _TextDatasetInfo:
+    manifest = _read_prefix_manifest(entry.path) or {}
     tok = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else None
     eod = manifest.get("eod_id")
     if eod is None and tok is not None and manifest.get("append_eod", True):
         eod = tok.get("eod_id")
-    return TextDatasetInfo(entry.path, entry.where, tok, None if eod is None else int(eod))
+    return _TextDatasetInfo(entry.path, entry.where, tok, None if eod is None else int(eod))
 
 
-def check_text_datasets(entries: list[BlendEntry], vocab_size: int, log) -> list[TextDatasetInfo]:
+def check_text_datasets(entries: list[BlendEntry], vocab_size: int, log) -> list[_TextDatasetInfo]:
     """Open every dataset (format errors named), and check tokenizers agree and ids fit the vocabulary."""
     infos = []
     for e in entries:
@@ -259,7 +259,7 @@ def check_text_datasets(entries: list[BlendEntry], vocab_size: int, log) -> list
             IndexedDataset(e.path)
         except IndexedFormatError as exc:
             raise BlendSpecError(f"{e.where}: {exc}") from None
-        info = describe_text_dataset(e)
+        info = _describe_text_dataset(e)
         if info.tokenizer is None:
             log.warning("%s: no manifest naming a tokenizer for %s; its tokenizer and vocabulary cannot be "
                         "checked", e.where, e.path)

@@ -35,7 +35,7 @@ class IndexCacheTimeout(RuntimeError):
     """A non-building process waited longer than its timeout for the index cache entry."""
 
 
-def params_hash(params: dict) -> str:
+def _params_hash(params: dict) -> str:
     """A short stable hash of JSON-able parameters (key order does not matter)."""
     text = json.dumps(params, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -54,7 +54,7 @@ def _write_npy(path: Path, value: np.ndarray) -> None:
         os.fsync(f.fileno())
 
 
-def is_index_builder() -> bool:
+def _is_index_builder() -> bool:
     """One process per node builds indices: LOCAL_RANK 0 (a single process has no LOCAL_RANK)."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
@@ -65,7 +65,7 @@ class IndexCache:
     def __init__(self, folder: str | os.PathLike, name: str, params: dict, timeout_s: float = 1800.0) -> None:
         self.folder = Path(folder)
         self.params = params
-        self.key = params_hash(params)
+        self.key = _params_hash(params)
         self.stem = f"{name}-{self.key}"
         self.description = self.folder / f"{self.stem}.json"
         self.timeout_s = timeout_s
@@ -132,7 +132,7 @@ class IndexCache:
         as each is ready) and saved; ``built`` says which happened."""
         if self.exists():
             return self.load(), False
-        if not is_index_builder():
+        if not _is_index_builder():
             self.wait()
             return self.load(), False
         started = time.monotonic()

@@ -77,7 +77,7 @@ def energon_source(source: str | os.PathLike, split: str = "train") -> str | dic
             "splits": {energon_split: {"blend": blend}}}
 
 
-def worker_config_for(mesh=None, num_workers: int = 0, seed_offset: int = 0):
+def _worker_config_for(mesh=None, num_workers: int = 0, seed_offset: int = 0):
     """Energon's ``WorkerConfig`` for this rank: rank = our dp rank, world = dp size, the dp process group.
     Errors re-raise (energon's default logs and skips a failing sample)."""
     from megatron.energon import WorkerConfig, reraise_exception
@@ -119,7 +119,7 @@ class MultimodalLoader:
         self.training = split == "train"
         self.source = energon_source(source, split)
         self.task_encoder = MultimodalTaskEncoder(settings)
-        self.worker_config = worker_config_for(mesh, options.num_workers, options.seed_offset)
+        self.worker_config = _worker_config_for(mesh, options.num_workers, options.seed_offset)
         self.dp_rank, self.dp_size = self.worker_config.rank, self.worker_config.world_size
         if options.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {options.num_workers}")

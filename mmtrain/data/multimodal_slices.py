@@ -11,7 +11,7 @@ slices ``s = C + r (mod dp)``, one after the other; worker processes each own so
 takes their batches in the fixed order, so workers only add speed.
 
 The loader state is ``C`` plus each slice's energon state (buffers hold restore keys, so it is small), converted
-by ``encode_state`` to JSON-compatible values. The states of all slices, gathered over the ranks, resume the
+by ``_encode_state`` to JSON-compatible values. The states of all slices, gathered over the ranks, resume the
 order at any data-parallel size that divides ``S``.
 """
 
@@ -58,29 +58,29 @@ def rank_slices(consumed: int, dp_rank: int, dp_size: int, num_slices: int) -> l
 
 # ---- state codec: energon states (dicts, tuples, bytes) <-> JSON-compatible values --------------------------
 
-def encode_state(value: Any) -> Any:
+def _encode_state(value: Any) -> Any:
     if isinstance(value, dict):
-        return {str(k): encode_state(v) for k, v in value.items()}
+        return {str(k): _encode_state(v) for k, v in value.items()}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode_state(v) for v in value]}
+        return {"__tuple__": [_encode_state(v) for v in value]}
     if isinstance(value, list):
-        return [encode_state(v) for v in value]
+        return [_encode_state(v) for v in value]
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if dataclasses.is_dataclass(value) and type(value).__module__.startswith("megatron.energon"):
         return {"__energon__": f"{type(value).__module__}:{type(value).__qualname__}",
-                "fields": {f.name: encode_state(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}}
+                "fields": {f.name: _encode_state(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}}
     raise TypeError(f"energon state holds a {type(value).__name__}, which the multimodal loader state cannot store")
 
 
-def decode_state(value: Any) -> Any:
+def _decode_state(value: Any) -> Any:
     from megatron.energon.state import FlexState
 
     if isinstance(value, dict):
         if set(value) == {"__tuple__"}:
-            return tuple(decode_state(v) for v in value["__tuple__"])
+            return tuple(_decode_state(v) for v in value["__tuple__"])
         if set(value) == {"__bytes__"}:
             return base64.b64decode(value["__bytes__"])
         if set(value) == {"__energon__", "fields"}:  # an energon state dataclass (only energon's are rebuilt)
@@ -88,10 +88,10 @@ def decode_state(value: Any) -> Any:
             if not module.startswith("megatron.energon") or "." in name:
                 raise ValueError(f"multimodal loader state names {value['__energon__']!r}, not an energon class")
             cls = getattr(importlib.import_module(module), name)
-            return cls(**{k: decode_state(v) for k, v in value["fields"].items()})
-        return FlexState({k: decode_state(v) for k, v in value.items()})
+            return cls(**{k: _decode_state(v) for k, v in value["fields"].items()})
+        return FlexState({k: _decode_state(v) for k, v in value.items()})
     if isinstance(value, list):
-        return [decode_state(v) for v in value]
+        return [_decode_state(v) for v in value]
     return value
 
 
@@ -115,7 +115,7 @@ def _sample_loaders(dataset):
         stack.extend(inner or [])
 
 
-class SliceStream:
+class _SliceStream:
     """Slice ``index`` of ``spec.num_slices``: its energon pipeline, iterated the way energon's own loader does
     (the worker config active around each step), with save/restore of its state."""
 
@@ -140,7 +140,7 @@ class SliceStream:
         self._iter = None
         if state is not None:
             self.batches = int(state["batches"])
-            self._run(self.dataset.restore_state, decode_state(state["energon"]))
+            self._run(self.dataset.restore_state, _decode_state(state["energon"]))
 
     def _run(self, fn, *args):
         self.worker_config.worker_activate(self.batches)
@@ -161,7 +161,7 @@ class SliceStream:
         return batch
 
     def state(self) -> dict:
-        return {"batches": self.batches, "energon": encode_state(self._run(self.dataset.save_state))}
+        return {"batches": self.batches, "energon": _encode_state(self._run(self.dataset.save_state))}
 
 
 # ---- readers: the rank's slices, in the main process or in worker processes ----------------------------------
@@ -170,7 +170,7 @@ class InProcessReader:
     """Reads the rank's slices in the calling process."""
 
     def __init__(self, spec: SliceSpec, order: list[int], states: dict[int, dict]) -> None:
-        self.streams = {s: SliceStream(spec, s, states.get(s)) for s in order}
+        self.streams = {s: _SliceStream(spec, s, states.get(s)) for s in order}
 
     def next(self, slice_index: int):
         return self.streams[slice_index].next()
@@ -192,7 +192,7 @@ def _worker_main(spec: SliceSpec, slices: list[int], states: dict, out, stop) ->
     torch.set_num_threads(1)
     parent = os.getppid()
     try:
-        streams = [SliceStream(spec, s, states.get(s)) for s in slices]
+        streams = [_SliceStream(spec, s, states.get(s)) for s in slices]
         for stream in itertools.cycle(streams):
             batch = stream.next()
             item = ("batch", stream.index, stream.batches, batch, stream.state())

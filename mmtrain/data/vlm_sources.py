@@ -32,21 +32,21 @@ def _write_spec(spec, keep, path: Path) -> Path:
         body = {k: v for k, v in body.items() if v}
     else:
         body = {"datasets": [_entry(e) for e in spec.datasets if keep(e)]}
-        if spec.split is not None and keep.__name__ == "is_text":
+        if spec.split is not None and keep.__name__ == "_is_text":
             body["split"] = spec.split
     atomic_write_text(path, yaml.safe_dump(body, sort_keys=False))
     return path
 
 
-def is_text(e) -> bool:
+def _is_text(e) -> bool:
     return e.type != "energon"
 
 
-def is_media(e) -> bool:
+def _is_media(e) -> bool:
     return e.type == "energon"
 
 
-def split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Path | str | None, float]:
+def _split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Path | str | None, float]:
     """(text-only spec or None, media source or None, text fraction of ``split``) for ``data.blend``."""
     path = Path(blend)
     if path.is_dir() or not path.is_file():
@@ -58,7 +58,7 @@ def split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Path
     entries = spec.entries_for(split)
     if not entries:
         raise BlendSpecError(f"{path}: no datasets for split {split!r}")
-    text, media = [e for e in entries if is_text(e)], [e for e in entries if is_media(e)]
+    text, media = [e for e in entries if _is_text(e)], [e for e in entries if _is_media(e)]
     if text and media and any(e.weight is None for e in entries):
         missing = next(e for e in entries if e.weight is None)
         raise BlendSpecError(f"{missing.where}: a blend mixing text and energon entries must weigh every entry "
@@ -66,8 +66,8 @@ def split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Path
     fraction = 1.0 if not media else 0.0 if not text else sum(e.weight for e in text) / sum(e.weight for e in entries)
     out = Path(run_dir) / "data"
     stem = path.stem
-    text_spec = _write_spec(spec, is_text, out / f"{stem}.text.yaml") if text else None
-    media_spec = _write_spec(spec, is_media, out / f"{stem}.media.yaml") if media else None
+    text_spec = _write_spec(spec, _is_text, out / f"{stem}.text.yaml") if text else None
+    media_spec = _write_spec(spec, _is_media, out / f"{stem}.media.yaml") if media else None
     return text_spec, media_spec, fraction
 
 
@@ -101,7 +101,7 @@ def build_vlm_batches(cfg, mesh, split: str = "train") -> VLMBatches:
                                  text_ids_below=min(i for i in (d.mm_image_token_id, d.mm_audio_token_id,
                                                                 cfg.model.language.vocab_size) if i > 1))
         return VLMBatches(media, None, 0.0, cfg.train.micro_batch_size, dp_rank, dp, d.mm_image_size)
-    text_spec, media_src, fraction = split_blend(d.blend, cfg.logging.run_dir, split)
+    text_spec, media_src, fraction = _split_blend(d.blend, cfg.logging.run_dir, split)
     text = row_inputs = None
     if text_spec is not None:
         text = _text_samples(cfg, text_spec, split, dp)

@@ -21,7 +21,7 @@ from mmtrain.model.layers import TransformerBlock
 from mmtrain.model.vision import init_by_name
 
 
-def sinusoids(length: int, dim: int) -> torch.Tensor:
+def _sinusoids(length: int, dim: int) -> torch.Tensor:
     """Whisper's fixed position table (length, dim): sin on the first half of the channels, cos on the second."""
     step = math.log(10000) / (dim // 2 - 1)
     inv = torch.exp(-step * torch.arange(dim // 2, dtype=torch.float32))
@@ -59,7 +59,7 @@ class AudioEncoder(nn.Module):
                 power=2.0)
         self.conv1 = nn.Conv1d(cfg.n_mels, cfg.hidden_size, 3, padding=1)
         self.conv2 = nn.Conv1d(cfg.hidden_size, cfg.hidden_size, 3, stride=2, padding=1)
-        self.register_buffer("positions", sinusoids(cfg.max_frames, cfg.hidden_size), persistent=False)
+        self.register_buffer("positions", _sinusoids(cfg.max_frames, cfg.hidden_size), persistent=False)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
                                      for i in range(cfg.num_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)

@@ -129,7 +129,7 @@ def _cast_weight_pair(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
 _compiled_cast = None
 
 
-def cast_weight_pair(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+def _cast_weight_pair_fast(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     """``_cast_weight_pair``, compiled on the GPU (64 linears x 4 eager kernels would cost ~ms per step)."""
     global _compiled_cast
     if not w.is_cuda:
@@ -215,7 +215,7 @@ class Fp8Matmul(nn.Module):
             b_inv = b_inv.t()  # (1, K)
             b = b.contiguous()
         else:
-            a, b, a_inv = cast_weight_pair(w, tensor_amax(w) if amax is None else amax.float(), self.fwd_dtype)
+            a, b, a_inv = _cast_weight_pair_fast(w, tensor_amax(w) if amax is None else amax.float(), self.fwd_dtype)
             b_inv = a_inv
         for name, value in (("w_a", a), ("w_a_inv", a_inv), ("w_b", b), ("w_b_inv", b_inv)):
             buf = getattr(self, name)

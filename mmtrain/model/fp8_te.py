@@ -50,7 +50,7 @@ def te_recipe(cfg: GPTRunConfig):
     raise ValueError(f"fp8.recipe={f.recipe} has no Transformer Engine recipe")
 
 
-def te_autocast(recipe, group):
+def _te_autocast(recipe, group):
     """TE's FP8 context: ``te.autocast`` (TE >= 2.8) or the older ``te.fp8_autocast``."""
     import transformer_engine.pytorch as te
 
@@ -91,7 +91,7 @@ def _tp_role(lin: nn.Module) -> str | None:
 
 
 @torch.no_grad()
-def make_te_linear(lin: nn.Module) -> nn.Module:
+def _make_te_linear(lin: nn.Module) -> nn.Module:
     """A TE linear holding the same values (and parameter attributes) as ``lin`` (nn.Linear or a TP linear)."""
     role = _tp_role(lin)
     out_f, in_f = lin.weight.shape
@@ -125,13 +125,13 @@ def apply_te_fp8(model: nn.Module, cfg: GPTRunConfig, mesh, layers: set[int]) ->
             parent = block.get_submodule(parent_path)
             lin = getattr(parent, name, None)
             if lin is not None:  # MoE blocks have no mlp.up/down
-                setattr(parent, name, make_te_linear(lin))
+                setattr(parent, name, _make_te_linear(lin))
     group = mesh.tp_group if dist.get_world_size(mesh.tp_group) > 1 else None
     recipe = te_recipe(cfg)
     inner = model.forward
 
     def forward_in_fp8_autocast(*args, **kwargs):
-        with te_autocast(recipe, group):
+        with _te_autocast(recipe, group):
             return inner(*args, **kwargs)
 
     model.forward = forward_in_fp8_autocast

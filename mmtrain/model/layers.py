@@ -68,7 +68,7 @@ def apply_rope(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 # ------------------------------------------------------------------------------------------ attention
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
     """Causal attention on (B, H, S, D) tensors; ``attn_mask`` (bool, True = attend) replaces plain causality."""
     gqa = q.shape[1] != k.shape[1]
     if attn_mask is None:
@@ -76,7 +76,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
 
 
-def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             attn_mask: torch.Tensor | None) -> torch.Tensor:
     """Full (encoder) attention on (B, H, S, D); ``attn_mask`` (bool, True = attend) e.g. hides padded keys."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         # the context-parallel plan swaps in its K/V-gathering version; encoders (ViT, audio) attend both ways
-        self.core_attention = sdpa_attention if causal else bidirectional_attention
+        self.core_attention = _sdpa_attention if causal else _bidirectional_attention
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,7 +37,7 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
-class Router(nn.Module):
+class _Router(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -74,7 +74,7 @@ class Router(nn.Module):
         return weights, ids, aux, load
 
 
-def swiglu_or_gelu(h: torch.Tensor, gated: bool) -> torch.Tensor:
+def _swiglu_or_gelu(h: torch.Tensor, gated: bool) -> torch.Tensor:
     if gated:
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -98,15 +98,15 @@ class Experts(nn.Module):
                        and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x_MD.device)[0] >= 9)
         if use_grouped:
             offs = torch.tensor(counts, device=x_MD.device).cumsum(0).to(torch.int32)
-            h = swiglu_or_gelu(torch._grouped_mm(x_MD, self.w_up, offs=offs), self.gated)
+            h = _swiglu_or_gelu(torch._grouped_mm(x_MD, self.w_up, offs=offs), self.gated)
             return torch._grouped_mm(h, self.w_down, offs=offs)
         outs = []
         for e, part in enumerate(x_MD.split(counts)):
-            outs.append(swiglu_or_gelu(part @ self.w_up[e], self.gated) @ self.w_down[e])
+            outs.append(_swiglu_or_gelu(part @ self.w_up[e], self.gated) @ self.w_down[e])
         return torch.cat(outs) if outs else x_MD.new_zeros(0, self.w_down.shape[-1])
 
 
-def capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor | None:
+def _capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor | None:
     """Which assignments fit their expert's capacity (first come, first served); None when dropless."""
     if not capacity_factor:
         return None
@@ -116,7 +116,7 @@ def capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: float
     return (position < capacity).view_as(ids_NK)
 
 
-def local_dispatch(x_ND: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, experts: Experts,
+def _local_dispatch(x_ND: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, experts: Experts,
                    num_experts: int, keep_NK: torch.Tensor | None = None) -> torch.Tensor:
     """Sort assignments by expert, run the experts, scatter back and combine with the routing weights."""
     order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
@@ -132,7 +132,7 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.router = Router(cfg)
+        self.router = _Router(cfg)
         self.experts = Experts(cfg, cfg.num_experts)
         self.shared = None
         if cfg.moe_shared_ffn_hidden_size:
@@ -140,7 +140,7 @@ class MoELayer(nn.Module):
 
             shared_cfg = type(cfg)(**{**cfg.__dict__, "ffn_hidden_size": cfg.moe_shared_ffn_hidden_size})
             self.shared = MLP(shared_cfg)
-        self.dispatch = local_dispatch  # replaced by the expert-parallel plan
+        self.dispatch = _local_dispatch  # replaced by the expert-parallel plan
         self.token_groups: list = []  # groups over which one micro-batch's tokens are split (SP, CP)
         self.step_load: torch.Tensor | None = None  # tokens per expert, accumulated over a step (for logs/bias)
 
@@ -149,7 +149,7 @@ class MoELayer(nn.Module):
         x = x_BSD.reshape(-1, shape[-1])
         weights, ids, aux, load = self.router(x, self.token_groups)
         self.step_load = load if self.step_load is None else self.step_load + load
-        keep = capacity_mask(ids, self.cfg.num_experts, self.cfg.moe_capacity_factor)
+        keep = _capacity_mask(ids, self.cfg.num_experts, self.cfg.moe_capacity_factor)
         out = self.dispatch(x, weights, ids, self.experts, self.cfg.num_experts, keep)
         if self.shared is not None:
             out = out + self.shared(x)

@@ -24,7 +24,7 @@ from mmtrain.config.vlm_schema import VisionConfig
 from mmtrain.model.layers import TransformerBlock, make_norm
 
 
-def sincos_2d(grid: int, dim: int) -> torch.Tensor:
+def _sincos_2d(grid: int, dim: int) -> torch.Tensor:
     """Fixed 2D sin-cos position table (grid*grid, dim): half the channels encode the row, half the column."""
     if dim % 4:
         raise ValueError(f"sincos2d positions need a width divisible by 4, got {dim}")
@@ -38,7 +38,7 @@ def sincos_2d(grid: int, dim: int) -> torch.Tensor:
     return torch.cat(out, dim=1).float()
 
 
-def rope_2d_cos_sin(grid: int, head_dim: int, theta: float, dtype: torch.dtype,
+def _rope_2d_cos_sin(grid: int, head_dim: int, theta: float, dtype: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (1, P, 1, head_dim) for ``apply_rope``: the first half of the rotary pairs turn with the patch row,
     the second half with its column."""
@@ -79,7 +79,7 @@ class VisionEncoder(nn.Module):
         self.pos_embed = (nn.Parameter(torch.zeros(cfg.num_patches, cfg.hidden_size))
                           if cfg.position_embedding == "learned" else None)
         if cfg.position_embedding == "sincos2d":
-            self.register_buffer("pos_table", sincos_2d(cfg.grid, cfg.hidden_size), persistent=False)
+            self.register_buffer("pos_table", _sincos_2d(cfg.grid, cfg.hidden_size), persistent=False)
         self.temporal_embed = nn.Embedding(cfg.max_video_frames, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
                                      for i in range(cfg.num_layers)})
@@ -106,7 +106,7 @@ class VisionEncoder(nn.Module):
         x = x + self.temporal_embed(frame_index_N.clamp(max=c.max_video_frames - 1))[:, None, :]
         cos = sin = None
         if c.position_embedding == "rope2d":
-            cos, sin = rope_2d_cos_sin(c.grid, c.hidden_size // c.num_attention_heads, c.rope_theta, x.dtype,
+            cos, sin = _rope_2d_cos_sin(c.grid, c.hidden_size // c.num_attention_heads, c.rope_theta, x.dtype,
                                        x.device)
         for layer in self.layers.values():
             x = layer(x, cos, sin, None)

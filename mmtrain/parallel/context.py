@@ -48,7 +48,7 @@ def _global_order(gathered: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
     return torch.cat(order, dim=dim)
 
 
-def cp_attention(q, k, v, attn_mask, group) -> torch.Tensor:
+def _cp_attention(q, k, v, attn_mask, group) -> torch.Tensor:
     """Causal attention of the two local query chunks against the gathered keys/values (B, H, S, D)."""
     # imported here: the module pulls in torch._dynamo (~1 s of every process start that never uses CP)
     from torch.nn.attention.bias import causal_lower_right
@@ -68,7 +68,7 @@ def cp_attention(q, k, v, attn_mask, group) -> torch.Tensor:
     return torch.cat(outs, dim=2)
 
 
-def cp_document_masks(doc_ids_BS: torch.Tensor, group) -> list[torch.Tensor]:
+def _cp_document_masks(doc_ids_BS: torch.Tensor, group) -> list[torch.Tensor]:
     """Per local chunk: bool (B, 1, c, kv_len) — same document and bottom-right causal."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = doc_ids_BS.shape[1] // 2
@@ -87,6 +87,6 @@ def apply_context_parallel(model: torch.nn.Module, group) -> torch.nn.Module:
     if dist.get_world_size(group) == 1:
         return model
     for block in model.layers.values():
-        block.attn.core_attention = partial(cp_attention, group=group)
-    model.build_attention_mask = partial(cp_document_masks, group=group)
+        block.attn.core_attention = partial(_cp_attention, group=group)
+    model.build_attention_mask = partial(_cp_document_masks, group=group)
     return model

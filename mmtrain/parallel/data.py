@@ -25,7 +25,7 @@ from torch import nn
 
 
 @dataclass
-class Bucket:
+class _Bucket:
     params: list[nn.Parameter]
     start: int  # element offsets into the buffers
     end: int
@@ -62,17 +62,17 @@ class GradBuckets:
         late = [p for p in params if id(p) in late_ids]
         if late:
             groups.append((late, True))
-        self.buckets: list[Bucket] = []
+        self.buckets: list[_Bucket] = []
         offset = 0
         for plist, is_late in groups:
             n = sum(p.numel() for p in plist)
             padded = -(-n // self.dp) * self.dp
-            self.buckets.append(Bucket(plist, offset, offset + padded, is_late))
+            self.buckets.append(_Bucket(plist, offset, offset + padded, is_late))
             offset += padded
         device = params[0].device
         self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
         self.param_buffer = torch.zeros(offset, dtype=param_dtype, device=device)
-        self.bucket_of: dict[int, Bucket] = {}
+        self.bucket_of: dict[int, _Bucket] = {}
         for b in self.buckets:
             pos = b.start
             for p in b.params:
@@ -112,7 +112,7 @@ class GradBuckets:
             if not b.pending and not b.late and self.overlap:
                 self._launch(b)
 
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, b: _Bucket) -> None:
         if b.handle is not None:
             return
         view = self.grad_buffer[b.start:b.end]
@@ -138,14 +138,14 @@ class GradBuckets:
             self.grad_buffer.mul_(scale)
 
     # ----------------------------------------------------------------------------------------- shards
-    def owned_range(self, b: Bucket) -> tuple[int, int]:
+    def owned_range(self, b: _Bucket) -> tuple[int, int]:
         """Buffer range this rank updates in bucket ``b`` (the whole bucket without the distributed optimizer)."""
         if not self.sharded:
             return b.start, b.end
         size = (b.end - b.start) // self.dp
         return b.start + self.dp_rank * size, b.start + (self.dp_rank + 1) * size
 
-    def reduced_grad(self, b: Bucket, start: int, end: int) -> torch.Tensor:
+    def reduced_grad(self, b: _Bucket, start: int, end: int) -> torch.Tensor:
         """The reduced fp32 gradient of buffer range [start, end) inside this rank's owned range of ``b``."""
         if not self.sharded:
             return self.grad_buffer[start:end]
@@ -173,7 +173,7 @@ class _Done:
 class _Piece:
     param: nn.Parameter
     owner: GradBuckets
-    bucket: Bucket
+    bucket: _Bucket
     start: int  # buffer range of this piece (inside the owned range)
     end: int
     master: torch.Tensor  # fp32 copy of the piece, what AdamW updates

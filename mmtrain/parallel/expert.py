@@ -59,7 +59,7 @@ def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights_N
     return (y.view(N, K, -1) * weights_NK[..., None].to(y.dtype)).sum(dim=1)
 
 
-def ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *, group):
+def _ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *, group):
     ep = dist.get_world_size(group)
     local = num_experts // ep
     order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
@@ -112,7 +112,7 @@ def apply_expert_parallel(model: nn.Module, group, sequence_parallel_tp: bool = 
             for p in module.parameters():
                 p.tp_partial_grad = True
         if ep > 1:
-            module.dispatch = partial(ep_dispatch, group=group)
+            module.dispatch = partial(_ep_dispatch, group=group)
     return model
 
 

@@ -28,7 +28,7 @@ EXPERT_PARAMS = ("experts.w_up", "experts.w_down")
 
 
 @dataclass(frozen=True)
-class Box:
+class _Box:
     """One box of a global tensor held by this rank, and where its values are in the local flat range."""
 
     offsets: tuple[int, ...]  # in the global tensor
@@ -109,9 +109,9 @@ def _leaves(shape: tuple[int, ...], lo: int, hi: int, prefix: tuple[int, ...] = 
         yield from _leaves(shape[1:], 0, hi - row * m, (*prefix, row), base + row * m)
 
 
-def boxes(name: str, local_shape: tuple[int, ...], cfg, shard: Shard, lo: int = 0, hi: int | None = None) -> list[Box]:
+def boxes(name: str, local_shape: tuple[int, ...], cfg, shard: Shard, lo: int = 0, hi: int | None = None) -> list[_Box]:
     """The global boxes of the flat range [lo, hi) (default: all) of this rank's shard of parameter ``name``;
-    ``Box.flat`` is relative to ``lo``."""
+    ``_Box.flat`` is relative to ``lo``."""
     local_shape = tuple(local_shape)
     hi = math.prod(local_shape) if hi is None else hi
     tp = _tp_parts(name, local_shape, cfg, shard.tp)
@@ -122,7 +122,7 @@ def boxes(name: str, local_shape: tuple[int, ...], cfg, shard: Shard, lo: int = 
         if expert:
             g[0] += shard.ep_rank * local_shape[0]
         if tp is None:
-            out.append(Box(tuple(g), sizes, (f0 - lo, f1 - lo), sizes, None))
+            out.append(_Box(tuple(g), sizes, (f0 - lo, f1 - lo), sizes, None))
             continue
         dim, local_parts = tp
         start, end = off[dim], off[dim] + sizes[dim]
@@ -133,7 +133,7 @@ def boxes(name: str, local_shape: tuple[int, ...], cfg, shard: Shard, lo: int = 
                 g[dim] = global_at + shard.tp_rank * lp + (s - local_at)
                 cut = tuple(e - s if d == dim else n for d, n in enumerate(sizes))
                 whole = s == start and e == end
-                out.append(Box(tuple(g), cut, (f0 - lo, f1 - lo), sizes, None if whole else (dim, s - start, e - s)))
+                out.append(_Box(tuple(g), cut, (f0 - lo, f1 - lo), sizes, None if whole else (dim, s - start, e - s)))
             local_at += lp
             global_at += lp * shard.tp
     return out

@@ -21,7 +21,7 @@ from torch import nn
 from mmtrain.parallel.comm import copy_to_group, gather_seq, gather_seq_no_reduce, reduce_from_group, reduce_scatter_seq
 
 
-def shard_parts(t: torch.Tensor, parts: tuple[int, ...], rank: int, n: int, dim: int = 0) -> torch.Tensor:
+def _shard_parts(t: torch.Tensor, parts: tuple[int, ...], rank: int, n: int, dim: int = 0) -> torch.Tensor:
     """This rank's rows of a tensor made of concatenated ``parts`` along ``dim`` (each part split n ways)."""
     pieces = t.split(list(parts), dim=dim)
     for size in parts:
@@ -44,8 +44,8 @@ class ColumnParallelLinear(nn.Module):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.part_sizes = getattr(full, "part_sizes", (full.out_features,))
-        self.weight = nn.Parameter(shard_parts(full.weight.data, self.part_sizes, r, n))
-        self.bias = nn.Parameter(shard_parts(full.bias.data, self.part_sizes, r, n)) if full.bias is not None else None
+        self.weight = nn.Parameter(_shard_parts(full.weight.data, self.part_sizes, r, n))
+        self.bias = nn.Parameter(_shard_parts(full.bias.data, self.part_sizes, r, n)) if full.bias is not None else None
         _mark(self.weight, tp_sharded=True)
         _mark(self.bias, tp_sharded=True)
         self.matmul = F.linear  # an F.linear-like hook: FP8 (mmtrain.model.fp8) swaps in its own matmul
@@ -74,7 +74,7 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabParallelEmbedding(nn.Module):
     """Rows of the vocabulary split over TP; each rank looks up its range, the partial results are summed."""
 
     def __init__(self, full: nn.Embedding, group, sequence_parallel: bool) -> None:
@@ -126,7 +126,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, group, vocab_start: int) -> torch.Tensor:
+def _vocab_parallel_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, group, vocab_start: int) -> torch.Tensor:
     """Per-token loss (B, S) from vocab-sharded logits; full logits are never gathered."""
     loss = _VocabParallelCrossEntropy.apply(logits_BSV.flatten(0, 1), labels_BS.flatten(), vocab_start, group)
     return loss.view_as(labels_BS)
@@ -154,7 +154,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
                 for p in norm.parameters():
                     _mark(p, tp_partial_grad=True)
     if getattr(model, "embed", None) is not None:
-        model.embed = VocabParallelEmbedding(model.embed, group, sp)
+        model.embed = _VocabParallelEmbedding(model.embed, group, sp)
     if getattr(model, "post_process", False):
         for p in model.norm.parameters():
             _mark(p, tp_partial_grad=sp)
@@ -166,7 +166,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
             model.output.weight = nn.Parameter(full.weight.data.chunk(n, dim=0)[r].contiguous())
             _mark(model.output.weight, tp_sharded=True)
         model.head_input_fn = partial(gather_seq, group=group) if sp else partial(copy_to_group, group=group)
-        model.loss_fn = partial(vocab_parallel_cross_entropy, group=group, vocab_start=r * vocab // n)
+        model.loss_fn = partial(_vocab_parallel_cross_entropy, group=group, vocab_start=r * vocab // n)
         model.logits_gather_fn = partial(gather_seq_no_reduce, group=group, dim=-1)
     return model
 
@@ -213,4 +213,4 @@ def tp_shard_of(name: str, full: torch.Tensor, cfg, rank: int, n: int) -> torch.
     if spec is None or n == 1:
         return full
     dim, parts = spec
-    return shard_parts(full, parts or (full.shape[dim],), rank, n, dim=dim)
+    return _shard_parts(full, parts or (full.shape[dim],), rank, n, dim=dim)

@@ -35,7 +35,7 @@ class NonFiniteError(RuntimeError):
     """Training stopped on a non-finite loss or gradient norm; the message names the step and the ranks."""
 
 
-def ranks_with_nonfinite_loss(local_loss_sum: torch.Tensor, device: torch.device) -> list[int]:
+def _ranks_with_nonfinite_loss(local_loss_sum: torch.Tensor, device: torch.device) -> list[int]:
     """Global ranks whose own (unreduced) loss sum is NaN/Inf."""
     bad = torch.tensor([0.0 if torch.isfinite(local_loss_sum).item() else 1.0], device=device)
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -50,7 +50,7 @@ def nonfinite_report(step: int, loss: float, grad_norm: float, local_loss_sum: t
     """None when loss and grad norm are finite, else one line naming the step and the ranks concerned."""
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return None
-    ranks = ranks_with_nonfinite_loss(local_loss_sum, device)
+    ranks = _ranks_with_nonfinite_loss(local_loss_sum, device)
     where = (f"non-finite loss on rank(s) {ranks}" if ranks
              else "losses finite on every rank: a gradient overflowed (see grad_norm)")
     return f"step {step}: loss {loss}, grad_norm {grad_norm} ({where})"

@@ -35,7 +35,7 @@ from mmtrain.train.metrics import MetricsLogger
 from mmtrain.utils.log import get_logger
 
 
-def build_samples(cfg: GPTRunConfig, split: str, dp_size: int):
+def _build_samples(cfg: GPTRunConfig, split: str, dp_size: int):
     if cfg.data.mock:
         from mmtrain.data.mock import MockGPTSamples
 
@@ -46,7 +46,7 @@ def build_samples(cfg: GPTRunConfig, split: str, dp_size: int):
     return build_gpt_samples_from_config(cfg, split=split, dp_size=dp_size)
 
 
-def param_dtype_for(precision: str) -> torch.dtype:
+def _param_dtype_for(precision: str) -> torch.dtype:
     """Model weights (and activations) are bf16 for bf16/fp8 runs; fp32 master copies live in the optimizer."""
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
@@ -128,7 +128,7 @@ def schedule_micro_batches(forward_step, num_micro: int, stage, mesh: ParallelMe
     ranks = mesh.ranks("pp")
     mbs, S, hidden = shape_BSD
     seq = S // mesh.dims.cp // (mesh.dims.tp if cfg.parallel.sequence_parallel else 1)
-    shape, dtype = (mbs, seq, hidden), param_dtype_for(cfg.train.precision)
+    shape, dtype = (mbs, seq, hidden), _param_dtype_for(cfg.train.precision)
     if cfg.parallel.virtual_pp > 1:
         interleaved_schedule(lambda c, i, x: forward_step(i, x, stage.chunks[c]), num_micro, mesh.pp_group,
                              ranks, s, cfg.parallel.virtual_pp, shape, dtype, device, backward=buckets is not None,
@@ -169,7 +169,7 @@ class StepTask:
     extra_metrics: Callable[[torch.Tensor, float], dict] = lambda stats, dt: {}
 
 
-def gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage: GPTModel,
+def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage: GPTModel,
              eod_id: int | None) -> StepTask:
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
     gbs = global_batch_size(cfg, mesh.dims.dp)
@@ -179,7 +179,7 @@ def gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage:
 
 
 @torch.no_grad()
-def evaluate(stage: torch.nn.Module, batches, mesh: ParallelMesh, cfg, task: StepTask, num_micro: int) -> float:
+def _evaluate(stage: torch.nn.Module, batches, mesh: ParallelMesh, cfg, task: StepTask, num_micro: int) -> float:
     """Mean token loss over ``eval_steps`` global batches of the valid split."""
     stage.eval()
     micro = [batches.next() for _ in range(cfg.train.eval_steps * num_micro)]
@@ -200,14 +200,14 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
 
         load_model_weights(found, mesh, stage, run_model_cfg=cfg.model)
         get_logger("train").info(f"initialized from weights-only checkpoint {found}; training starts at step 0")
-    train_samples = build_samples(cfg, "train", dims.dp)
+    train_samples = _build_samples(cfg, "train", dims.dp)
     eod_id = getattr(train_samples, "eod_id", None)
     batches = MicroBatches(train_samples, cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
     val_batches = None
     if cfg.train.eval_every:
-        val_batches = MicroBatches(build_samples(cfg, "valid", dims.dp), cfg.train.micro_batch_size,
+        val_batches = MicroBatches(_build_samples(cfg, "valid", dims.dp), cfg.train.micro_batch_size,
                                    mesh.coord.dp, dims.dp)
-    return train_model(cfg, mesh, device, stage, batches, val_batches, gpt_task(cfg, mesh, device, stage, eod_id),
+    return train_model(cfg, mesh, device, stage, batches, val_batches, _gpt_task(cfg, mesh, device, stage, eod_id),
                        found, model_name=cfg.model.name)
 
 
@@ -223,7 +223,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     weights_only = found is not None and is_weights_only(found)
     params = [p for p in stage.parameters() if p.requires_grad]
     o = cfg.optim
-    pdtype = param_dtype_for(cfg.train.precision)
+    pdtype = _param_dtype_for(cfg.train.precision)
     grad_dtype = torch.float32 if o.master_weights else pdtype
     dense = [p for p in params if not getattr(p, "expert", False)]
     experts = [p for p in params if getattr(p, "expert", False)]
@@ -359,7 +359,7 @@ class _Run:
             row["moe_load"] = loads
         if self.val_batches is not None and step % cfg.train.eval_every == 0:
             self.phase = "evaluation"
-            row["val_loss"] = self.result.val_losses[step] = evaluate(stage, self.val_batches, mesh, cfg, self.task,
+            row["val_loss"] = self.result.val_losses[step] = _evaluate(stage, self.val_batches, mesh, cfg, self.task,
                                                                        self.num_micro)
         self.metrics.log_step(step, row)
         c = cfg.checkpoint

@@ -43,7 +43,7 @@ def vision_flops_per_image(m: VLMModelConfig) -> float:
     return 6.0 * (P * (per_patch + attention) + projector)
 
 
-def load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Module) -> None:
+def _load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Module) -> None:
     """The model weights of an earlier run's checkpoint (e.g. stage 1 for stage 2), saved at any layout."""
     from mmtrain.train.checkpoint import CheckpointError, _complete_in
 
@@ -59,7 +59,7 @@ def load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Modul
     get_logger("train").info(f"initialized the weights from {folder}; training starts at step 0")
 
 
-def freeze_and_scales(model: torch.nn.Module, cfg: VLMRunConfig):
+def _freeze_and_scales(model: torch.nn.Module, cfg: VLMRunConfig):
     """Apply ``cfg.freeze`` (requires_grad=False) and return ``lr_scale_of(param)``; a prefix that names no
     parameter is a ``ConfigError``."""
     names = [n for n, _ in model.named_parameters()]
@@ -77,7 +77,7 @@ def freeze_and_scales(model: torch.nn.Module, cfg: VLMRunConfig):
     return (lambda p: scale_by_id[id(p)]) if cfg.lr_scale else None
 
 
-def run_vlm_micro_batches(model, micro_batches: list, mesh: ParallelMesh, cfg: VLMRunConfig, device: torch.device,
+def _run_vlm_micro_batches(model, micro_batches: list, mesh: ParallelMesh, cfg: VLMRunConfig, device: torch.device,
                           buckets) -> torch.Tensor:
     """Forward (and backward with ``buckets``) over ``MediaBatch`` micro-batches with the model's
     ``vlm_forward_step`` and the GPT's schedules; returns this rank's [sum of token losses, loss tokens, images]
@@ -102,13 +102,13 @@ def run_vlm_micro_batches(model, micro_batches: list, mesh: ParallelMesh, cfg: V
     return stats
 
 
-def vlm_task(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device, model) -> StepTask:
+def _vlm_task(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device, model) -> StepTask:
     d = cfg.data
     lm_tok = flops_per_token(cfg.model.language, d.seq_length)
     tokens = global_batch_size(cfg, mesh.dims.dp) * d.seq_length
     per_image = vision_flops_per_image(cfg.model)
     return StepTask(
-        forward_backward=lambda micro, buckets: run_vlm_micro_batches(model, micro, mesh, cfg, device, buckets),
+        forward_backward=lambda micro, buckets: _run_vlm_micro_batches(model, micro, mesh, cfg, device, buckets),
         step_flops=lambda stats: tokens * lm_tok + float(stats[2]) * per_image,
         extra_metrics=lambda stats, dt: {"images_per_s": float(stats[2]) / dt / mesh.dims.world_size})
 
@@ -120,7 +120,7 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
 
     torch.manual_seed(cfg.train.seed)
     model = build_vlm_stage(cfg, mesh, device)
-    lr_scale_of = freeze_and_scales(model, cfg)
+    lr_scale_of = _freeze_and_scales(model, cfg)
     found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
     if found is not None and is_weights_only(found):
         raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: weights-only (converted) checkpoints are not "
@@ -135,8 +135,8 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
             raise ConfigError(f"{found}: saved at layout {saved}, this run is {here}; a VLM resumes only at the same "
                               "layout (start from its weights with init_from at the same tp/pp/cp instead)")
     if found is None and cfg.init_from:
-        load_stage_weights(cfg.init_from, mesh, model)
+        _load_stage_weights(cfg.init_from, mesh, model)
     batches = build_vlm_batches(cfg, mesh, "train")
     val_batches = build_vlm_batches(cfg, mesh, "valid") if cfg.train.eval_every else None
-    return train_model(cfg, mesh, device, model, batches, val_batches, vlm_task(cfg, mesh, device, model), found,
+    return train_model(cfg, mesh, device, model, batches, val_batches, _vlm_task(cfg, mesh, device, model), found,
                        model_name=cfg.model.name, lr_scale_of=lr_scale_of)

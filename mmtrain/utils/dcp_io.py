@@ -57,7 +57,7 @@ class Chunk:
     tensor: torch.Tensor  # values to save, or the destination (a view is fine) to load into
 
 
-class ChunkSavePlanner(DefaultSavePlanner):
+class _ChunkSavePlanner(DefaultSavePlanner):
     """Saves state dict entry ``name`` as the box at ``offsets`` of global tensor ``key`` of ``shape``
     (``boxes[name] = (key, shape, offsets)``). The values come through the state dict, so DCP's own
     ``async_save`` can stage them to host memory first."""
@@ -84,11 +84,11 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return self.state_dict[self.entry[(write_item.index.fqn, tuple(write_item.index.offset))]]
 
 
-def save_plan_of(chunks: list[Chunk]) -> tuple[dict[str, torch.Tensor], ChunkSavePlanner]:
+def _save_plan_of(chunks: list[Chunk]) -> tuple[dict[str, torch.Tensor], _ChunkSavePlanner]:
     """(state dict, planner) to hand to ``dcp.save`` or ``dcp.async_save`` for ``chunks``."""
     names = [f"{i:06d}" for i in range(len(chunks))]
     return ({n: c.tensor for n, c in zip(names, chunks)},
-            ChunkSavePlanner({n: (c.key, tuple(c.shape), tuple(c.offsets)) for n, c in zip(names, chunks)}))
+            _ChunkSavePlanner({n: (c.key, tuple(c.shape), tuple(c.offsets)) for n, c in zip(names, chunks)}))
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -142,7 +142,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
+class _SafeFileSystemReader(dcp.FileSystemReader):
     """``FileSystemReader`` whose metadata load refuses anything but DCP's metadata classes."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
@@ -171,7 +171,7 @@ def save_chunks(folder: Path, chunks: list[Chunk], group=None, no_dist: bool = F
     one DCP checkpoint in ``folder``. Returns after the coordinator wrote the metadata, i.e. after every rank's
     data is on disk."""
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
-    state, planner = save_plan_of(chunks)
+    state, planner = _save_plan_of(chunks)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
@@ -180,7 +180,7 @@ def save_chunks(folder: Path, chunks: list[Chunk], group=None, no_dist: bool = F
 def async_save_chunks(folder: Path, chunks: list[Chunk], writer: dcp.FileSystemWriter, group=None):
     """``dcp.async_save`` of ``chunks`` (collective like ``save_chunks``): returns once DCP copied the values to
     host memory (the writer's staging); the returned future completes when the checkpoint is written."""
-    state, planner = save_plan_of(chunks)
+    state, planner = _save_plan_of(chunks)
     return dcp.async_save(state, checkpoint_id=folder, storage_writer=writer, planner=planner, process_group=group,
                           no_dist=group is None)
 
@@ -198,5 +198,5 @@ def load_chunks(folder: Path, chunks: list[Chunk]) -> None:
     if chunks:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({}, storage_reader=SafeFileSystemReader(folder), planner=_LoadPlanner(chunks, Path(folder)),
+            dcp.load({}, storage_reader=_SafeFileSystemReader(folder), planner=_LoadPlanner(chunks, Path(folder)),
                      no_dist=True)
