@@ -100,7 +100,8 @@ class GPTModel(nn.Module):
         if position_ids_BS is None:
             if not self.pre_process:
                 raise ValueError("a pipeline stage without the embedding needs position_ids_BS")
-            B, S = x.shape[:2]
+            # the full length: under sequence parallelism x holds only this rank's part of the sequence
+            B, S = (inputs if inputs_embeds is None else inputs_embeds).shape[:2]
             position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
         cos, sin = rope_cos_sin(position_ids_BS, self.inv_freq, x.dtype)
         for layer in self.layers.values():

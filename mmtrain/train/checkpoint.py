@@ -221,7 +221,7 @@ def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, op
     if not rank_file.is_file():
         raise CheckpointError(f"{folder}: {rank_file.name} is missing (a checkpoint written before the DCP format?)")
     extra = json.loads(rank_file.read_text())
-    if "trainable" in extra and extra["trainable"] != _trainable_names(model):
+    if same and "trainable" in extra and extra["trainable"] != _trainable_names(model):
         raise CheckpointError(f"{folder}: its optimizer holds other parameters than this run trains (another "
                               "freeze list or model); to start from its weights only, use init_from (VLM runs)")
     load_state(folder, mesh, model, optimizer, device, extra.get("adam_step"), restore_rng=same)
