@@ -77,7 +77,7 @@ def take(loader, n):
 
 def same(a, b) -> bool:
     return a.__key__ == b.__key__ and all(torch.equal(getattr(a, f), getattr(b, f)) for f in (
-        "tokens", "labels", "position_ids", "document_ids", "images", "audio"))
+        "tokens", "labels", "position_ids", "document_ids", "images", "frame_index", "audio"))
 
 
 def test_batches_have_fixed_shapes_and_captions_decode_back(data):
