@@ -17,8 +17,9 @@ IGNORE_INDEX = -100
 @dataclass
 class MediaBatch:
     """``tokens``/``labels``/``loss_mask``/``position_ids``/``document_ids``: (B, S); labels are -100 where no
-    loss is taken. ``images`` (N, 3, H, W) in row-major placeholder order, ``image_counts`` (B,); ``audio`` (M, T)
-    zero-padded waveforms, ``audio_lengths`` (M,), ``audio_counts`` (B,)."""
+    loss is taken. ``images`` (N, 3, H, W) in row-major placeholder order, ``image_counts`` (B,), ``frame_index``
+    (N,) int64 each image's temporal row (a video frame's number, 0 for a still; zeros when left out);
+    ``audio`` (M, T) zero-padded waveforms, ``audio_lengths`` (M,), ``audio_counts`` (B,)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -30,11 +31,17 @@ class MediaBatch:
     audio: torch.Tensor
     audio_lengths: torch.Tensor
     audio_counts: torch.Tensor
+    frame_index: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.frame_index is None:  # callers from before video frame indices: every image is a still
+            self.frame_index = torch.zeros(self.images.shape[0], dtype=torch.int64)
 
     @classmethod
     def of(cls, batch) -> MediaBatch:
-        """From any object with these fields (an energon ``MultimodalBatch``)."""
-        return cls(**{f.name: getattr(batch, f.name) for f in fields(cls)})
+        """From any object with these fields (an energon ``MultimodalBatch``; ``frame_index`` may be missing)."""
+        return cls(**{f.name: getattr(batch, f.name, None) if f.name == "frame_index" else getattr(batch, f.name)
+                      for f in fields(cls)})
 
     def to(self, device: torch.device, non_blocking: bool = True) -> MediaBatch:
         return MediaBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
@@ -62,6 +69,7 @@ def text_rows(tokens_BS1: torch.Tensor, image_size: int, positions: torch.Tensor
         position_ids=torch.arange(S).expand(B, S).clone() if positions is None else positions,
         document_ids=torch.zeros(B, S, dtype=torch.int64) if doc_ids is None else doc_ids,
         images=torch.zeros(0, 3, image_size, image_size), image_counts=torch.zeros(B, dtype=torch.int64),
+        frame_index=torch.zeros(0, dtype=torch.int64),
         audio=torch.zeros(0, 0), audio_lengths=torch.zeros(0, dtype=torch.int64),
         audio_counts=torch.zeros(B, dtype=torch.int64))
 

@@ -59,7 +59,8 @@ class MultimodalSettings:
 @edataclass
 class EncodedMultimodalSample(Sample):
     """One sample (or one pack of samples) as model inputs, before padding: 1-D ``tokens``/``labels``/
-    ``position_ids``/``document_ids`` of equal length, ``images`` (3, S, S) in placeholder order, ``audio``
+    ``position_ids``/``document_ids`` of equal length, ``images`` (3, S, S) in placeholder order with their
+    ``frame_index`` (int64, one per image: 0 for a still image, 0..k-1 for a video's frames), ``audio``
     (mono waveforms at ``audio_rate``) in placeholder order."""
 
     tokens: torch.Tensor
@@ -67,6 +68,7 @@ class EncodedMultimodalSample(Sample):
     position_ids: torch.Tensor
     document_ids: torch.Tensor
     images: list
+    frame_index: torch.Tensor
     audio: list
 
 
@@ -74,8 +76,10 @@ class EncodedMultimodalSample(Sample):
 class MultimodalBatch(Batch):
     """A micro-batch. ``tokens``/``labels``/``position_ids``/``document_ids``/``loss_mask``: (B, seq_length);
     padding has label -100, loss_mask 0, document id -1. ``images``: (N, 3, S, S), every image of the batch in
-    row-major placeholder order; ``image_counts[b]`` images belong to row b. ``audio``: (M, T) zero-padded
-    waveforms with ``audio_lengths`` (M,) and ``audio_counts`` (B,), also in placeholder order."""
+    row-major placeholder order; ``image_counts[b]`` images belong to row b; ``frame_index`` (N,) int64 each
+    image's temporal row (video frame number, 0 for still images; all 0 when a caller leaves it out).
+    ``audio``: (M, T) zero-padded waveforms with ``audio_lengths`` (M,) and ``audio_counts`` (B,), also in
+    placeholder order."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -87,6 +91,11 @@ class MultimodalBatch(Batch):
     audio: torch.Tensor
     audio_lengths: torch.Tensor
     audio_counts: torch.Tensor
+    frame_index: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.frame_index is None:  # callers from before video frame indices: every image is a still
+            self.frame_index = torch.zeros(len(self.images), dtype=torch.int64)
 
 
 def _load_tokenizer(spec):
@@ -154,6 +163,9 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         if sample.audio and s.audio_token_id is None:
             raise MediaSampleError(f"sample {sample.__key__!r} has audio but no audio_token_id is set; set one "
                                    "(data.mm_audio_token_id) or leave audio sets out of the blend")
+        if len(sample.frame_index) != len(sample.images):
+            raise MediaSampleError(f"sample {sample.__key__!r}: {len(sample.frame_index)} frame indices for "
+                                   f"{len(sample.images)} images; a cooker must give one per image (0 for a still)")
         ids: list[int] = []
         train: list[bool] = []  # whether each token is a training target
         for _ in sample.images:
@@ -180,6 +192,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             sample, tokens=seq[:-1], labels=labels, position_ids=torch.arange(n),
             document_ids=torch.zeros(n, dtype=torch.int64),
             images=[self._image(im) for im in sample.images],
+            frame_index=torch.tensor(sample.frame_index, dtype=torch.int64).view(-1),
             audio=[self._audio(w, r) for w, r in zip(sample.audio, sample.audio_rates)])
 
     # ---- packing (active when the dataset is built with packing_buffer_size) ----------------------------
@@ -212,7 +225,8 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             tokens=torch.cat([s.tokens for s in samples]), labels=torch.cat([s.labels for s in samples]),
             position_ids=torch.cat([s.position_ids for s in samples]),
             document_ids=torch.cat([torch.full_like(s.tokens, d) for d, s in enumerate(samples)]),
-            images=[im for s in samples for im in s.images], audio=[a for s in samples for a in s.audio])
+            images=[im for s in samples for im in s.images],
+            frame_index=torch.cat([s.frame_index for s in samples]), audio=[a for s in samples for a in s.audio])
 
     # ---- batching -------------------------------------------------------------------------------------
 
@@ -241,6 +255,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             document_ids=document_ids,
             images=torch.stack(images) if images else torch.zeros((0, 3, s.image_size, s.image_size)),
             image_counts=torch.tensor([len(x.images) for x in samples], dtype=torch.int64),
+            frame_index=torch.cat([x.frame_index for x in samples] or [torch.zeros(0, dtype=torch.int64)]),
             audio=padded_audio, audio_lengths=audio_lengths,
             audio_counts=torch.tensor([len(x.audio) for x in samples], dtype=torch.int64))
 

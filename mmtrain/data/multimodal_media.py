@@ -27,11 +27,13 @@ class MediaSampleError(ValueError):
 
 @edataclass
 class MediaTextSample(Sample):
-    """One sample in media order: ``images`` (CHW float in [0, 1], video frames included), ``audio``
-    (mono float waveforms at their ``audio_rates``) and ``turns`` of ``(role, text)``; only
-    ``assistant`` turns are trained on (a caption is one assistant turn)."""
+    """One sample in media order: ``images`` (CHW float in [0, 1], video frames included), ``frame_index``
+    (one int per image: 0 for a still image, 0..k-1 in time order for a video's k sampled frames; the ViT's
+    temporal embedding row), ``audio`` (mono float waveforms at their ``audio_rates``) and ``turns`` of
+    ``(role, text)``; only ``assistant`` turns are trained on (a caption is one assistant turn)."""
 
     images: list
+    frame_index: list
     audio: list
     audio_rates: list
     turns: list
@@ -138,28 +140,32 @@ def _turns(sample: dict) -> list[tuple[str, str]]:
 
 def cook_media_sample(sample: dict, video_frames: int) -> MediaTextSample:
     """A crude sample of any ``mmtrain_media`` subflavor -> ``MediaTextSample`` (parts in name order)."""
-    images, audio, rates = [], [], []
+    images, frame_index, audio, rates = [], [], [], []
     for part in sorted(k for k in sample if isinstance(k, str) and not k.startswith("__")):
         ext = part.rsplit(".", 1)[-1].lower()
         if _FRAME_PART.match(part):
             continue  # read with their video
         if ext in IMAGE_EXTS and (part == ext or _IMAGE_PART.match(part)):
             images.append(_as_image(sample[part], sample, part))
+            frame_index.append(0)
         elif ext in AUDIO_EXTS and part == ext:
             wave, rate = _as_audio(sample[part], sample, part)
             audio.append(wave)
             rates.append(rate)
         elif ext in VIDEO_EXTS and part == ext:
-            images.extend(_video_frames(sample, part, video_frames))
+            frames = _video_frames(sample, part, video_frames)
+            images.extend(frames)
+            frame_index.extend(range(len(frames)))
     if not images and not audio:
         parts = sorted(k for k in sample if not str(k).startswith("__"))
         raise MediaSampleError(f"{_where(sample)}: no image, audio or video part among {parts}")
     return MediaTextSample(__key__=sample["__key__"], __restore_key__=sample["__restore_key__"],
                            __subflavors__=sample.get("__subflavors__"), __sources__=sample.get("__sources__"),
-                           images=images, audio=audio, audio_rates=rates, turns=_turns(sample))
+                           images=images, frame_index=frame_index, audio=audio, audio_rates=rates,
+                           turns=_turns(sample))
 
 
 def from_captioning(sample: CaptioningSample) -> MediaTextSample:
     return MediaTextSample.derive_from(sample, images=[_as_image(sample.image, {"__key__": sample.__key__}, "image")],
-                                       audio=[], audio_rates=[], turns=[("assistant", sample.caption)])
+                                       frame_index=[0], audio=[], audio_rates=[], turns=[("assistant", sample.caption)])
 

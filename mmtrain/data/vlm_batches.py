@@ -47,7 +47,8 @@ class MockMediaSamples:
         return MediaBatch(
             tokens=seq[None, :-1], labels=labels[None], loss_mask=(labels != IGNORE_INDEX).float()[None],
             position_ids=torch.arange(S)[None], document_ids=torch.zeros(1, S, dtype=torch.int64),
-            images=image[None], image_counts=torch.ones(1, dtype=torch.int64), audio=torch.zeros(0, 0),
+            images=image[None], image_counts=torch.ones(1, dtype=torch.int64),
+            frame_index=torch.zeros(1, dtype=torch.int64), audio=torch.zeros(0, 0),
             audio_lengths=torch.zeros(0, dtype=torch.int64), audio_counts=torch.zeros(1, dtype=torch.int64))
 
 

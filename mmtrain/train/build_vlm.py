@@ -103,7 +103,10 @@ def vlm_forward_step(module: VLMModel, batch, received: torch.Tensor | None, mes
     if int(batch.document_ids.max()) > 0:
         doc_ids = shard_sequence(batch.document_ids.to(device, non_blocking=True), cp, cp_rank)
     if module.pre_process:
+        # frame_index: each image's temporal row (video frames); every TP/CP rank of stage 0 encodes all media
+        frame_index = getattr(batch, "frame_index", None)
         media = {"images": batch.images.to(device, non_blocking=True), "image_counts": batch.image_counts,
+                 "frame_index": None if frame_index is None else frame_index.to(device, non_blocking=True),
                  "audio": batch.audio.to(device, non_blocking=True), "audio_lengths": batch.audio_lengths,
                  "audio_counts": batch.audio_counts, "sample_keys": getattr(batch, "__key__", None)}
         out = module(batch.tokens.to(device, non_blocking=True), labels if module.post_process else None,

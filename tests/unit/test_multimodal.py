@@ -77,7 +77,7 @@ def take(loader, n):
 
 def same(a, b) -> bool:
     return a.__key__ == b.__key__ and all(torch.equal(getattr(a, f), getattr(b, f)) for f in (
-        "tokens", "labels", "position_ids", "document_ids", "images", "audio"))
+        "tokens", "labels", "position_ids", "document_ids", "images", "frame_index", "audio"))
 
 
 def test_batches_have_fixed_shapes_and_captions_decode_back(data):
@@ -103,7 +103,7 @@ def test_batches_have_fixed_shapes_and_captions_decode_back(data):
 def test_crude_audio_and_video_are_cooked(data):
     loader = MultimodalLoader(data["root"] / "mixed", settings(data), opts(micro_batch_size=4, shuffle_buffer_size=0,
                                                                            num_slices=1))
-    seen = {}
+    seen, frames = {}, {}
     for batch in take(loader, 8):  # 29 samples in order: one pass
         audio_at, image_at = 0, 0
         for row, key in enumerate(batch.__key__):
@@ -111,9 +111,12 @@ def test_crude_audio_and_video_are_cooked(data):
             assert batch.tokens[row].tolist().count(IMAGE_ID) == 8 * n_img
             assert batch.tokens[row].tolist().count(AUDIO_ID) == 4 * n_audio
             seen[key] = (n_img, n_audio, batch.audio_lengths[audio_at:audio_at + n_audio].tolist())
+            frames[key] = batch.frame_index[image_at:image_at + n_img].tolist()
             audio_at, image_at = audio_at + n_audio, image_at + n_img
         assert batch.images.shape[0] == image_at and batch.audio.shape[0] == audio_at
+        assert batch.frame_index.shape == (image_at,) and batch.frame_index.dtype == torch.int64
     assert seen["slide-000"][:2] == (3, 0)  # the 3 frames prep stored
+    assert frames["slide-000"] == [0, 1, 2] and frames["img-00000"] == [0]  # temporal rows: frames count up
     for key in ("clip-000", "clip-001", "clip-002", "clip-003"):  # wav, flac, mp3, ogg (PyAV fallback)
         n_img, n_audio, lengths = seen[key]
         assert (n_img, n_audio) == (0, 1) and lengths[0] > 0.45 * 16000, key
@@ -196,9 +199,11 @@ def test_packing_keeps_images_whole_and_within_budget(data):
                 doc_tokens = batch.tokens[row][where].tolist()
                 n_img = doc_tokens.count(IMAGE_ID)
                 assert n_img % 8 == 0 and doc_tokens[:n_img] == [IMAGE_ID] * n_img  # whole runs, at the start
+                # frame indices stay with their images: a still is [0], the video's 3 frames [0, 1, 2]
+                assert batch.frame_index[image_at:image_at + n_img // 8].tolist() == list(range(n_img // 8))
                 image_at += n_img // 8
             assert int(batch.image_counts[row]) * 8 == batch.tokens[row][:used].tolist().count(IMAGE_ID)
-        assert batch.images.shape[0] == image_at
+        assert batch.images.shape[0] == batch.frame_index.shape[0] == image_at
     assert packed_rows > 5
 
 
@@ -315,6 +320,9 @@ def test_list_images_and_undecoded_video(data, tmp_path):
     batch = next(loader)
     counts = dict(zip(batch.__key__, batch.image_counts.tolist()))
     assert counts == {"pair": 2, "slide": 4} and batch.images.shape == (6, 3, 32, 32)
+    at = batch.__key__.index("slide") * 2  # rows in order: pair (2 images), slide (4 frames)
+    assert batch.frame_index[at:at + 4].tolist() == [0, 1, 2, 3]
+    assert batch.frame_index.tolist().count(0) == 3  # the pair's two stills and the first frame
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -395,3 +403,37 @@ def test_vlm_energon_rows_state_is_plain_json(data):
     again.load_state_dict(state)
     assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.images, b.images)
                for a, b in zip(expected, [again.next() for _ in range(2)], strict=True))
+
+
+def test_cooked_video_frames_count_up_in_time_and_stills_are_zero():
+    """A still image and a video of 3 stored frames (2 sampled: the first and the last) in one sample."""
+    from mmtrain.data.multimodal_media import cook_media_sample
+
+    frame = [torch.full((3, 4, 4), v) for v in (0.1, 0.2, 0.3)]
+    sample = {"__key__": "v", "__restore_key__": (), "jpg": torch.full((3, 4, 4), 0.9), "mp4": None,
+              **{f"frame{i:03d}.jpg": f for i, f in enumerate(frame)}, "txt": "a clip"}
+    cooked = cook_media_sample(sample, video_frames=2)
+    assert cooked.frame_index == [0, 0, 1]
+    assert [float(im[0, 0, 0]) for im in cooked.images] == pytest.approx([0.9, 0.1, 0.3])  # time order kept
+
+
+def test_packing_and_batching_keep_frame_indices_aligned_with_images(data):
+    from mmtrain.data.multimodal import EncodedMultimodalSample, MultimodalTaskEncoder
+
+    enc = MultimodalTaskEncoder(settings(data))
+
+    def sample(key: str, frames: list[int]) -> EncodedMultimodalSample:
+        n = 8 * len(frames) + 2
+        images = [torch.full((3, 32, 32), float(len(key) + f)) for f in frames]
+        return EncodedMultimodalSample(__key__=key, __restore_key__=(), tokens=torch.full((n,), IMAGE_ID),
+                                       labels=torch.full((n,), IGNORE_INDEX), position_ids=torch.arange(n),
+                                       document_ids=torch.zeros(n, dtype=torch.int64), images=images,
+                                       frame_index=torch.tensor(frames), audio=[])
+
+    video, still, pair = sample("video", [0, 1, 2]), sample("s", [0]), sample("pp", [0, 0])
+    packed = enc.pack_selected_samples([still, video])
+    assert packed.frame_index.tolist() == [0, 0, 1, 2]
+    assert all(torch.equal(a, b) for a, b in zip(packed.images, still.images + video.images))
+    batch = enc.batch([packed, pair])
+    assert batch.frame_index.tolist() == [0, 0, 1, 2, 0, 0] and batch.images.shape[0] == 6
+    assert batch.image_counts.tolist() == [4, 2]

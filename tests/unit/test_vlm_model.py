@@ -168,3 +168,31 @@ def test_overfitting_four_captions_drives_loss_near_zero_and_generate_recites_th
     assert losses[-1] < 0.05 < losses[0]
     for i in range(4):  # the image alone says which caption follows
         assert model.generate([IMAGE_ID] * 4, images[i:i + 1], max_new_tokens=7, eos_id=63) == captions[i] + [63]
+
+
+def test_video_frames_get_their_temporal_rows_through_the_batch_path():
+    """Two identical frames at different frame indices encode differently; the training step hands the batch's
+    ``frame_index`` (aligned with ``images``, kept by ``concat_rows``) to the vision encoder."""
+    from types import SimpleNamespace
+
+    from mmtrain.data.media_batch import MediaBatch, concat_rows
+    from mmtrain.train.build_vlm import vlm_forward_step
+
+    model = _model(audio=False)
+    frame = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(5))
+    feats = model.encode_images(frame.expand(2, -1, -1, -1), torch.tensor([0, 1]))
+    assert not torch.allclose(feats[0], feats[1])
+    assert torch.allclose(model.encode_images(frame, torch.tensor([1]))[0], feats[1], atol=1e-6)
+
+    still = MediaBatch.of(make_batch(audio=False))  # a caller without frame indices: every image a still
+    assert still.frame_index.tolist() == [0, 0, 0, 0]
+    video = MediaBatch.of(make_batch(audio=False))
+    video.frame_index = torch.tensor([0, 0, 0, 1])  # row 1: two frames of one clip
+    batch = concat_rows([video, still])
+    assert batch.frame_index.tolist() == [0, 0, 0, 1, 0, 0, 0, 0] and batch.images.shape[0] == 8
+    seen = []
+    model.vision.register_forward_hook(lambda mod, args, out: seen.append(args[1].tolist()))
+    mesh = SimpleNamespace(dims=SimpleNamespace(cp=1), coord=SimpleNamespace(cp=0))
+    loss_video = vlm_forward_step(model, batch, None, mesh, torch.device("cpu"))[0]
+    loss_still = vlm_forward_step(model, concat_rows([still, still]), None, mesh, torch.device("cpu"))[0]
+    assert seen == [[0, 0, 0, 1, 0, 0, 0, 0], [0] * 8] and not torch.allclose(loss_video, loss_still)
