@@ -4,6 +4,7 @@
 ``python -m mmtrain.convert mmtrain-to-hf --ckpt CKPT_DIR --out DIR`` (see docs/convert-hf.md).
 """
 
+from mmtrain.convert.checkpoint_io import ConvertError
 from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
 
-__all__ = ["hf_to_mmtrain", "mmtrain_to_hf"]
+__all__ = ["ConvertError", "hf_to_mmtrain", "mmtrain_to_hf"]

@@ -35,7 +35,7 @@ def _shard_spliced(x_BSD: torch.Tensor, cp: int, cp_rank: int, tp_group, sequenc
     return split_seq(x, tp_group) if sequence_parallel else x
 
 
-def apply_vlm_parallel(model: VLMModel, mesh: ParallelMesh, sequence_parallel: bool = False) -> VLMModel:
+def _apply_vlm_parallel(model: VLMModel, mesh: ParallelMesh, sequence_parallel: bool = False) -> VLMModel:
     """Shard a (stage of a) ``VLMModel`` in place over the mesh's TP, CP (and EP for an MoE LM) groups."""
     tp = mesh.dims.tp
     sp = sequence_parallel and tp > 1
@@ -67,7 +67,7 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
     ranges = stage_layer_ranges(cfg.model.language.num_layers, pp, p.pipeline_layers)
     model = VLMModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
     model.init_weights(t.seed)
-    apply_vlm_parallel(model, mesh, p.sequence_parallel)
+    _apply_vlm_parallel(model, mesh, p.sequence_parallel)
     mode = t.activation_checkpointing
     encoders = [e for e in (model.vision, model.audio) if e is not None]
     for block in [b for e in (model.language, *encoders) for b in e.layers.values()]:
