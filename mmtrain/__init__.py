@@ -30,7 +30,7 @@ used by one module only carry a leading underscore.
 
 from __future__ import annotations
 
-import importlib
+from mmtrain.utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -71,13 +71,4 @@ __all__ = ["CheckpointWriter", "ConfigError", "GPTModel", "GPTRunConfig", "GPTSa
            "validate_gpt_config", "validate_vlm_config"]
 
 
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'mmtrain' has no attribute '{name}'")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())

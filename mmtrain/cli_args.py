@@ -1,12 +1,23 @@
-"""Shared command-line shape of the pretrain entry points: ``--config F.yaml key=value ...``."""
+"""Shared command-line shape and run sequence of the pretrain entry points: ``--config F.yaml key=value ...``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from mmtrain.config import ConfigError, load_config
+from mmtrain.config import ConfigError, load_config, save_config
+from mmtrain.parallel import (
+    LayoutError,
+    ParallelDims,
+    init_distributed,
+    pick_device,
+    shutdown_distributed,
+)
+from mmtrain.utils.log import setup_logging
 
 
 def parse_run_config(cls: type, argv: list[str] | None, prog: str) -> Any:
@@ -19,3 +30,41 @@ def parse_run_config(cls: type, argv: list[str] | None, prog: str) -> Any:
     except ConfigError as exc:
         print(f"{prog}: config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def run_entry(prog: str, cls: type, validate: Callable[..., None], train: Callable[[], Callable[..., Any]],
+              argv: list[str] | None) -> int:
+    """One pretrain entry point: parse -> validate -> processes and groups -> resolved config -> ``train()(cfg,
+    mesh, device)``. ``train`` returns the training function (imported only once the config is valid). Exit codes:
+    0 done, 2 a configuration/data/checkpoint error (one message, no traceback), 1 a collective timeout."""
+    cfg = parse_run_config(cls, argv, prog)
+    try:
+        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except (ConfigError, LayoutError) as exc:
+        print(f"{prog}: config error: {exc}", file=sys.stderr)
+        return 2
+    device = pick_device(cfg.train.device)
+    rank, world_size = init_distributed(cfg.parallel.backend, device, cfg.parallel.collective_timeout_s)
+    log = setup_logging(rank)
+    try:
+        mesh = ParallelDims.from_config(cfg.parallel, world_size).build(timeout_s=cfg.parallel.collective_timeout_s)
+        if rank == 0:
+            save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
+        log.info(f"layout: {mesh.dims.describe()} on {device}; resolved config in {cfg.logging.run_dir}/config.yaml")
+        from mmtrain.data.blend_spec import BlendSpecError
+        from mmtrain.data.index_cache import IndexCacheTimeout
+        from mmtrain.data.splits import SplitError
+        from mmtrain.train.checkpoint import CheckpointError
+        from mmtrain.train.faults import CollectiveTimeout, NonFiniteError
+
+        try:
+            train()(cfg, mesh, device)
+        except (CheckpointError, ConfigError, BlendSpecError, SplitError, IndexCacheTimeout, NonFiniteError) as exc:
+            log.error(f"error: {exc}")
+            return 2
+        except CollectiveTimeout as exc:
+            log.error(f"error: {exc}")
+            return 1
+    finally:
+        shutdown_distributed()
+    return 0

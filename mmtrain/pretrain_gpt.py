@@ -5,51 +5,18 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from mmtrain.cli_args import run_entry
+from mmtrain.config import GPTRunConfig, validate_gpt_config
 
-from mmtrain.cli_args import parse_run_config
-from mmtrain.config import ConfigError, GPTRunConfig, save_config, validate_gpt_config
-from mmtrain.parallel import LayoutError, ParallelDims, init_distributed, pick_device, shutdown_distributed
-from mmtrain.utils.log import setup_logging
+
+def _train_gpt():
+    from mmtrain.train.loop import train_gpt
+
+    return train_gpt
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_run_config(GPTRunConfig, argv, "mmtrain.pretrain_gpt")
-    import os
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        validate_gpt_config(cfg, world_size=world_size)
-    except (ConfigError, LayoutError) as exc:
-        print(f"mmtrain.pretrain_gpt: config error: {exc}", file=sys.stderr)
-        return 2
-    device = pick_device(cfg.train.device)
-    rank, world_size = init_distributed(cfg.parallel.backend, device, cfg.parallel.collective_timeout_s)
-    log = setup_logging(rank)
-    try:
-        mesh = ParallelDims.from_config(cfg.parallel, world_size).build(timeout_s=cfg.parallel.collective_timeout_s)
-        if rank == 0:
-            save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
-        log.info(f"layout: {mesh.dims.describe()} on {device}; resolved config in {cfg.logging.run_dir}/config.yaml")
-        from mmtrain.data.blend_spec import BlendSpecError
-        from mmtrain.data.index_cache import IndexCacheTimeout
-        from mmtrain.data.splits import SplitError
-        from mmtrain.train.checkpoint import CheckpointError
-        from mmtrain.train.faults import CollectiveTimeout, NonFiniteError
-        from mmtrain.train.loop import train_gpt
-
-        try:
-            train_gpt(cfg, mesh, device)
-        except (CheckpointError, ConfigError, BlendSpecError, SplitError, IndexCacheTimeout, NonFiniteError) as exc:
-            log.error(f"error: {exc}")
-            return 2
-        except CollectiveTimeout as exc:
-            log.error(f"error: {exc}")
-            return 1
-    finally:
-        shutdown_distributed()
-    return 0
+    return run_entry("mmtrain.pretrain_gpt", GPTRunConfig, validate_gpt_config, _train_gpt, argv)
 
 
 if __name__ == "__main__":
