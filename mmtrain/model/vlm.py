@@ -127,6 +127,8 @@ class VLMModel(nn.Module):
     # ------------------------------------------------------------------------------------------ media
     def encode_images(self, images_NCHW: torch.Tensor, frame_index_N: torch.Tensor | None = None) -> torch.Tensor:
         """(N, tokens_per_image, LM width) projected image features."""
+        if frame_index_N is not None:
+            frame_index_N = frame_index_N.to(images_NCHW.device)
         return self.projector["image"](self.vision(images_NCHW, frame_index_N))
 
     def encode_audio(self, audio_MT: torch.Tensor, lengths_M: torch.Tensor) -> torch.Tensor:
@@ -183,14 +185,15 @@ class VLMModel(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: Sequence[int], images: torch.Tensor | None = None, max_new_tokens: int = 32,
                  eos_id: int | None = None, audio: torch.Tensor | None = None,
-                 audio_lengths: torch.Tensor | None = None) -> list[int]:
+                 audio_lengths: torch.Tensor | None = None, frame_index: torch.Tensor | None = None) -> list[int]:
         """Greedy decoding for one sample on one device (no KV cache: it re-runs the prefix; for demos and
-        captions). ``prompt`` holds the placeholders of ``images``/``audio``. Returns the new token ids."""
+        captions). ``prompt`` holds the placeholders of ``images``/``audio``; ``frame_index`` gives video frames
+        their temporal rows (as in training). Returns the new token ids."""
         if not (self.pre_process and self.post_process):
             raise RuntimeError("generate() needs the whole model on one device (no pipeline stages)")
         was_training = self.training
         self.eval()
-        image_feats = self.encode_images(images) if images is not None and len(images) else None
+        image_feats = self.encode_images(images, frame_index) if images is not None and len(images) else None
         audio_feats = self.encode_audio(audio, audio_lengths) if audio is not None and len(audio) else None
         device = self.language.embed.weight.device
         counts_img = torch.tensor([0 if image_feats is None else image_feats.shape[0]])
