@@ -15,6 +15,7 @@ import json
 import os
 import struct
 import wave
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from dataprep.media_manifest import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS, MediaRow
@@ -67,7 +68,7 @@ class Packed:
     def nbytes(self) -> int:
         return sum(v.size if isinstance(v, SourceFile) else len(v) for v in self.parts.values())
 
-    def by_reference(self) -> "Packed":
+    def by_reference(self) -> Packed:
         parts = {k: SourceFile(self.kept[k], len(v)) if k in self.kept and isinstance(v, bytes) else v
                  for k, v in self.parts.items()}
         return Packed(self.key, parts, self.meta, self.kept)
@@ -97,6 +98,14 @@ def _ext(path: str) -> str:
     return _CANON_EXT.get(ext, ext)
 
 
+def _checked_ext(path: str, rel: str, allowed: Collection[str], kind: str) -> str:
+    """The file's canonical extension, or a ``wrong_extension`` reject when it is not one of ``allowed``."""
+    ext = _ext(path)
+    if ext not in {_CANON_EXT.get(e, e) for e in allowed}:
+        raise MediaReject("wrong_extension", f"{rel}: .{ext} is not {kind} extension ({', '.join(sorted(allowed))})")
+    return ext
+
+
 def _read(path: str, rel: str, opts: MediaOptions) -> bytes:
     try:
         size = os.path.getsize(path)
@@ -121,10 +130,7 @@ def _read(path: str, rel: str, opts: MediaOptions) -> bytes:
 def pack_image(path: str, rel: str, opts: MediaOptions) -> tuple[str, bytes, dict]:
     from PIL import Image, ImageOps
 
-    ext = _ext(path)
-    if ext not in {_CANON_EXT.get(e, e) for e in IMAGE_EXTS}:
-        raise MediaReject("wrong_extension",
-                          f"{rel}: .{ext} is not an image extension ({', '.join(sorted(IMAGE_EXTS))})")
+    ext = _checked_ext(path, rel, IMAGE_EXTS, "an image")
     data = _read(path, rel, opts)
     Image.MAX_IMAGE_PIXELS = opts.max_image_pixels
     try:
@@ -260,10 +266,7 @@ def _to_wav(pcm, rate: int) -> bytes:
 
 
 def pack_audio(path: str, rel: str, opts: MediaOptions) -> tuple[str, bytes, dict]:
-    ext = _ext(path)
-    if ext not in {_CANON_EXT.get(e, e) for e in AUDIO_EXTS}:
-        raise MediaReject("wrong_extension",
-                          f"{rel}: .{ext} is not an audio extension ({', '.join(sorted(AUDIO_EXTS))})")
+    ext = _checked_ext(path, rel, AUDIO_EXTS, "an audio")
     data = _read(path, rel, opts)
     convert = opts.audio_rate is not None or opts.mono
     info, pcm = _decode_audio(data, rel, want_pcm=convert)

@@ -163,22 +163,16 @@ def check_vlm_model(m: VLMModelConfig, data=None, prefix: str = "model", tp: int
     if data.mm_num_image_tokens != m.tokens_per_image:
         raise ConfigError(f"data.mm_num_image_tokens ({data.mm_num_image_tokens}) must equal the model's tokens per "
                           f"image {derived}; set data.mm_num_image_tokens={m.tokens_per_image}")
-    if data.mm_image_size != v.image_size:
-        raise ConfigError(f"data.mm_image_size ({data.mm_image_size}) must equal {prefix}.vision.image_size "
-                          f"({v.image_size})")
-    if data.mm_image_token_id != m.image_token_id:
-        raise ConfigError(f"data.mm_image_token_id ({data.mm_image_token_id}) must equal {prefix}.image_token_id "
-                          f"({m.image_token_id})")
+    pairs = [("mm_image_size", "vision.image_size", v.image_size),
+             ("mm_image_token_id", "image_token_id", m.image_token_id)]
     if a.enabled:
-        if data.mm_audio_token_id != m.audio_token_id:
-            raise ConfigError(f"data.mm_audio_token_id ({data.mm_audio_token_id}) must equal "
-                              f"{prefix}.audio_token_id ({m.audio_token_id})")
-        if data.mm_num_audio_tokens != a.num_tokens:
-            raise ConfigError(f"data.mm_num_audio_tokens ({data.mm_num_audio_tokens}) must equal "
-                              f"{prefix}.audio.num_tokens ({a.num_tokens})")
-        if data.mm_audio_rate != a.sample_rate:
-            raise ConfigError(f"data.mm_audio_rate ({data.mm_audio_rate}) must equal {prefix}.audio.sample_rate "
-                              f"({a.sample_rate})")
-    elif data.mm_audio_token_id >= 0:
+        pairs += [("mm_audio_token_id", "audio_token_id", m.audio_token_id),
+                  ("mm_num_audio_tokens", "audio.num_tokens", a.num_tokens),
+                  ("mm_audio_rate", "audio.sample_rate", a.sample_rate)]
+    for data_key, model_key, want in pairs:
+        got = getattr(data, data_key)
+        if got != want:
+            raise ConfigError(f"data.{data_key} ({got}) must equal {prefix}.{model_key} ({want})")
+    if not a.enabled and data.mm_audio_token_id >= 0:
         raise ConfigError(f"data.mm_audio_token_id is set ({data.mm_audio_token_id}) but {prefix}.audio.enabled is "
                           "false; enable the audio encoder or set data.mm_audio_token_id=-1")
