@@ -14,13 +14,16 @@
 #                                    megatron-core the tests use; still has the pure-Python GPT-2 BPE)
 #   .device/megatron-lm-head.tar.gz  the mirror's newest commit, same folders (needs Python 3.12; its
 #                                    GPT2BPETokenizer runs on transformers)
-# Carry them with: carry=[".device"]  (about 50 MB: the av wheel is most of it).
+# Carry them with: carry=[".device"]  (about 50 MB: the av wheel is most of it; TEXT_ONLY=1 fetches only
+# what the text benchmark needs, a few MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-/work/main/.venv/bin/pip}
 MIRROR=${MEGATRON_MIRROR:-/work/.mirror/NVIDIA+Megatron-LM/repo}
 mkdir -p .device/whl
-for spec in six==1.17.0 av==18.1.0 webdataset==1.0.2 braceexpand==0.1.7 megatron-energon==7.4.1; do
+SPECS="six==1.17.0"
+[ "${TEXT_ONLY:-0}" = 1 ] || SPECS="$SPECS av==18.1.0 webdataset==1.0.2 braceexpand==0.1.7 megatron-energon==7.4.1"
+for spec in $SPECS; do
   "$PIP" download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .device/whl "$spec"
 done

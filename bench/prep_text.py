@@ -400,11 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"RSS {rss / 2**20:5.0f}MB  (load {load}); .bin/.idx byte-identical: {same}", flush=True)
                 if args.json_out:  # so far, in case the run is cut short
                     Path(args.json_out).write_text(json.dumps(
-                        {"runs": runs, "table": summarize(runs, startup, stats, args, show=False)}, indent=1))
+                        {"runs": runs, "table": summarize(runs, startup, stats, args, show=False),
+                         "pinned": args.pin_cores}, indent=1))
 
     table = summarize(runs, startup, stats, args)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"runs": runs, "table": table}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"runs": runs, "table": table, "pinned": args.pin_cores}, indent=1))
     if not args.skip_megatron:
         print("every run's .bin/.idx was byte-identical to Megatron-LM's on the same input")
     return 0
