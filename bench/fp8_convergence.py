@@ -3,6 +3,7 @@ seed, same schedule, once per precision; prints both loss curves, the final-loss
 bar: within 2%), and draws them into a PNG (Pillow only).
 
     python3 bench/fp8_convergence.py [--out bench/results] [--steps 300] [--recipes delayed tensorwise] [--compile]
+        [--tag NAME] [--set key=value ...]   (e.g. --set fp8.backend=native fp8.output_layer=true)
 
 The corpus is real text shipped with every Python: the standard library's own ``.py`` sources (one document per
 file, sorted, so every machine builds the same corpus). It goes through the public prep commands: a
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="*", default=["delayed", "tensorwise"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--max-docs", type=int, default=100_000)
+    ap.add_argument("--tag", default="", help="suffix of the output names (fp8_convergence_TAG.png/.json)")
     ap.add_argument("--set", nargs="*", default=[], dest="overrides",
                     help="extra key=value config overrides (e.g. a smaller model)")
     a = ap.parse_args()
@@ -150,9 +152,10 @@ def main() -> None:
         diff = (v - final["bf16"]) / final["bf16"]
         print(f"{k:>16}: final loss (mean of last {tail}) {v:.4f}, relative to bf16 {diff:+.2%}"
               f"{'' if k == 'bf16' else ('  (within 2%)' if abs(diff) <= 0.02 else '  (NOT within 2%)')}")
-    png = out / "fp8_convergence.png"
+    stem = f"fp8_convergence{'_' + a.tag if a.tag else ''}"
+    png = out / f"{stem}.png"
     plot(curves, png, f"{count_parameters(cfg.model) / 1e6:.0f}M model, stdlib tokens, seq {a.seq}, batch {a.batch}")
-    (out / "fp8_convergence.json").write_text(json.dumps({"final": final, "losses": curves}) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"final": final, "losses": curves}) + "\n")
     print(f"plot: {png}")
 
 

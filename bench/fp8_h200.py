@@ -34,9 +34,13 @@ VARIANTS = [
     ("fp8 native delayed", [*NATIVE, "fp8.recipe=delayed"]),
     ("fp8 native delayed fast-bwd", [*NATIVE, "fp8.recipe=delayed", "fp8.fast_accum_backward=true"]),
     ("fp8 native tensorwise fast-bwd", [*NATIVE, "fp8.recipe=tensorwise", "fp8.fast_accum_backward=true"]),
+    ("fp8 native delayed fp8-head", [*NATIVE, "fp8.recipe=delayed", "fp8.output_layer=true"]),
+    ("fp8 native delayed fast-bwd fp8-head", [*NATIVE, "fp8.recipe=delayed", "fp8.fast_accum_backward=true",
+                                              "fp8.output_layer=true"]),
     ("fp8 native rowwise", [*NATIVE, "fp8.recipe=rowwise", "fp8.format=e4m3"]),
     ("fp8 te delayed", [*TE, "fp8.recipe=delayed"]),
     ("fp8 te tensorwise", [*TE, "fp8.recipe=tensorwise"]),
+    ("fp8 te blockwise", [*TE, "fp8.recipe=blockwise", "fp8.format=e4m3"]),
 ]
 
 

@@ -182,8 +182,9 @@ class CheckpointConfig:
 
 @dataclass
 class Fp8Config:
-    """FP8 training (``train.precision: fp8``; docs/fp8.md). Only the transformer blocks' linears (qkv, proj,
-    MLP up/down) compute in FP8; embeddings, norms, attention, the output layer and MoE experts stay BF16."""
+    """FP8 training (``train.precision: fp8``; docs/fp8.md). The transformer blocks' linears (qkv, proj, MLP
+    up/down) compute in FP8, and the output layer with ``output_layer``; embeddings, norms, attention and MoE
+    experts stay BF16."""
 
     backend: Literal["auto", "native", "te"] = doc(
         "auto", "auto: Transformer Engine when it imports, else native (torch._scaled_mm); te fails if TE is missing.")
@@ -198,6 +199,11 @@ class Fp8Config:
     margin: int = doc(0, "Scales are divided by 2**margin (headroom against overflow).")
     bf16_first_layers: int = doc(0, "Keep this many first transformer blocks in BF16.")
     bf16_last_layers: int = doc(0, "Keep this many last transformer blocks in BF16.")
+    output_layer: bool = doc(
+        False, "Native backend: compute the output layer (LM head) in FP8 too: its forward, dgrad and wgrad GEMMs, "
+               "with the recipe's scaling (its input and the logits gradient are cast like a block linear's). "
+               "Off (BF16) by default, as in Transformer Engine and Megatron-Core: the head is the layer most "
+               "sensitive to precision; check convergence before using it (bench/fp8_convergence.py).")
     param_gather: bool = doc(
         False, "Distributed optimizer: all-gather the FP8 linears' updated weights over data-parallel ranks in FP8 "
                "(half the bytes of BF16), straight into their FP8 copies. Native backend, tensorwise/delayed, "

@@ -143,6 +143,9 @@ def _validate_fp8(cfg) -> None:
         raise ConfigError(f"fp8.bf16_first_layers + fp8.bf16_last_layers ({f.bf16_first_layers} + "
                           f"{f.bf16_last_layers}) leave no FP8 layer of model.num_layers={m.num_layers}; "
                           "lower them or use train.precision=bf16")
+    if f.output_layer and f.backend == "te":
+        raise ConfigError("fp8.output_layer=true is a native-backend option (Transformer Engine keeps the output "
+                          "layer in BF16 here); set fp8.backend=native or fp8.output_layer=false")
     if f.param_gather:  # FP8 all-gather of the native FP8 weights' distributed-optimizer shards
         if f.backend == "te":
             raise ConfigError("fp8.param_gather=true needs fp8.backend=native (Transformer Engine keeps its own "

@@ -6,8 +6,8 @@ below sm_89, or when TE is asked for and missing); ``apply_fp8`` then turns the 
 ``weights_changed()`` after the optimizer step (the native backend re-casts its FP8 weight copies once per
 step, not per micro-batch) and ``after_backward(groups)`` (delayed scaling: reduce the step's amaxes, new scales).
 
-Blocks ``bf16_first_layers`` / ``bf16_last_layers`` (global layer indices), embeddings, norms, attention, the
-output layer and MoE experts stay BF16.
+Blocks ``bf16_first_layers`` / ``bf16_last_layers`` (global layer indices), embeddings, norms, attention and MoE
+experts stay BF16; so does the output layer unless ``fp8.output_layer`` (native backend: ``model.head_matmul``).
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
     if backend == "te" and f.fast_accum_backward:
         raise ConfigError("fp8.fast_accum_backward=true is a native-backend option, but fp8.backend=auto chose "
                           "Transformer Engine; set fp8.backend=native or fp8.fast_accum_backward=false")
+    if backend == "te" and f.output_layer:
+        raise ConfigError("fp8.output_layer=true is a native-backend option, but fp8.backend=auto chose Transformer "
+                          "Engine; set fp8.backend=native or fp8.output_layer=false")
     if backend == "te" and cfg.train.activation_checkpointing == "full":
         raise ConfigError("train.activation_checkpointing=full recomputes blocks outside TE's FP8 autocast; with "
                           "fp8.backend=te use selective or none, or fp8.backend=native")
@@ -104,6 +107,10 @@ def apply_native_fp8(model: nn.Module, cfg: GPTRunConfig) -> list[Fp8Matmul]:
                 continue
             object.__setattr__(lin.matmul, "weight_ref", lin.weight)  # a plain reference, not a submodule param
             matmuls.append(lin.matmul)
+    if f.output_layer and model.post_process:  # the LM head (this rank's vocabulary shard under TP; tied or not)
+        model.head_matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward)
+        object.__setattr__(model.head_matmul, "weight_ref", model.output_weight())
+        matmuls.append(model.head_matmul)
     return matmuls
 
 
@@ -137,8 +144,10 @@ class Fp8Runtime:
             extra += ", fast accumulation in backward GEMMs"
         count = f", {len(self.matmuls)} FP8 linears on this rank" if self.backend == "native" else ""
         gather = self.param_gather.describe() if self.param_gather is not None else self.param_gather_note
+        head = self.backend == "native" and f.output_layer
         return (f"fp8: backend {self.backend}, recipe {f.recipe}, format {f.format}{extra}; {span} in FP8 "
-                f"(qkv, proj, MLP){count}; embeddings, attention, norms and the output layer in BF16{gather}")
+                f"(qkv, proj, MLP){' and the output layer' if head else ''}{count}; embeddings, attention, norms"
+                f"{'' if head else ' and the output layer'} in BF16{gather}")
 
     def _gathered(self) -> set[int]:
         """Matmuls whose FP8 copies the FP8 parameter gather keeps current while their BF16 weights are partial."""

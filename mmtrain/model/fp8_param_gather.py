@@ -16,7 +16,10 @@ current: only the optimizer changes the weights, and its step gathers them); ``g
 ``MixedPrecisionAdamW.gather_full_params``) all-gathers them in BF16 on demand: the checkpoint writer calls it
 before a save and the training loop at the end of a run. A matmul that would fall back to BF16 ``F.linear``
 (a token count not a multiple of 16, GPU only) raises instead of using stale weights; weights whose dimensions
-are not multiples of 16 always fall back, so they are not FP8-gathered at all.
+are not multiples of 16 always fall back, so they are not FP8-gathered at all, nor is a tied output layer's
+weight (``fp8.output_layer`` with tied embeddings: the embedding lookup reads it in BF16). An untied FP8 output
+layer is gathered like the blocks' linears; a weight that is a ``late`` parameter (the last pipeline stage's
+copy of a tied embedding) stays in the BF16-gathered late bucket.
 """
 
 from __future__ import annotations
@@ -68,9 +71,12 @@ def gather_weights(runtime, cfg, group_size: int) -> list[torch.nn.Parameter]:
         return []
     if runtime.backend != "native":  # validated earlier; here so that a bypassed check cannot run silently
         raise ValueError("fp8.param_gather needs fp8.backend=native")
+    # a tied output layer (fp8.output_layer) shares the embedding's weight, which the lookup reads in BF16
+    embeddings = {id(m.embed.weight) for m in runtime.models if getattr(m, "embed", None) is not None}
     return [m.weight_ref for m in runtime.matmuls
             if m.recipe != "rowwise" and m.weight_ref.requires_grad and m.weight_ref.ndim == 2
-            and m.weight_ref.shape[0] % 16 == 0 and m.weight_ref.shape[1] % 16 == 0]
+            and m.weight_ref.shape[0] % 16 == 0 and m.weight_ref.shape[1] % 16 == 0
+            and id(m.weight_ref) not in embeddings]
 
 
 class Fp8ParamGather:

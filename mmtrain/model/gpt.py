@@ -54,6 +54,7 @@ class GPTModel(nn.Module):
         self.loss_fn = token_cross_entropy
         self.head_input_fn = None
         self.logits_gather_fn = None
+        self.head_matmul: nn.Module | None = None  # F.linear's stand-in for the output layer (an FP8 matmul)
         self.build_attention_mask = document_causal_mask  # context parallelism builds per-chunk masks instead
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
@@ -111,10 +112,20 @@ class GPTModel(nn.Module):
         x = self.norm(x)
         if self.head_input_fn is not None:
             x = self.head_input_fn(x)
-        logits = F.linear(x, self.output_weight())
         if labels_BS is None:
+            logits = self.logits(x)
             return self.logits_gather_fn(logits) if self.logits_gather_fn is not None else logits
-        return self.loss_fn(logits, labels_BS)
+        return self.head_loss(x, labels_BS)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
+        w = self.output_weight()
+        return F.linear(x, w) if self.head_matmul is None else self.head_matmul(x, w)
+
+    def head_loss(self, x: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """Per-token losses from the hidden states: output layer, then ``loss_fn`` (the build may replace this
+        method by a compiled one, so the FP8 output layer's casts fuse with the loss kernels)."""
+        return self.loss_fn(self.logits(x), labels_BS)
 
 
 def count_parameters(cfg: ModelConfig, active: bool = False) -> int:

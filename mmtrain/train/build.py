@@ -58,7 +58,10 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
             else:
                 block.compile()
     if cfg.train.compile and mesh.dims.tp == 1:  # fuses the fp32 upcast, log-softmax and its backward
-        model.loss_fn = torch.compile(token_cross_entropy)
+        if model.head_matmul is not None:  # FP8 head: its casts of the (huge) logits gradient fuse with the loss
+            model.head_loss = torch.compile(model.head_loss)
+        else:
+            model.loss_fn = torch.compile(token_cross_entropy)
     return model
 
 

@@ -19,7 +19,7 @@ MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64
          "model.num_query_groups=2", "model.vocab_size=64", "data.mock=true", "data.seq_length=16"]
 
 
-def _two_steps(rank: int, world_size: int, recipe: str, sp: bool):
+def _two_steps(rank: int, world_size: int, recipe: str, sp: bool, head: bool = False):
     from mmtrain.model.fp8 import Fp8Runtime, apply_native_fp8
     from mmtrain.model.gpt import GPTModel
     from mmtrain.parallel.tensor import (
@@ -28,7 +28,8 @@ def _two_steps(rank: int, world_size: int, recipe: str, sp: bool):
     )
 
     extra = [f"parallel.tp={world_size}", f"parallel.sequence_parallel={str(sp).lower()}"]
-    cfg = load_config(GPTRunConfig, None, [*MODEL, "train.precision=fp8", f"fp8.recipe={recipe}", *extra])
+    cfg = load_config(GPTRunConfig, None, [*MODEL, "train.precision=fp8", f"fp8.recipe={recipe}", *extra,
+                                           f"fp8.output_layer={str(head).lower()}"])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
     model = GPTModel(cfg.model)
     model.init_weights(3)
@@ -55,15 +56,18 @@ def _two_steps(rank: int, world_size: int, recipe: str, sp: bool):
 
 @pytest.fixture(scope="module")
 def single():
-    return {r: run_distributed(_two_steps, 1, r, False)[0] for r in ("delayed",)}
+    return {head: run_distributed(_two_steps, 1, "delayed", False, head)[0] for head in (False, True)}
 
 
-def test_tp2_sp_delayed_scaling_equals_one_process(single):
-    """TP2 with sequence parallelism (column: all-gather of the input, row: reduce-scatter of the output)."""
+@pytest.mark.parametrize("head", [False, True], ids=["bf16-head", "fp8-head"])
+def test_tp2_sp_delayed_scaling_equals_one_process(single, head):
+    """TP2 with sequence parallelism (column: all-gather of the input, row: reduce-scatter of the output); with
+    ``fp8.output_layer`` the vocabulary-parallel head too (its logits-gradient amax is reduced over TP)."""
     sp = True
-    ref_losses, ref_scales, ref_grads, _ = single["delayed"]
+    ref_losses, ref_scales, ref_grads, _ = single[head]
     cfg = load_config(GPTRunConfig, None, MODEL)
-    outs = run_distributed(_two_steps, 2, "delayed", sp)
+    outs = run_distributed(_two_steps, 2, "delayed", sp, head)
+    assert len(ref_scales) == 8 + head
     for losses, scales, grads, tp_rank in outs:
         # step 2 casts with the scales from step 1's amaxes, reduced over TP: one scale per logical tensor
         assert losses == pytest.approx(ref_losses, rel=1e-5)

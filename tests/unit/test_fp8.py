@@ -234,6 +234,54 @@ def test_runtime_recasts_every_forward_until_the_loop_takes_over():
     assert "backend native, recipe tensorwise, format hybrid" in rt.describe()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_output_layer_in_fp8(tied):
+    """``fp8.output_layer``: the head's GEMMs in FP8 (one more matmul, same parameter names), its weight the
+    output weight (the embedding when tied), losses and gradients close to the BF16 head's."""
+    torch.manual_seed(0)
+    cfg = _cfg("model.vocab_size=64", "fp8.output_layer=true", f"model.tie_embeddings={str(tied).lower()}")
+    ref = GPTModel(cfg.model)
+    ref.init_weights(1)
+    model = GPTModel(cfg.model)
+    model.load_state_dict(ref.state_dict())
+    keys = list(model.state_dict())
+    matmuls = apply_native_fp8(model, cfg)
+    assert len(matmuls) == 4 * 4 + 1 and matmuls[-1] is model.head_matmul
+    assert model.head_matmul.weight_ref is model.output_weight()
+    assert list(model.state_dict()) == keys
+    rt = Fp8Runtime("native", cfg, [model])
+    assert "in FP8 (qkv, proj, MLP) and the output layer" in rt.describe() and rt.matmuls[-1] is model.head_matmul
+    ids = torch.randint(0, 64, (2, 17))
+    losses = [m(ids[:, :-1], ids[:, 1:]).mean() for m in (ref, model)]
+    for loss in losses:
+        loss.backward()
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=0.02)
+    assert rel(model.output_weight().grad, ref.output_weight().grad) < 0.1
+    assert model.head_matmul.w_a.dtype == E4M3  # the head really ran through the FP8 matmul
+    no_head = _cfg("model.vocab_size=64")
+    plain = GPTModel(no_head.model)
+    apply_native_fp8(plain, no_head)
+    assert plain.head_matmul is None and "norms and the output layer in BF16" in Fp8Runtime("native", no_head,
+                                                                                           [plain]).describe()
+
+
+def test_fp8_head_and_loss_compile_in_one_graph():
+    """The build compiles ``head_loss`` (FP8 head + cross-entropy) so the logits-gradient cast fuses with the
+    loss backward: it traces without graph breaks, delayed scaling's amax updates included."""
+    torch._dynamo.reset()
+    cfg = _cfg("model.vocab_size=64", "fp8.output_layer=true", "fp8.recipe=delayed")
+    model = GPTModel(cfg.model)
+    model.init_weights(1)
+    apply_native_fp8(model, cfg)
+    Fp8Runtime("native", cfg, [model]).refresh([model.head_matmul])
+    compiled = torch.compile(model.head_loss, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    labels = torch.randint(0, 64, (2, 16))
+    compiled(x, labels).sum().backward()
+    assert torch.isfinite(x.grad).all() and model.head_matmul.amax_g.item() > 0
+    assert model.head_matmul.amax_x.item() == pytest.approx(x.abs().max().item())
+
+
 def test_weights_recast_in_place_all_at_once_equal_the_per_weight_cast():
     torch.manual_seed(0)
     cfg = _cfg("model.vocab_size=64")
@@ -273,6 +321,7 @@ def test_weights_recast_in_place_all_at_once_equal_the_per_weight_cast():
     (["fp8.param_gather=true"], "fp8.param_gather"),
     (["fp8.backend=te", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward=true applies to the native"),
     (["fp8.recipe=rowwise", "fp8.format=e4m3", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward"),
+    (["fp8.backend=te", "fp8.output_layer=true"], "fp8.output_layer=true is a native-backend option"),
     (["train.device=cpu"], "train.precision=fp8 needs a Hopper/Blackwell GPU"),
 ])
 def test_config_errors_name_the_keys(extra, match):
