@@ -17,7 +17,8 @@ MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64
          "model.num_query_groups=2", "model.vocab_size=64", "data.mock=true", "data.seq_length=16"]
 RUN = [*MODEL, "train.device=cpu", "train.steps=4", "train.micro_batch_size=2", "train.global_batch_size=8",
        "optim.lr=3e-3", "optim.warmup_steps=1", "checkpoint.save_final=false", "parallel.dp=2",
-       "train.precision=fp8", "fp8.recipe=tensorwise"]  # delayed: its amax history restarts at a resume
+       "train.precision=fp8", "fp8.recipe=tensorwise",  # delayed: its amax history restarts at a resume
+       "fp8.output_layer=true"]  # untied: the head is FP8-gathered too
 FP8_COPIES = ("w_a", "w_b", "w_a_inv", "w_b_inv")
 
 
@@ -64,7 +65,7 @@ def runs(tmp_path_factory):
 def test_fp8_gather_equals_bf16_gather_bit_for_bit(runs):
     for rank, out in enumerate(runs):
         ref, got = out["bf16_gather"], out["fp8_gather"]
-        assert got["gathers"] == (4, 2, 8)  # every step in FP8; BF16 only for the saves (steps 2 and 4)
+        assert got["gathers"] == (4, 2, 9)  # every step in FP8; BF16 only for the saves (steps 2 and 4)
         assert "all-gathered in FP8 over 2 data-parallel ranks" in got["log"][0] and ref["gathers"] is None
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
         assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)

@@ -318,7 +318,9 @@ def test_weights_recast_in_place_all_at_once_equal_the_per_weight_cast():
     (["fp8.recipe=rowwise"], "set fp8.format=e4m3"),
     (["fp8.amax_history_len=0"], "fp8.amax_history_len"),
     (["fp8.bf16_first_layers=2", "fp8.bf16_last_layers=2"], "leave no FP8 layer"),
-    (["fp8.param_gather=true"], "fp8.param_gather"),
+    (["fp8.param_gather=true", "fp8.backend=te"], "fp8.param_gather=true needs fp8.backend=native"),
+    (["fp8.param_gather=true", "fp8.recipe=rowwise", "fp8.format=e4m3"], "fp8.param_gather=true .* fp8.recipe=rowwise"),
+    (["fp8.param_gather=true", "parallel.distributed_optimizer=false"], "parallel.distributed_optimizer=true"),
     (["fp8.backend=te", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward=true applies to the native"),
     (["fp8.recipe=rowwise", "fp8.format=e4m3", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward"),
     (["fp8.backend=te", "fp8.output_layer=true"], "fp8.output_layer=true is a native-backend option"),
@@ -327,6 +329,36 @@ def test_weights_recast_in_place_all_at_once_equal_the_per_weight_cast():
 def test_config_errors_name_the_keys(extra, match):
     with pytest.raises(ConfigError, match=match):
         validate_gpt_config(_cfg(*extra))
+
+
+def test_param_gather_config_is_accepted_native_and_refused_when_auto_picks_te(monkeypatch):
+    validate_gpt_config(_cfg("fp8.param_gather=true", "fp8.backend=native", "fp8.recipe=delayed"))
+    import mmtrain.model.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "te_importable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "H100")
+    with pytest.raises(ConfigError, match="fp8.param_gather=true is a native-backend option, but fp8.backend=auto"):
+        resolve_fp8_backend(_cfg("fp8.param_gather=true"), torch.device("cuda"))
+    assert resolve_fp8_backend(_cfg("fp8.param_gather=true", "fp8.backend=native"), torch.device("cuda")) == "native"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_gather_weights(tied):
+    """Which weights go to FP8-gathered buckets: the FP8 linears' (and an untied FP8 output layer's), never the
+    embedding (a tied FP8 head's weight); with one data-parallel rank none, and the log line says it is a no-op."""
+    from mmtrain.model.fp8_param_gather import gather_weights
+
+    cfg = _cfg("model.vocab_size=64", "fp8.output_layer=true", f"model.tie_embeddings={str(tied).lower()}",
+               "fp8.param_gather=true")
+    model = GPTModel(cfg.model)
+    apply_native_fp8(model, cfg)
+    rt = Fp8Runtime("native", cfg, [model])
+    chosen = {id(p) for p in gather_weights(rt, cfg, 2)}
+    linears = [m for m in rt.matmuls if m is not model.head_matmul]
+    assert len(linears) == 16 and all(id(m.weight_ref) in chosen for m in linears)
+    assert (id(model.output_weight()) in chosen) is not tied and id(model.embed.weight) not in chosen
+    assert gather_weights(rt, cfg, 1) == [] and "fp8.param_gather is a no-op" in rt.describe()
 
 
 def test_fp8_on_the_cpu_is_a_config_error_at_start_up():
