@@ -90,6 +90,8 @@ class Fp8ParamGather:
         self.buckets = [b for b in buckets.buckets if b.fp8]
         params = [p for b in self.buckets for p in b.params]
         self.matmuls: list[Fp8Matmul] = [by_weight[id(p)] for p in params]
+        if not self.matmuls:
+            raise ValueError("no FP8 buckets to gather: build the GradBuckets with fp8_params=gather_weights(...)")
         dtypes = {m.fwd_dtype for m in self.matmuls}
         if len(dtypes) != 1 or any(m.recipe == "rowwise" for m in self.matmuls):
             raise ValueError("fp8.param_gather needs per-tensor FP8 matmuls of one format")

@@ -333,7 +333,7 @@ def test_config_errors_name_the_keys(extra, match):
 
 def test_param_gather_config_is_accepted_native_and_refused_when_auto_picks_te(monkeypatch):
     validate_gpt_config(_cfg("fp8.param_gather=true", "fp8.backend=native", "fp8.recipe=delayed"))
-    import mmtrain.model.fp8 as fp8
+    from mmtrain.model import fp8
 
     monkeypatch.setattr(fp8, "te_importable", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
