@@ -201,6 +201,31 @@ def test_compiles_without_graph_breaks():
             assert lin.matmul.amax_g.item() == pytest.approx(3.0)  # max over both backwards
 
 
+def test_weight_copies_viewing_one_buffer_compile_once_and_stay_live():
+    """fp8.param_gather makes the matmuls' W copies slices of one gathered buffer: a compiled graph takes these
+    aliasing buffers without graph breaks or recompiles, and reads what the next gather writes into them."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    seq = nn.Sequential(Fp8Linear(nn.Linear(32, 64, bias=False), "tensorwise", "hybrid"),
+                        Fp8Linear(nn.Linear(64, 32, bias=False), "tensorwise", "hybrid"))
+    flat = torch.zeros(2 * 32 * 64, dtype=torch.uint8)
+    for i, lin in enumerate(seq):
+        lin.matmul.w_a = flat[i * 2048:(i + 1) * 2048].view(E4M3).view(lin.weight.shape)
+        lin.matmul.refresh_weight(lin.weight)  # casts into the views
+    compiled = torch.compile(seq, backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 32)
+    assert torch.equal(compiled(x), seq(x))
+    with torch.no_grad():
+        for lin in seq:
+            lin.weight.mul_(-2.0)
+            lin.matmul.refresh_weight(lin.weight)  # in place, as the gather writes the buffer
+    assert torch.equal(compiled(x), seq(x))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+
 # ------------------------------------------------------------------------------------------ the model
 def test_layer_selection_and_names_unchanged():
     cfg = _cfg("fp8.bf16_first_layers=1", "fp8.bf16_last_layers=1")
