@@ -1,6 +1,7 @@
-"""``fp8.param_gather`` (CPU, gloo, 2 data-parallel ranks, distributed optimizer, native FP8 emulated on the CPU):
-gathering the FP8 linears' weights in FP8 gives the same FP8 weight copies, bit for bit, as gathering BF16 and
-casting; the same losses and gradients; whole BF16 weights after the on-demand BF16 gather; an exact resume."""
+"""``fp8.param_gather`` (CPU, gloo, 4 ranks: 2 data-parallel x TP2 with sequence parallelism, distributed optimizer,
+native FP8 emulated on the CPU, the FP8 output layer on): gathering the FP8 linears' weights in FP8 gives the
+same FP8 weight copies, bit for bit, as gathering BF16 and casting (weight amaxes reduced over DP and TP); the
+same losses and gradients; whole BF16 weights after the on-demand BF16 gather; an exact resume."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from mmtrain.testing import run_distributed
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.vocab_size=64", "data.mock=true", "data.seq_length=16"]
 RUN = [*MODEL, "train.device=cpu", "train.steps=4", "train.micro_batch_size=2", "train.global_batch_size=8",
-       "optim.lr=3e-3", "optim.warmup_steps=1", "checkpoint.save_final=false", "parallel.dp=2",
+       "optim.lr=3e-3", "optim.warmup_steps=1", "checkpoint.save_final=false", "parallel.dp=2", "parallel.tp=2",
+       "parallel.sequence_parallel=true",
        "train.precision=fp8", "fp8.recipe=tensorwise",  # delayed: its amax history restarts at a resume
        "fp8.output_layer=true"]  # untied: the head is FP8-gathered too
 FP8_COPIES = ("w_a", "w_b", "w_a_inv", "w_b_inv")
@@ -59,7 +61,7 @@ def _three_runs(rank: int, world_size: int, run_dir: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_three_runs, 2, str(tmp_path_factory.mktemp("pg")))
+    return run_distributed(_three_runs, 4, str(tmp_path_factory.mktemp("pg")))
 
 
 def test_fp8_gather_equals_bf16_gather_bit_for_bit(runs):
