@@ -31,21 +31,23 @@ from mmtrain.model.fp8_native import Fp8Matmul, weight_scales
 from mmtrain.model.fp8_scaling import quantize
 
 
-def _cast_pieces_into(pieces: list, scales: torch.Tensor, outs: list, dtype: torch.dtype) -> None:
-    for i, (piece, out) in enumerate(zip(pieces, outs)):
-        out.copy_(quantize(piece, scales[i], dtype))
+def _cast_pieces_into(src: torch.Tensor, scales: torch.Tensor, outs: list, plan: tuple, dtype: torch.dtype) -> None:
+    for (lo, hi, k), out in zip(plan, outs):
+        out.copy_(quantize(src[lo:hi], scales[k], dtype))
 
 
-def _transpose_into(a_bufs: list, b_bufs: list) -> None:
-    for a, b in zip(a_bufs, b_bufs):
-        b.copy_(a.t())
+def _transpose_into(flat: torch.Tensor, plan: tuple, b_bufs: list) -> None:
+    for (lo, rows, cols), b in zip(plan, b_bufs):
+        b.copy_(flat[lo:lo + rows * cols].view(rows, cols).t())
 
 
 _compiled: dict = {}
 
 
 def _maybe_compiled(fn, on_gpu: bool):
-    """``fn`` compiled on the GPU (one graph instead of a few kernels per weight), eager on the CPU."""
+    """``fn`` compiled on the GPU (one graph instead of a few kernels per weight), eager on the CPU. Every output
+    is a whole tensor of its own: Inductor turns writes into slices of one buffer into one kernel over the whole
+    buffer that evaluates every slice's expression at every element."""
     if not on_gpu:
         return fn
     if fn not in _compiled:
@@ -53,11 +55,12 @@ def _maybe_compiled(fn, on_gpu: bool):
     return _compiled[fn]
 
 
-def cast_pieces(pieces: list[torch.Tensor], scales: torch.Tensor, outs: list[torch.Tensor],
+def cast_pieces(src: torch.Tensor, scales: torch.Tensor, outs: list[torch.Tensor], plan: tuple,
                 dtype: torch.dtype) -> None:
-    """``outs[i] = fp8(pieces[i] * scales[i])``, clamped like every weight cast (the pieces' FP8 bytes)."""
-    if pieces:
-        _maybe_compiled(_cast_pieces_into, pieces[0].is_cuda)(pieces, scales, outs, dtype)
+    """For each ``(lo, hi, k)`` of ``plan`` and its ``out``: ``out = fp8(src[lo:hi] * scales[k])``, clamped like
+    every weight cast (the FP8 bytes of a rank's pieces of the weights; ``src`` is the flat BF16 buffer)."""
+    if plan:
+        _maybe_compiled(_cast_pieces_into, src.is_cuda)(src, scales, outs, plan, dtype)
 
 
 def gather_weights(runtime, cfg, group_size: int) -> list[torch.nn.Parameter]:
@@ -99,34 +102,40 @@ class Fp8ParamGather:
         device = buckets.param_buffer.device
         total = sum(b.end - b.start for b in self.buckets)
         self.fp8_buffer = torch.zeros(total, dtype=torch.uint8, device=device)  # the buckets' layout, 1 byte each
-        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per bucket: (its fp8_buffer slice, shard)
-        self.pieces: list[torch.Tensor] = []  # owned BF16 pieces of the weights (views of the param buffer)
-        self.piece_outs: list[torch.Tensor] = []  # where their FP8 bytes go (views of the shard buffers)
-        piece_of: list[int] = []  # piece -> matmul index
-        base, index = 0, 0
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per bucket: (fp8_buffer slice, shard), bytes
+        self.joins: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # per bucket: (pieces' bytes, shard part)
+        pieces, outs, cast_plan, w_plan = [], [], [], []
+        base = index = 0
         for b in self.buckets:
             own_start, own_end = buckets.owned_range(b)
             shard = torch.zeros(own_end - own_start, dtype=torch.uint8, device=device)  # padding stays zero
             self.views.append((self.fp8_buffer[base:base + b.end - b.start], shard))
-            for p in b.params:
+            mine = []
+            for p in b.params:  # packed from b.start: the owned pieces are adjacent, padding only at the end
                 lo, hi = p.buffer_offset, p.buffer_offset + p.numel()
-                self._adopt_w_a(self.matmuls[index], self.fp8_buffer[base + lo - b.start:base + hi - b.start], p)
+                self._adopt_w_a(self.matmuls[index], base + lo - b.start, p)
+                w_plan.append((base + lo - b.start, *p.shape))
                 s, e = max(lo, own_start), min(hi, own_end)
-                if s < e:
-                    self.pieces.append(buckets.param_buffer[s:e])
-                    self.piece_outs.append(shard[s - own_start:e - own_start].view(self.dtype))
-                    piece_of.append(index)
+                if s < e:  # a weight is one range in one bucket: at most one owned piece of it per rank
+                    pieces.append(buckets.param_buffer[s:e])
+                    outs.append(torch.empty(e - s, dtype=self.dtype, device=device))
+                    mine.append(outs[-1].view(torch.uint8))
+                    cast_plan.append((s, e, index))
                 index += 1
+            if mine:
+                self.joins.append((mine, shard[:sum(t.numel() for t in mine)]))
             base += b.end - b.start
-        self.piece_of = torch.tensor(piece_of, dtype=torch.long, device=device)
+        self.pieces, self.piece_outs = pieces, outs
+        self.cast_plan, self.w_plan = tuple(cast_plan), tuple(w_plan)
+        self.piece_of = torch.tensor([k for *_, k in cast_plan], dtype=torch.long, device=device)
         self.bf16_partial = False  # True from an FP8 gather until gather_bf16
         self.fp8_gathers = self.bf16_gathers = 0  # counts (tests, logs)
         buckets.fp8_gather = self
         runtime.param_gather = self
 
-    def _adopt_w_a(self, m: Fp8Matmul, flat_u8: torch.Tensor, weight: torch.Tensor) -> None:
+    def _adopt_w_a(self, m: Fp8Matmul, offset: int, weight: torch.Tensor) -> None:
         """Make ``m.w_a`` a view of ``fp8_buffer`` (keeping a copy already cast there)."""
-        view = flat_u8.view(self.dtype).view(weight.shape)
+        view = self.fp8_buffer[offset:offset + weight.numel()].view(self.dtype).view(weight.shape)
         if m.w_a.shape == view.shape and m.w_a.dtype == view.dtype:
             view.copy_(m.w_a)
         m.w_a = view
@@ -145,23 +154,24 @@ class Fp8ParamGather:
         """After the optimizer updated this rank's shards: every rank gets the FP8 W (and W^T) of every weight."""
         amax = torch.zeros(len(self.matmuls), dtype=torch.float32, device=self.fp8_buffer.device)
         if self.pieces:
-            # a weight is one contiguous range in one bucket: at most one owned piece of it per rank
             amax[self.piece_of] = torch.stack(torch._foreach_norm(self.pieces, float("inf"))).float()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
         scales, inv = weight_scales(amax, self.dtype)
-        cast_pieces(self.pieces, scales[self.piece_of], self.piece_outs, self.dtype)
+        cast_pieces(self.owner.param_buffer, scales, self.piece_outs, self.cast_plan, self.dtype)
+        for parts, shard_part in self.joins:
+            torch.cat(parts, out=shard_part)
         for full, shard in self.views:
             dist.all_gather_into_tensor(full, shard, group=self.group)
-        a_bufs = [m.w_a for m in self.matmuls]
         for m in self.matmuls:
             if m.w_b.shape != m.w_a.t().shape or m.w_b.dtype != self.dtype:  # not sized yet: no forward before
                 m.w_b = torch.empty_like(m.w_a.t().contiguous())
             for name in ("w_a_inv", "w_b_inv"):
                 if getattr(m, name).shape != (1,):
                     setattr(m, name, torch.empty(1, device=amax.device))
-        _maybe_compiled(_transpose_into, amax.is_cuda)(a_bufs, [m.w_b for m in self.matmuls])
+        _maybe_compiled(_transpose_into, amax.is_cuda)(self.fp8_buffer.view(self.dtype), self.w_plan,
+                                                       [m.w_b for m in self.matmuls])
         inv_list = list(inv.reshape(-1, 1).unbind(0))
         torch._foreach_copy_([m.w_a_inv for m in self.matmuls], inv_list)
         torch._foreach_copy_([m.w_b_inv for m in self.matmuls], inv_list)

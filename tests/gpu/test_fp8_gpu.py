@@ -84,18 +84,18 @@ def test_fp8_param_gather_cast_of_pieces_equals_the_in_place_cast_on_the_gpu():
     amax = torch.stack([lin.weight.detach().abs().amax().float() for lin in lins])
     assert refresh_weights_in_place(matmuls, amax)
     scales, inv = weight_scales(amax, torch.float8_e4m3fn)
-    pieces, outs, idx = [], [], []
+    flat = torch.cat([lin.weight.detach().reshape(-1) for lin in lins])  # like the parameter buffer
+    plan, offset = [], 0
     for i, lin in enumerate(lins):  # two pieces per weight, cut where no row ends (like a shard boundary)
-        flat, out = lin.weight.detach().reshape(-1), torch.empty(lin.weight.numel(), dtype=torch.float8_e4m3fn,
-                                                                 device="cuda")
-        cut = flat.numel() // 3 + 5
-        pieces += [flat[:cut], flat[cut:]]
-        outs += [out[:cut], out[cut:]]
-        idx += [i, i]
-    cast_pieces(pieces, scales[torch.tensor(idx, device="cuda")], outs, torch.float8_e4m3fn)
+        n = lin.weight.numel()
+        cut = offset + n // 3 + 5
+        plan += [(offset, cut, i), (cut, offset + n, i)]
+        offset += n
+    outs = [torch.empty(hi - lo, dtype=torch.float8_e4m3fn, device="cuda") for lo, hi, _ in plan]
+    cast_pieces(flat, scales, outs, tuple(plan), torch.float8_e4m3fn)
     for i, m in enumerate(matmuls):
-        got = torch.cat([outs[2 * i], outs[2 * i + 1]]).view(m.w_a.shape)
-        assert torch.equal(got.view(torch.uint8), m.w_a.view(torch.uint8)), i
+        got = torch.cat([outs[2 * i].view(torch.uint8), outs[2 * i + 1].view(torch.uint8)])
+        assert torch.equal(got.view(m.w_a.shape), m.w_a.view(torch.uint8)), i
         assert torch.equal(inv[i].reshape(1), m.w_a_inv), i
 
 
