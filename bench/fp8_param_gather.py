@@ -46,8 +46,8 @@ def check(world: int, device: torch.device) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for on in (False, True):
-            cfg = load_config(GPTRunConfig, None, [*SMALL, f"parallel.dp={world}", f"fp8.param_gather={str(on).lower()}",
-                                                   f"logging.run_dir={tmp}/{on}"])
+            cfg = load_config(GPTRunConfig, None, [*SMALL, f"parallel.dp={world}",
+                                                   f"fp8.param_gather={str(on).lower()}", f"logging.run_dir={tmp}/{on}"])
             mesh = ParallelDims.from_config(cfg.parallel, world).build()
             result = train_gpt(cfg, mesh, device)
             rt = result.model.fp8_runtime

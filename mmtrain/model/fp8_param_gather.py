@@ -6,7 +6,7 @@ buckets holding FP8 weights (``GradBuckets(fp8_params=...)``; nothing else is in
 1. takes the amax of the pieces of each weight it owns, reduced (MAX) over the bucket's group (dp x cp) and over
    TP: exactly the amax of the whole weight that the BF16 path computes after its gather, so the same scale;
 2. casts its pieces to FP8 with their weight's scale (an elementwise cast: the bytes are those of casting the
-   whole weight) into a shard buffer, and all-gathers the shards into ``fp8_buffer``, a one-byte copy of the
+   whole weight), joins them into its shard, and all-gathers the shards into ``fp8_buffer``, a one-byte copy of the
    buckets' layout whose slices *are* the matmuls' ``w_a`` buffers (no copy); ``w_b`` (W^T) is made locally.
 The FP8 copies are then bit-identical to what ``Fp8Runtime.refresh`` would make from gathered BF16 weights.
 
