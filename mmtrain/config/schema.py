@@ -204,8 +204,10 @@ class Fp8Config:
                "with the recipe's scaling (its input and the logits gradient are cast like a block linear's). "
                "Off (BF16) by default, as in Transformer Engine and Megatron-Core: the head is the layer most "
                "sensitive to precision; check convergence before using it (bench/fp8_convergence.py).")
-    param_gather: bool = doc(False, "All-gather parameters over data-parallel ranks in FP8 (not implemented yet: "
-                                    "true is a configuration error).")
+    param_gather: bool = doc(
+        False, "Distributed optimizer: all-gather the FP8 linears' updated weights over data-parallel ranks in FP8 "
+               "(half the bytes of BF16), straight into their FP8 copies. Native backend, tensorwise/delayed, "
+               "parallel.distributed_optimizer=true; a no-op with one data-parallel rank.")
     fast_accum_backward: bool = doc(
         False, "Native backend, tensorwise/delayed: fast accumulation (use_fast_accum) in the backward GEMMs too "
                "(dgrad, wgrad). Faster on Hopper, but the FP8 tensor cores then keep fewer accumulator bits over "

@@ -146,9 +146,16 @@ def _validate_fp8(cfg) -> None:
     if f.output_layer and f.backend == "te":
         raise ConfigError("fp8.output_layer=true is a native-backend option (Transformer Engine keeps the output "
                           "layer in BF16 here); set fp8.backend=native or fp8.output_layer=false")
-    if f.param_gather:
-        raise ConfigError("fp8.param_gather=true is not implemented yet: parameters are gathered in BF16; "
-                          "set fp8.param_gather=false")
+    if f.param_gather:  # FP8 all-gather of the native FP8 weights' distributed-optimizer shards
+        if f.backend == "te":
+            raise ConfigError("fp8.param_gather=true needs fp8.backend=native (Transformer Engine keeps its own "
+                              "FP8 weights); set fp8.backend=native or fp8.param_gather=false")
+        if f.recipe not in ("tensorwise", "delayed"):
+            raise ConfigError(f"fp8.param_gather=true needs one scale per weight: fp8.recipe tensorwise or delayed "
+                              f"(got fp8.recipe={f.recipe}); or set fp8.param_gather=false")
+        if not p.distributed_optimizer:
+            raise ConfigError("fp8.param_gather=true gathers the distributed optimizer's shards; set "
+                              "parallel.distributed_optimizer=true or fp8.param_gather=false")
     if f.fast_accum_backward and (f.backend == "te" or f.recipe not in ("tensorwise", "delayed")):
         raise ConfigError(f"fp8.fast_accum_backward=true applies to the native backend's tensorwise and delayed "
                           f"recipes (got fp8.backend={f.backend}, fp8.recipe={f.recipe}); set it to false")

@@ -55,6 +55,9 @@ def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
         raise ConfigError(f"fp8.recipe={f.recipe} needs Transformer Engine (fp8.backend=te), which "
                           f"{'is not installed' if not te_importable() else 'was not chosen'}; the native backend "
                           f"offers {', '.join(NATIVE_FP8_RECIPES)}")
+    if backend == "te" and f.param_gather:
+        raise ConfigError("fp8.param_gather=true is a native-backend option, but fp8.backend=auto chose Transformer "
+                          "Engine; set fp8.backend=native or fp8.param_gather=false")
     if backend == "te" and f.fast_accum_backward:
         raise ConfigError("fp8.fast_accum_backward=true is a native-backend option, but fp8.backend=auto chose "
                           "Transformer Engine; set fp8.backend=native or fp8.fast_accum_backward=false")
@@ -120,6 +123,8 @@ class Fp8Runtime:
         self.models, self.tp_group = models, tp_group
         self.matmuls = [m for model in models for m in model.modules() if isinstance(m, Fp8Matmul)]
         self.step_managed = False  # until the loop takes over, every forward re-casts the weights
+        self.param_gather = None  # fp8.param_gather: an fp8_param_gather.Fp8ParamGather, set by the loop
+        self.param_gather_note = ""
         self.history = None
         f = cfg.fp8
         if backend == "native" and f.recipe == "delayed":
@@ -138,14 +143,20 @@ class Fp8Runtime:
         if self.backend == "native" and f.fast_accum_backward and f.recipe != "rowwise":
             extra += ", fast accumulation in backward GEMMs"
         count = f", {len(self.matmuls)} FP8 linears on this rank" if self.backend == "native" else ""
+        gather = self.param_gather.describe() if self.param_gather is not None else self.param_gather_note
         head = self.backend == "native" and f.output_layer
         return (f"fp8: backend {self.backend}, recipe {f.recipe}, format {f.format}{extra}; {span} in FP8 "
                 f"(qkv, proj, MLP){' and the output layer' if head else ''}{count}; embeddings, attention, norms"
-                f"{'' if head else ' and the output layer'} in BF16")
+                f"{'' if head else ' and the output layer'} in BF16{gather}")
+
+    def _gathered(self) -> set[int]:
+        """Matmuls whose FP8 copies the FP8 parameter gather keeps current while their BF16 weights are partial."""
+        return self.param_gather.managed() if self.param_gather is not None else set()
 
     def _refresh_weights(self, module: nn.Module, args) -> None:
         """Forward pre-hook of each chunk: cast the stale FP8 weight copies (all at once, one TP all-reduce)."""
-        stale = [m for m in self.matmuls if m.weight_stale or not self.step_managed]
+        gathered = self._gathered()
+        stale = [m for m in self.matmuls if (m.weight_stale or not self.step_managed) and id(m) not in gathered]
         if stale:
             self.refresh(stale)
 
@@ -167,8 +178,9 @@ class Fp8Runtime:
     def weights_changed(self) -> None:
         """After the optimizer step: the next forward re-casts the FP8 weight copies (once per step)."""
         self.step_managed = True
+        gathered = self._gathered()  # the optimizer step's FP8 parameter gather re-cast these already
         for m in self.matmuls:
-            m.weight_stale = True
+            m.weight_stale = id(m) not in gathered or m.weight_stale
 
     def after_backward(self, groups: list) -> None:
         """Delayed scaling: this step's amaxes, reduced (MAX) over ``groups``, enter the history; new scales."""

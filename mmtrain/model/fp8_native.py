@@ -139,15 +139,34 @@ def _cast_weight_pair_fast(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dty
     return _compiled_cast(w, amax, dtype)
 
 
-def _cast_weights_into(weights: list, amax: torch.Tensor, a_bufs: list, b_bufs: list, inv_bufs: list,
-                       dtype: torch.dtype) -> None:
+def _weight_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = scale_from_amax(amax.float(), FP8_MAX[dtype])
+    return scales, scales.reciprocal()
+
+
+_compiled_scales = None
+
+
+def weight_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, inverse scales) of weights with amaxes ``amax`` (one per weight). One function for every per-step
+    weight cast (``refresh_weights_in_place`` and the FP8 parameter gather, ``fp8_param_gather``), so that both
+    give the same bits: compiled on the GPU, where a compiled division need not round like an eager one."""
+    global _compiled_scales
+    if not amax.is_cuda:
+        return _weight_scales(amax, dtype)
+    if _compiled_scales is None:
+        _compiled_scales = torch.compile(_weight_scales, dynamic=False)
+    return _compiled_scales(amax, dtype)
+
+
+def _cast_weights_into(weights: list, scales: torch.Tensor, inv: torch.Tensor, a_bufs: list, b_bufs: list,
+                       inv_bufs: list, dtype: torch.dtype) -> None:
     """Every weight's W and W^T in FP8 and its inverse scale, written into the existing buffers in place."""
-    scales = scale_from_amax(amax, FP8_MAX[dtype])
     for i, w in enumerate(weights):
         q = quantize(w, scales[i], dtype)
         a_bufs[i].copy_(q)
         b_bufs[i].copy_(q.t())
-        inv_bufs[i].copy_(scales[i].reciprocal().reshape(1))
+        inv_bufs[i].copy_(inv[i].reshape(1))
 
 
 _compiled_cast_into = None
@@ -172,8 +191,9 @@ def refresh_weights_in_place(matmuls: list, amax: torch.Tensor) -> bool:
         if _compiled_cast_into is None:
             _compiled_cast_into = torch.compile(_cast_weights_into, dynamic=False)
         fn = _compiled_cast_into
-    fn(weights, amax.float(), [m.w_a for m in matmuls], [m.w_b for m in matmuls],
-       [m.w_a_inv for m in matmuls], matmuls[0].fwd_dtype)
+    dtype = matmuls[0].fwd_dtype
+    fn(weights, *weight_scales(amax, dtype), [m.w_a for m in matmuls], [m.w_b for m in matmuls],
+       [m.w_a_inv for m in matmuls], dtype)
     torch._foreach_copy_([m.w_b_inv for m in matmuls], [m.w_a_inv for m in matmuls])
     for m in matmuls:
         m.weight_stale = False
@@ -233,6 +253,10 @@ class Fp8Matmul(nn.Module):
         out_f, in_f = weight.shape
         x2 = x.reshape(-1, in_f)
         if x.is_cuda and (x2.shape[0] % 16 or in_f % 16 or out_f % 16):
+            if getattr(self, "bf16_weight_partial", False):  # set by fp8_param_gather while only FP8 W is whole
+                raise RuntimeError(f"fp8.param_gather=true: an FP8 linear got {x2.shape[0]} tokens, not a multiple "
+                                   "of 16, and would fall back to BF16 weights that are not gathered; use batch "
+                                   "shapes whose token count is a multiple of 16 or fp8.param_gather=false")
             return F.linear(x, weight, bias)  # _scaled_mm needs every dimension a multiple of 16
         if self.weight_stale:  # only when called outside a GPTModel forward (whose pre-hook re-casts)
             self._refresh_outside_graph(weight)

@@ -13,6 +13,10 @@ Layout (Megatron-Core's design, rewritten small):
 
 Parameters whose gradient must first be summed elsewhere (a tied embedding copy across pipeline stages) are put
 in a final bucket that the trainer reduces after that sum (``late`` parameters).
+
+``fp8_params`` (the FP8 linears' weights under ``fp8.param_gather``) get buckets of their own, so that an
+attached ``fp8_gather`` (``mmtrain.model.fp8_param_gather``) can all-gather them in FP8 after the optimizer step
+while the other buckets are gathered in the parameter dtype (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class _Bucket:
     start: int  # element offsets into the buffers
     end: int
     late: bool = False
+    fp8: bool = False  # holds only FP8 linears' weights (fp8.param_gather): gathered in FP8 when attached
     pending: set[int] = field(default_factory=set)
     handle: object = None
     shard_grad: torch.Tensor | None = None  # reduce-scatter output (distributed optimizer)
@@ -42,32 +47,37 @@ class GradBuckets:
 
     def __init__(self, params: list[nn.Parameter], group, distributed_optimizer: bool, param_dtype: torch.dtype,
                  bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True,
-                 grad_dtype: torch.dtype = torch.float32) -> None:
+                 grad_dtype: torch.dtype = torch.float32, fp8_params: list[nn.Parameter] = ()) -> None:
+        """``fp8_params``: put in buckets of their own (``_Bucket.fp8``), each padded to a multiple of 16 x dp
+        elements so that, in a one-byte copy of these buckets, every weight and every shard starts 16-byte
+        aligned (what FP8 GEMMs need). Empty (the default): the layout does not change."""
         self.group = group
         self.dp = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
         self.sharded = distributed_optimizer and self.dp > 1
         self.overlap = overlap
         late_ids = {id(p) for p in late_params}
+        fp8_ids = {id(p) for p in fp8_params}
         ordered = [p for p in reversed(params) if id(p) not in late_ids]  # backward visits the last layers first
-        groups: list[tuple[list[nn.Parameter], bool]] = []
-        current: list[nn.Parameter] = []
+        groups: list[tuple[list[nn.Parameter], bool, bool]] = []  # (params, late, fp8)
+        current: dict[bool, list[nn.Parameter]] = {False: [], True: []}  # filled side by side: FP8 weights or not
         for p in ordered:
-            current.append(p)
-            if sum(q.numel() for q in current) >= bucket_elems:
-                groups.append((current, False))
-                current = []
-        if current:
-            groups.append((current, False))
+            kind = id(p) in fp8_ids
+            current[kind].append(p)
+            if sum(q.numel() for q in current[kind]) >= bucket_elems:
+                groups.append((current[kind], False, kind))
+                current[kind] = []
+        groups += [(current[kind], False, kind) for kind in (False, True) if current[kind]]
         late = [p for p in params if id(p) in late_ids]
         if late:
-            groups.append((late, True))
+            groups.append((late, True, False))
         self.buckets: list[_Bucket] = []
         offset = 0
-        for plist, is_late in groups:
+        for plist, is_late, is_fp8 in groups:
             n = sum(p.numel() for p in plist)
-            padded = -(-n // self.dp) * self.dp
-            self.buckets.append(_Bucket(plist, offset, offset + padded, is_late))
+            multiple = self.dp * (16 if is_fp8 else 1)
+            padded = -(-n // multiple) * multiple
+            self.buckets.append(_Bucket(plist, offset, offset + padded, is_late, is_fp8))
             offset += padded
         device = params[0].device
         self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
@@ -86,6 +96,7 @@ class GradBuckets:
             if self.sharded:
                 b.shard_grad = torch.zeros((b.end - b.start) // self.dp, dtype=grad_dtype, device=device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.fp8_gather = None  # set by mmtrain.model.fp8_param_gather.Fp8ParamGather (fp8.param_gather)
         self.sync_now = False
         self.reset()
 
@@ -154,14 +165,30 @@ class GradBuckets:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """After the optimizer updated this rank's shards: every rank gets every updated parameter."""
+        """After the optimizer updated this rank's shards: every rank gets every updated parameter. With an
+        ``fp8_gather`` attached, the FP8 buckets are gathered in FP8 into the FP8 weight copies instead, and their
+        parameter-dtype values stay stale on the ranks that do not own them until ``gather_full_params``."""
         if not self.sharded:
             return
         for b in self.buckets:
-            full = self.param_buffer[b.start:b.end]
-            own_start, own_end = self.owned_range(b)
-            shard = self.param_buffer[own_start:own_end].clone()
-            dist.all_gather_into_tensor(full, shard, group=self.group)
+            if not (b.fp8 and self.fp8_gather is not None):
+                self.gather_bucket(b)
+        if self.fp8_gather is not None:
+            self.fp8_gather.gather()
+
+    @torch.no_grad()
+    def gather_bucket(self, b: _Bucket) -> None:
+        """All-gather bucket ``b`` of the parameter buffer from its owners."""
+        full = self.param_buffer[b.start:b.end]
+        own_start, own_end = self.owned_range(b)
+        shard = self.param_buffer[own_start:own_end].clone()
+        dist.all_gather_into_tensor(full, shard, group=self.group)
+
+    def gather_full_params(self) -> None:
+        """Make every parameter's value whole on this rank (collective): after FP8 parameter gathers, the FP8
+        buckets in the parameter dtype. Called before anything reads the weights (checkpoint save, end of run)."""
+        if self.fp8_gather is not None:
+            self.fp8_gather.gather_bf16()
 
 
 class _Done:
@@ -236,6 +263,12 @@ class MixedPrecisionAdamW:
                 pc.owner.param_buffer[pc.start:pc.end].copy_(pc.master)
         for owner in self.buckets:
             owner.gather_params()
+
+    def gather_full_params(self) -> None:
+        """Collective: every parameter whole on every rank (a no-op unless FP8 parameter gathers left some stale;
+        ``GradBuckets.gather_full_params``). The checkpoint writer calls it before reading the weights."""
+        for owner in self.buckets:
+            owner.gather_full_params()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -110,6 +110,8 @@ class CheckpointWriter:
             (folder / "complete.json").unlink(missing_ok=True)  # before any rank writes (DCP's plan exchange orders it)
         # DCP's staging copies GPU tensors to host memory; host tensors it would keep as they are (no snapshot)
         staged_by_dcp = via_dcp and device.type == "cuda"
+        if hasattr(optimizer, "gather_full_params"):  # collective: weights FP8-gathered (fp8.param_gather) in BF16
+            optimizer.gather_full_params()
         chunks, adam_step = save_chunks_of(self.mesh, model, optimizer, device,
                                            (lambda v: v) if staged_by_dcp else _host_copy)
         if device.type == "cuda":

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.loader import MicroBatches
+from mmtrain.model import fp8_param_gather
 from mmtrain.model.gpt import GPTModel, flops_per_token
 from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
@@ -227,8 +228,12 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     grad_dtype = torch.float32 if o.master_weights else pdtype
     dense = [p for p in params if not getattr(p, "expert", False)]
     experts = [p for p in params if getattr(p, "expert", False)]
+    fp8 = getattr(stage, "fp8_runtime", None)
+    fp8_gathered = fp8_param_gather.gather_weights(fp8, cfg, mesh.size("dp_cp"))  # fp8.param_gather: own buckets
     buckets = [GradBuckets(dense, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,
-                           late_params=tied_embedding_params(stage), grad_dtype=grad_dtype)]
+                           late_params=tied_embedding_params(stage), grad_dtype=grad_dtype, fp8_params=fp8_gathered)]
+    if fp8_gathered:
+        fp8_param_gather.Fp8ParamGather(buckets[0], fp8, mesh.tp_group)
     if experts:  # expert weights are replicated only over the expert-data-parallel ranks
         buckets.append(GradBuckets(experts, mesh.edp_group, cfg.parallel.distributed_optimizer, pdtype,
                                    grad_dtype=grad_dtype))
@@ -249,7 +254,6 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     frozen = f" ({n_frozen / 1e6:.2f}M frozen)" if n_frozen else ""
     log.info(f"model {model_name}: {n_params / 1e6:.2f}M parameters on this rank{frozen}; global batch {gbs} x "
              f"{cfg.data.seq_length} tokens = {num_micro} micro-batch(es) of {cfg.train.micro_batch_size} per DP rank")
-    fp8 = getattr(stage, "fp8_runtime", None)
     if fp8 is not None:
         log.info(fp8.describe())
         fp8.weights_changed()  # from here on the loop says when the FP8 weight copies are stale
@@ -258,6 +262,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
                TrainResult(model=stage, optimizer=optimizer), gbs, num_micro)
     try:
         run.steps(start_step)
+        optimizer.gather_full_params()  # FP8 parameter gathers leave BF16 weights partial: the model is returned
     finally:
         run.writer.close()
         run.preemption.close()

@@ -68,6 +68,37 @@ def test_weights_recast_in_place_on_the_gpu_equal_the_per_weight_cast():
             assert torch.equal(getattr(lin.matmul, name).float(), getattr(want, name).float()), name
 
 
+def test_fp8_param_gather_cast_of_pieces_equals_the_in_place_cast_on_the_gpu():
+    """fp8.param_gather casts each rank's pieces of a weight (compiled) with the scale of the whole weight: the
+    bytes must be those of the per-step cast of whole weights (refresh_weights_in_place), bit for bit."""
+    from mmtrain.model.fp8_native import weight_scales
+    from mmtrain.model.fp8_param_gather import cast_pieces
+
+    torch.manual_seed(0)
+    lins = [Fp8Linear(nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16), "tensorwise", "hybrid")
+            for i, o in ((256, 768), (256, 256), (256, 1024), (512, 256))]
+    matmuls = [lin.matmul for lin in lins]
+    for lin in lins:
+        object.__setattr__(lin.matmul, "weight_ref", lin.weight)
+        lin.matmul.refresh_weight(lin.weight)
+    amax = torch.stack([lin.weight.detach().abs().amax().float() for lin in lins])
+    assert refresh_weights_in_place(matmuls, amax)
+    scales, inv = weight_scales(amax, torch.float8_e4m3fn)
+    flat = torch.cat([lin.weight.detach().reshape(-1) for lin in lins])  # like the parameter buffer
+    plan, offset = [], 0
+    for i, lin in enumerate(lins):  # two pieces per weight, cut where no row ends (like a shard boundary)
+        n = lin.weight.numel()
+        cut = offset + n // 3 + 5
+        plan += [(offset, cut, i), (cut, offset + n, i)]
+        offset += n
+    outs = [torch.empty(hi - lo, dtype=torch.float8_e4m3fn, device="cuda") for lo, hi, _ in plan]
+    cast_pieces(flat, scales, outs, tuple(plan), torch.float8_e4m3fn)
+    for i, m in enumerate(matmuls):
+        got = torch.cat([outs[2 * i].view(torch.uint8), outs[2 * i + 1].view(torch.uint8)])
+        assert torch.equal(got.view(m.w_a.shape), m.w_a.view(torch.uint8)), i
+        assert torch.equal(inv[i].reshape(1), m.w_a_inv), i
+
+
 @pytest.fixture(scope="module")
 def mesh():
     init_distributed("nccl", torch.device("cuda", 0))

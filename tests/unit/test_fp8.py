@@ -201,6 +201,31 @@ def test_compiles_without_graph_breaks():
             assert lin.matmul.amax_g.item() == pytest.approx(3.0)  # max over both backwards
 
 
+def test_weight_copies_viewing_one_buffer_compile_once_and_stay_live():
+    """fp8.param_gather makes the matmuls' W copies slices of one gathered buffer: a compiled graph takes these
+    aliasing buffers without graph breaks or recompiles, and reads what the next gather writes into them."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    seq = nn.Sequential(Fp8Linear(nn.Linear(32, 64, bias=False), "tensorwise", "hybrid"),
+                        Fp8Linear(nn.Linear(64, 32, bias=False), "tensorwise", "hybrid"))
+    flat = torch.zeros(2 * 32 * 64, dtype=torch.uint8)
+    for i, lin in enumerate(seq):
+        lin.matmul.w_a = flat[i * 2048:(i + 1) * 2048].view(E4M3).view(lin.weight.shape)
+        lin.matmul.refresh_weight(lin.weight)  # casts into the views
+    compiled = torch.compile(seq, backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 32)
+    assert torch.equal(compiled(x), seq(x))
+    with torch.no_grad():
+        for lin in seq:
+            lin.weight.mul_(-2.0)
+            lin.matmul.refresh_weight(lin.weight)  # in place, as the gather writes the buffer
+    assert torch.equal(compiled(x), seq(x))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+
 # ------------------------------------------------------------------------------------------ the model
 def test_layer_selection_and_names_unchanged():
     cfg = _cfg("fp8.bf16_first_layers=1", "fp8.bf16_last_layers=1")
@@ -318,7 +343,9 @@ def test_weights_recast_in_place_all_at_once_equal_the_per_weight_cast():
     (["fp8.recipe=rowwise"], "set fp8.format=e4m3"),
     (["fp8.amax_history_len=0"], "fp8.amax_history_len"),
     (["fp8.bf16_first_layers=2", "fp8.bf16_last_layers=2"], "leave no FP8 layer"),
-    (["fp8.param_gather=true"], "fp8.param_gather"),
+    (["fp8.param_gather=true", "fp8.backend=te"], "fp8.param_gather=true needs fp8.backend=native"),
+    (["fp8.param_gather=true", "fp8.recipe=rowwise", "fp8.format=e4m3"], "fp8.param_gather=true .* fp8.recipe=rowwise"),
+    (["fp8.param_gather=true", "parallel.distributed_optimizer=false"], "parallel.distributed_optimizer=true"),
     (["fp8.backend=te", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward=true applies to the native"),
     (["fp8.recipe=rowwise", "fp8.format=e4m3", "fp8.fast_accum_backward=true"], "fp8.fast_accum_backward"),
     (["fp8.backend=te", "fp8.output_layer=true"], "fp8.output_layer=true is a native-backend option"),
@@ -327,6 +354,36 @@ def test_weights_recast_in_place_all_at_once_equal_the_per_weight_cast():
 def test_config_errors_name_the_keys(extra, match):
     with pytest.raises(ConfigError, match=match):
         validate_gpt_config(_cfg(*extra))
+
+
+def test_param_gather_config_is_accepted_native_and_refused_when_auto_picks_te(monkeypatch):
+    validate_gpt_config(_cfg("fp8.param_gather=true", "fp8.backend=native", "fp8.recipe=delayed"))
+    from mmtrain.model import fp8
+
+    monkeypatch.setattr(fp8, "te_importable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "H100")
+    with pytest.raises(ConfigError, match="fp8.param_gather=true is a native-backend option, but fp8.backend=auto"):
+        resolve_fp8_backend(_cfg("fp8.param_gather=true"), torch.device("cuda"))
+    assert resolve_fp8_backend(_cfg("fp8.param_gather=true", "fp8.backend=native"), torch.device("cuda")) == "native"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_gather_weights(tied):
+    """Which weights go to FP8-gathered buckets: the FP8 linears' (and an untied FP8 output layer's), never the
+    embedding (a tied FP8 head's weight); with one data-parallel rank none, and the log line says it is a no-op."""
+    from mmtrain.model.fp8_param_gather import gather_weights
+
+    cfg = _cfg("model.vocab_size=64", "fp8.output_layer=true", f"model.tie_embeddings={str(tied).lower()}",
+               "fp8.param_gather=true")
+    model = GPTModel(cfg.model)
+    apply_native_fp8(model, cfg)
+    rt = Fp8Runtime("native", cfg, [model])
+    chosen = {id(p) for p in gather_weights(rt, cfg, 2)}
+    linears = [m for m in rt.matmuls if m is not model.head_matmul]
+    assert len(linears) == 16 and all(id(m.weight_ref) in chosen for m in linears)
+    assert (id(model.output_weight()) in chosen) is not tied and id(model.embed.weight) not in chosen
+    assert gather_weights(rt, cfg, 1) == [] and "fp8.param_gather is a no-op" in rt.describe()
 
 
 def test_fp8_on_the_cpu_is_a_config_error_at_start_up():
