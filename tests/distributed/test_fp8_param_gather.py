@@ -2,7 +2,8 @@
 native FP8 emulated on the CPU, the FP8 output layer on): gathering the FP8 linears' weights in FP8 gives the
 same FP8 weight copies, bit for bit, as gathering BF16 and casting (weight amaxes reduced over DP and TP); the
 same losses and gradients; whole BF16 weights after the on-demand BF16 gather. Delayed scaling: an exact resume
-(amax histories and scales in the checkpoint), and a resume at another layout (PP2 x TP2) restoring them by name."""
+(amax histories and scales in the checkpoint, saved asynchronously), and a resume at another layout (PP2 x TP2)
+restoring them by name."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ RUN = [*MODEL, "train.device=cpu", "train.steps=4", "train.micro_batch_size=2", 
 FP8_COPIES = ("w_a", "w_b", "w_a_inv", "w_b_inv")
 
 
-def _three_runs(rank: int, world_size: int, run_dir: str):
+def _runs(rank: int, world_size: int, run_dir: str):
     from mmtrain.train import build
     from mmtrain.train.loop import train_gpt
 
@@ -37,7 +38,7 @@ def _three_runs(rank: int, world_size: int, run_dir: str):
         logging.getLogger(name).addHandler(handler)
     logging.getLogger().setLevel(logging.INFO)
     runs = {"bf16_gather": ["fp8.param_gather=false"],
-            "fp8_gather": ["fp8.param_gather=true", "checkpoint.save_every=2"],
+            "fp8_gather": ["fp8.param_gather=true", "checkpoint.save_every=2", "checkpoint.async_save=true"],
             "resumed": ["fp8.param_gather=true", f"checkpoint.load={run_dir}/fp8_gather/checkpoints/step_00000002"],
             "resharded": ["parallel.dp=1", "parallel.pp=2",
                           f"checkpoint.load={run_dir}/fp8_gather/checkpoints/step_00000002"]}
@@ -66,7 +67,7 @@ def _three_runs(rank: int, world_size: int, run_dir: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_three_runs, 4, str(tmp_path_factory.mktemp("pg")))
+    return run_distributed(_runs, 4, str(tmp_path_factory.mktemp("pg")))
 
 
 def test_fp8_gather_equals_bf16_gather_bit_for_bit(runs):
