@@ -4,7 +4,8 @@
 below sm_89, or when TE is asked for and missing); ``apply_fp8`` then turns the chosen blocks' linears
 (qkv, proj, MLP up/down, after the TP plan) into FP8 ones; ``Fp8Runtime`` is what the step loop calls:
 ``weights_changed()`` after the optimizer step (the native backend re-casts its FP8 weight copies once per
-step, not per micro-batch) and ``after_backward(groups)`` (delayed scaling: reduce the step's amaxes, new scales).
+step, not per micro-batch) and ``after_backward(groups)`` (delayed scaling: reduce the step's amaxes, new scales);
+checkpoints save ``delayed_state()`` and restore it by matmul name (``load_delayed_state``).
 
 Blocks ``bf16_first_layers`` / ``bf16_last_layers`` (global layer indices), embeddings, norms, attention and MoE
 experts stay BF16; so does the output layer unless ``fp8.output_layer`` (native backend: ``model.head_matmul``).

@@ -74,6 +74,7 @@ class AmaxHistory:
     magnitude seen this step (max over micro-batches). The history itself, (M, 2, L) for M matmuls,
     lives here and never enters a compiled graph. ``update``: one all-reduce (MAX) of this step's amaxes over
     each of ``groups``, history ring step, new scales from the max (or most recent) amax, amaxes zeroed.
+    ``rows`` / ``restore``: the per-matmul state a checkpoint holds, and continuing from it.
     """
 
     def __init__(self, matmuls: list, history_len: int, algo: str, margin: int,
