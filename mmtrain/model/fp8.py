@@ -4,7 +4,8 @@
 below sm_89, or when TE is asked for and missing); ``apply_fp8`` then turns the chosen blocks' linears
 (qkv, proj, MLP up/down, after the TP plan) into FP8 ones; ``Fp8Runtime`` is what the step loop calls:
 ``weights_changed()`` after the optimizer step (the native backend re-casts its FP8 weight copies once per
-step, not per micro-batch) and ``after_backward(groups)`` (delayed scaling: reduce the step's amaxes, new scales).
+step, not per micro-batch) and ``after_backward(groups)`` (delayed scaling: reduce the step's amaxes, new scales);
+checkpoints save ``delayed_state()`` and restore it by matmul name (``load_delayed_state``).
 
 Blocks ``bf16_first_layers`` / ``bf16_last_layers`` (global layer indices), embeddings, norms, attention and MoE
 experts stay BF16; so does the output layer unless ``fp8.output_layer`` (native backend: ``model.head_matmul``).
@@ -20,6 +21,7 @@ from mmtrain.config.loader import ConfigError
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, refresh_weights_in_place
 from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes
+from mmtrain.utils.log import get_logger
 
 FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
 
@@ -121,7 +123,9 @@ class Fp8Runtime:
         """``tp_group``: weight amaxes are reduced over it, so a weight has one scale whatever the TP layout."""
         self.backend, self.cfg = backend, cfg
         self.models, self.tp_group = models, tp_group
-        self.matmuls = [m for model in models for m in model.modules() if isinstance(m, Fp8Matmul)]
+        named = [(n, m) for model in models for n, m in model.named_modules() if isinstance(m, Fp8Matmul)]
+        self.matmuls = [m for _, m in named]
+        self.names = [_matmul_name(n) for n, _ in named]  # layout-independent: global layer index, "head"
         self.step_managed = False  # until the loop takes over, every forward re-casts the weights
         self.param_gather = None  # fp8.param_gather: an fp8_param_gather.Fp8ParamGather, set by the loop
         self.param_gather_note = ""
@@ -186,6 +190,51 @@ class Fp8Runtime:
         """Delayed scaling: this step's amaxes, reduced (MAX) over ``groups``, enter the history; new scales."""
         if self.history is not None:
             self.history.update(groups)
+
+    def delayed_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Native delayed scaling's state for a checkpoint: {matmul name: {"amax_history": (2, L) oldest step
+        first, "scales": (2,)}}; empty with another recipe or backend, or before the first update. Every rank
+        holding a matmul (TP, DP, CP replicas) has the same values: its amaxes are reduced over those groups."""
+        rows = self.history.rows() if self.history is not None else None
+        if rows is None:
+            return {}
+        return {name: {"amax_history": row, "scales": m.scales}
+                for name, m, row in zip(self.names, self.matmuls, rows)}
+
+    def load_delayed_state(self, saved: dict[str, dict[str, torch.Tensor]], source: str, saved_any: bool) -> None:
+        """Restore ``delayed_state`` by matmul name (``saved``: what the checkpoint has of this rank's matmuls,
+        at any layout; ``saved_any``: whether it has any) and say in the log what could not be: matmuls missing
+        start afresh, a history of another length is cut or padded."""
+        if self.history is None or not self.matmuls:
+            return
+        log = get_logger("checkpoint")
+        if not saved_any:
+            log.info(f"fp8: {source} holds no delayed-scaling state (a BF16 checkpoint, another FP8 recipe or "
+                     "backend, or written before it was saved): the amax history starts afresh")
+            return
+        index = {n: i for i, n in enumerate(self.names)}
+        found = {index[n]: (v["amax_history"], v["scales"]) for n, v in saved.items() if n in index}
+        resized = self.history.restore(found)
+        missing = [n for i, n in enumerate(self.names) if i not in found]
+        if resized:
+            lengths = "/".join(str(n) for n in sorted({int(found[i][0].shape[-1]) for i in resized}))
+            log.warning(f"fp8: {source} has amax histories of length {lengths}, fp8.amax_history_len is "
+                        f"{self.history.history_len}: kept the newest steps (zeros before them when shorter) and "
+                        f"recomputed the scales of {len(resized)} FP8 matmul(s) from them")
+        if missing:
+            log.warning(f"fp8: {source} has no delayed-scaling state for {len(missing)} of this rank's "
+                        f"{len(self.names)} FP8 matmuls ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                        "): their amax history starts afresh")
+        if found:
+            log.info(f"fp8: restored the amax history and scales of {len(found)} FP8 matmul(s) from {source}")
+
+
+def _matmul_name(module_path: str) -> str:
+    """An FP8 matmul's checkpoint name from its module path in a model chunk: the linear it computes
+    (``layers.3.attn.qkv``; ``head`` for the output layer's ``head_matmul``)."""
+    if module_path == "head_matmul":
+        return "head"
+    return module_path.removesuffix(".matmul")
 
 
 def apply_fp8(model: nn.Module, cfg: GPTRunConfig, mesh, backend: str) -> None:

@@ -202,7 +202,8 @@ def refresh_weights_in_place(matmuls: list, amax: torch.Tensor) -> bool:
 
 class Fp8Matmul(nn.Module):
     """``F.linear`` in FP8 for one weight: the weight's cached FP8 copies and, for delayed scaling, the
-    scale/amax buffers (all non-persistent: checkpoints are the same as in BF16)."""
+    scale/amax buffers (all non-persistent: the state dict is the same as in BF16; checkpoints store delayed
+    scaling's state by name through ``Fp8Runtime.delayed_state``)."""
 
     def __init__(self, recipe: str = "tensorwise", fmt: str = "hybrid", fast_accum_backward: bool = False) -> None:
         super().__init__()

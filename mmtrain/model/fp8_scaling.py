@@ -74,6 +74,7 @@ class AmaxHistory:
     magnitude seen this step (max over micro-batches). The history itself, (M, 2, L) for M matmuls,
     lives here and never enters a compiled graph. ``update``: one all-reduce (MAX) of this step's amaxes over
     each of ``groups``, history ring step, new scales from the max (or most recent) amax, amaxes zeroed.
+    ``rows`` / ``restore``: the per-matmul state a checkpoint holds, and continuing from it.
     """
 
     def __init__(self, matmuls: list, history_len: int, algo: str, margin: int,
@@ -96,17 +97,62 @@ class AmaxHistory:
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(amax_now, op=dist.ReduceOp.MAX, group=group)
         if self.history is None:
-            self.history = torch.zeros(len(self.matmuls), 2, self.history_len, device=amax_now.device)
-            self.fp8_max = self.fp8_max.to(amax_now.device)
+            self._allocate(amax_now.device)
         self.pos = (self.pos + 1) % self.history_len
         self.history[:, :, self.pos] = amax_now
         amax = self.history.amax(dim=-1) if self.algo == "max" else amax_now
-        scales = scale_from_amax(amax, 1.0, self.margin) * self.fp8_max  # (M, 2); fp8_max where amax is 0
-        scales = torch.where(amax > 0, scales, torch.ones_like(scales))
-        torch._foreach_copy_([m.scales for m in self.matmuls], list(scales.unbind(0)))
+        torch._foreach_copy_([m.scales for m in self.matmuls], list(self._scales(amax).unbind(0)))
         torch._foreach_zero_([t for m in self.matmuls for t in (m.amax_x, m.amax_g)])
         for m in self.matmuls:
             m.delayed_ready = True  # a Python flag: compiled graphs specialize on it (one recompile, first step)
 
-    def state_dict(self) -> dict:
-        return {"history": self.history, "pos": self.pos}
+    def _allocate(self, device: torch.device) -> None:
+        self.history = torch.zeros(len(self.matmuls), 2, self.history_len, device=device)
+        self.fp8_max = self.fp8_max.to(device)
+
+    def _scales(self, amax: torch.Tensor) -> torch.Tensor:
+        """(M, 2) scales of (M, 2) amaxes; 1 where an amax is 0 (never seen a non-zero value)."""
+        scales = scale_from_amax(amax, 1.0, self.margin) * self.fp8_max
+        return torch.where(amax > 0, scales, torch.ones_like(scales))
+
+    def rows(self) -> list[torch.Tensor] | None:
+        """Each matmul's history as (2, L), oldest step first and this step last (the ring unrolled, so it does
+        not depend on ``pos``); None before the first update. What a checkpoint stores."""
+        if self.history is None:
+            return None
+        return list(self.history.roll(-(self.pos + 1), dims=-1).unbind(0))
+
+    @torch.no_grad()
+    def restore(self, saved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+        """Continue from a checkpoint: ``saved[i] = (history (2, L') as ``rows`` gives it, scales (2,))`` for
+        matmul i, which then uses those scales (``delayed_ready``). At L' = L this is exactly the saved state.
+        Otherwise the newest min(L, L') steps are kept (zeros before them at L' < L) and the scales recomputed
+        from them with this run's algo and margin; returns the indices of those resized ones. Matmuls not in
+        ``saved`` keep an empty history (they start afresh: current amaxes until the next update)."""
+        if not saved:
+            return []
+        device = self.matmuls[0].scales.device
+        if self.history is None:
+            self._allocate(device)
+        else:  # unroll, so that the newest step is at the last slot for every row
+            self.history = self.history.roll(-(self.pos + 1), dims=-1).contiguous()
+        self.pos = self.history_len - 1
+        resized = []
+        for i, (row, scales) in saved.items():
+            row = row.to(device=device, dtype=torch.float32)
+            L = self.history_len
+            m = self.matmuls[i]
+            if row.shape[-1] == L:
+                self.history[i] = row
+                m.scales.copy_(scales)
+            else:
+                kept = row[:, -L:]
+                self.history[i].zero_()
+                self.history[i, :, L - kept.shape[-1]:] = kept
+                amax = self.history[i].amax(dim=-1) if self.algo == "max" else self.history[i, :, -1]
+                m.scales.copy_(self._scales(amax.view(1, 2)).view(2))
+                resized.append(i)
+            m.amax_x.zero_()
+            m.amax_g.zero_()
+            m.delayed_ready = True
+        return resized

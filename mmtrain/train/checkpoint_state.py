@@ -8,13 +8,18 @@ Stored tensors (global names and shapes, so any layout reads any other's checkpo
 ``optim.exp_avg.<name>``,          AdamW moments (absent before the first step)
 ``optim.exp_avg_sq.<name>``
 ``rng.<rank>.cpu|cuda``            RNG states, per rank: restored only at the saving layout
+``fp8.<matmul>.amax_history``      native FP8 delayed scaling (``Fp8Runtime.delayed_state``): each FP8
+``fp8.<matmul>.scales``            matmul's amax history (2, L), oldest step first, and its two scales;
+                                   ``<matmul>`` is the linear (``layers.<i>.attn.qkv``, ``head``)
 =================================  ===================================================================
 
 Optimizer pieces (``MixedPrecisionAdamW.pieces``: flat ranges of a parameter shard, one per bucket owner) are
 stored as boxes of the parameter they belong to, so the distributed optimizer's shards reshard like weights.
 The last stage's copy of a tied embedding is not stored (it equals ``embed.weight``, and so does its AdamW
 state); it loads from ``embed.weight``. Everything not a tensor (step, loader state, AdamW's step count) goes to
-a small JSON file per rank (``mmtrain.train.checkpoint``).
+a small JSON file per rank (``mmtrain.train.checkpoint``). FP8 delayed-scaling state is the same on every rank
+holding a matmul (its amaxes are reduced over TP and DP x CP), so it is stored whole under the matmul's name and
+each rank of any layout reads the matmuls it has; a checkpoint without it starts a fresh amax history.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from mmtrain.parallel.global_chunks import (
 from mmtrain.utils.dcp_io import Chunk, load_chunks, saved_tensors
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+FP8_STATE = ("amax_history", "scales")  # per FP8 matmul (Fp8Runtime.delayed_state)
 
 
 def _pieces(model: torch.nn.Module, optimizer: Any):
@@ -68,6 +74,10 @@ def save_chunks_of(mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any, d
         values.update({k: state[k] for k in MOMENTS if k in state})
         for kind, flat in values.items():
             chunks += chunks_of(f"optim.{kind}.{name}", name, shape, flat, cfg, shard, lo, copy=copy)
+    fp8 = getattr(model, "fp8_runtime", None)
+    for name, tensors in (fp8.delayed_state() if fp8 is not None else {}).items():
+        for kind, t in tensors.items():
+            chunks.append(Chunk(f"fp8.{name}.{kind}", tuple(t.shape), (0,) * t.dim(), copy(t)))
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
@@ -101,6 +111,15 @@ def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimiz
             for k, flat in state.items():
                 chunks += chunks_of(f"optim.{k}.{key}", name, shape, flat, cfg, shard, lo)
             moments.append((pc, state))
+    fp8 = getattr(model, "fp8_runtime", None)
+    fp8_state: dict[str, dict[str, torch.Tensor]] = {}
+    if fp8 is not None and fp8.history is not None:  # native delayed scaling: what this rank's matmuls have
+        for name in fp8.names:
+            keys = {k: f"fp8.{name}.{k}" for k in FP8_STATE}
+            if all(key in saved for key in keys.values()):
+                fp8_state[name] = {k: torch.zeros(saved[key][0], dtype=saved[key][1]) for k, key in keys.items()}
+                chunks += [Chunk(key, saved[key][0], (0,) * len(saved[key][0]), fp8_state[name][k])
+                           for k, key in keys.items()]
     rng = {}
     if restore_rng:
         for kind in ("cpu", "cuda") if device.type == "cuda" else ("cpu",):
@@ -116,6 +135,8 @@ def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimiz
         optimizer.optimizer.state[pc.master] = {
             "step": torch.tensor(adam_step or 0.0, dtype=torch.float32, device=pc.master.device if fused else "cpu"),
             **{k: v.to(pc.master.device) for k, v in state.items()}}
+    if fp8 is not None:
+        fp8.load_delayed_state(fp8_state, str(folder), any(k.startswith("fp8.") for k in saved))
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:

@@ -1,7 +1,9 @@
 """``fp8.param_gather`` (CPU, gloo, 4 ranks: 2 data-parallel x TP2 with sequence parallelism, distributed optimizer,
 native FP8 emulated on the CPU, the FP8 output layer on): gathering the FP8 linears' weights in FP8 gives the
 same FP8 weight copies, bit for bit, as gathering BF16 and casting (weight amaxes reduced over DP and TP); the
-same losses and gradients; whole BF16 weights after the on-demand BF16 gather; an exact resume."""
+same losses and gradients; whole BF16 weights after the on-demand BF16 gather. Delayed scaling: an exact resume
+(amax histories and scales in the checkpoint, saved asynchronously), and a resume at another layout (PP2 x TP2)
+restoring them by name."""
 
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64
 RUN = [*MODEL, "train.device=cpu", "train.steps=4", "train.micro_batch_size=2", "train.global_batch_size=8",
        "optim.lr=3e-3", "optim.warmup_steps=1", "checkpoint.save_final=false", "parallel.dp=2", "parallel.tp=2",
        "parallel.sequence_parallel=true",
-       "train.precision=fp8", "fp8.recipe=tensorwise",  # delayed: its amax history restarts at a resume
+       "train.precision=fp8", "fp8.recipe=delayed", "fp8.amax_history_len=3",  # shorter than the run: a ring
        "fp8.output_layer=true"]  # untied: the head is FP8-gathered too
 FP8_COPIES = ("w_a", "w_b", "w_a_inv", "w_b_inv")
 
 
-def _three_runs(rank: int, world_size: int, run_dir: str):
+def _runs(rank: int, world_size: int, run_dir: str):
     from mmtrain.train import build
     from mmtrain.train.loop import train_gpt
 
@@ -36,8 +38,10 @@ def _three_runs(rank: int, world_size: int, run_dir: str):
         logging.getLogger(name).addHandler(handler)
     logging.getLogger().setLevel(logging.INFO)
     runs = {"bf16_gather": ["fp8.param_gather=false"],
-            "fp8_gather": ["fp8.param_gather=true", "checkpoint.save_every=2"],
-            "resumed": ["fp8.param_gather=true", f"checkpoint.load={run_dir}/fp8_gather/checkpoints/step_00000002"]}
+            "fp8_gather": ["fp8.param_gather=true", "checkpoint.save_every=2", "checkpoint.async_save=true"],
+            "resumed": ["fp8.param_gather=true", f"checkpoint.load={run_dir}/fp8_gather/checkpoints/step_00000002"],
+            "resharded": ["parallel.dp=1", "parallel.pp=2",
+                          f"checkpoint.load={run_dir}/fp8_gather/checkpoints/step_00000002"]}
     out = {}
     for name, extra in runs.items():
         lines.clear()
@@ -55,13 +59,15 @@ def _three_runs(rank: int, world_size: int, run_dir: str):
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "grads": {n: p.main_grad.clone() for n, p in model.named_parameters()},
             "gathers": None if gather is None else (gather.fp8_gathers, gather.bf16_gathers, len(gather.matmuls)),
-            "log": [m for m in lines if m.startswith("fp8:")]}
+            "delayed": {n: {k: v.clone() for k, v in d.items()} for n, d in rt.delayed_state().items()},
+            "log": [m for m in lines if m.startswith("fp8: backend")],
+            "restore_log": sorted({m for m in lines if m.startswith("fp8: ") and not m.startswith("fp8: backend")})}
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_three_runs, 4, str(tmp_path_factory.mktemp("pg")))
+    return run_distributed(_runs, 4, str(tmp_path_factory.mktemp("pg")))
 
 
 def test_fp8_gather_equals_bf16_gather_bit_for_bit(runs):
@@ -86,3 +92,24 @@ def test_fp8_gather_resumes_exactly(runs):
         for name, copies in out["fp8_gather"]["fp8"].items():
             for a, b in zip(out["resumed"]["fp8"][name], copies):
                 assert torch.equal(a, b), name
+
+
+def test_delayed_scaling_resumes_exactly_and_reshards_by_name(runs):
+    for rank, out in enumerate(runs):
+        full, resumed, resharded = out["fp8_gather"], out["resumed"], out["resharded"]
+        assert len(resumed["restore_log"]) == 1 and "restored the amax history and scales of 9" in \
+            resumed["restore_log"][0]
+        assert resumed["losses"] == full["losses"][2:]  # bit for bit
+        assert resumed["delayed"].keys() == full["delayed"].keys() and len(full["delayed"]) == 9
+        for name, state in full["delayed"].items():
+            for k, v in state.items():
+                assert torch.equal(resumed["delayed"][name][k], v), (rank, name, k)
+        # PP2 x TP2: stage 0 has layer 0's four FP8 linears, stage 1 layer 1's and the head
+        stage = rank // 2
+        assert resharded["restore_log"] == [resharded["restore_log"][0]] and \
+            f"of {4 + stage} FP8 matmul(s)" in resharded["restore_log"][0]
+        assert set(resharded["delayed"]) == {n for n in full["delayed"] if n.startswith(f"layers.{stage}.")
+                                             or (stage == 1 and n == "head")}
+        assert resharded["losses"] == pytest.approx(full["losses"][2:], rel=1e-2)
+        for name, state in resharded["delayed"].items():  # steps 2-4: 2 restored, 3-4 this layout's own amaxes
+            assert torch.allclose(state["amax_history"], full["delayed"][name]["amax_history"], rtol=0.05), name

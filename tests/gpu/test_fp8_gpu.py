@@ -129,3 +129,21 @@ def test_fp8_training_tracks_bf16(tmp_path, mesh, bf16_losses, extra):
     losses = train_gpt(cfg, mesh, torch.device("cuda", 0)).losses
     assert all(torch.isfinite(torch.tensor(losses)))
     assert all(abs(a - b) / b < 0.03 for a, b in zip(losses, bf16_losses)), (losses, bf16_losses)
+
+
+def test_delayed_scaling_state_round_trips_through_a_checkpoint_on_the_gpu(tmp_path, mesh):
+    """A compiled native delayed run saves at its last step; a run resuming from it (no steps left) holds the
+    same amax histories and scales, bit for bit, on the GPU (the CPU tests check the continuation)."""
+    run = [*BASE, "train.precision=fp8", "fp8.backend=native", "fp8.recipe=delayed", "fp8.amax_history_len=4",
+           "fp8.output_layer=true", "train.compile=true", "train.steps=6", "checkpoint.save_final=true"]
+    saved = train_gpt(load_config(GPTRunConfig, None, [*run, f"logging.run_dir={tmp_path}/a"]), mesh,
+                      torch.device("cuda", 0)).model.fp8_runtime
+    resumed = train_gpt(load_config(GPTRunConfig, None, [*run, f"logging.run_dir={tmp_path}/b",
+                                                         f"checkpoint.load={tmp_path}/a/checkpoints"]), mesh,
+                        torch.device("cuda", 0)).model.fp8_runtime
+    want, got = saved.delayed_state(), resumed.delayed_state()
+    assert list(got) == list(want) and len(want) == 2 * 4 + 1
+    for name, state in want.items():
+        for k, v in state.items():
+            assert got[name][k].is_cuda and torch.equal(got[name][k], v), (name, k)
+    assert all(m.delayed_ready for m in resumed.matmuls)

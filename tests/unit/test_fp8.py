@@ -103,6 +103,89 @@ def test_amax_history_ring_max_and_most_recent():
     assert fresh.scales.tolist() == [1.0, 1.0] and fresh.delayed_ready  # never seen non-zero: neutral scale
 
 
+def test_amax_history_restore_continues_exactly_and_resizes():
+    """What a checkpoint holds (``rows``: the ring unrolled, oldest first; the scales) restores the exact state;
+    another history length keeps the newest steps and recomputes the scales from them."""
+    amaxes = [(4.0, 1e-3), (1.0, 2e-3), (2.0, 5e-4), (0.5, 1e-4), (0.25, 3e-4), (8.0, 1e-5), (0.1, 1e-2)]
+    saved, saved_h = _Bufs(), AmaxHistory([_Bufs()], 3, "max", 0, E4M3, E5M2)
+    saved_h.matmuls = [saved]
+    for ax, ag in amaxes[:4]:
+        saved.amax_x.fill_(ax)
+        saved.amax_g.fill_(ag)
+        saved_h.update()
+    (row,) = saved_h.rows()
+    assert torch.equal(row, torch.tensor([[1.0, 2.0, 0.5], [2e-3, 5e-4, 1e-4]]))  # steps 2-4, oldest first
+    resumed = _Bufs()
+    h = AmaxHistory([resumed], 3, "max", 0, E4M3, E5M2)
+    assert h.restore({0: (row.clone(), saved.scales.clone())}) == [] and resumed.delayed_ready
+    assert torch.equal(resumed.scales, saved.scales)
+    for ax, ag in amaxes[4:]:  # both continue: the same scales and histories, bit for bit
+        for m, hist in ((saved, saved_h), (resumed, h)):
+            m.amax_x.fill_(ax)
+            m.amax_g.fill_(ag)
+            hist.update()
+        assert torch.equal(resumed.scales, saved.scales) and torch.equal(h.rows()[0], saved_h.rows()[0])
+    (row,) = saved_h.rows()  # steps 5, 6, 7
+    for length, algo, kept in ((5, "max", 3), (2, "max", 2), (2, "most_recent", 2)):
+        m = _Bufs()
+        h = AmaxHistory([m], length, algo, 0, E4M3, E5M2)
+        assert h.restore({0: (row, torch.ones(2))}) == [0]
+        assert torch.equal(h.rows()[0][:, length - kept:], row[:, 3 - kept:])
+        assert not h.rows()[0][:, :length - kept].any()  # padded with zeros (older than anything seen)
+        want = row[:, 3 - kept:].amax(-1) if algo == "max" else row[:, -1]
+        assert m.scales.tolist() == pytest.approx((torch.tensor([448.0, 57344.0]) / want).tolist())
+
+
+def test_runtime_saves_and_restores_delayed_state_by_matmul_name():
+    import logging
+
+    cfg = _cfg("model.vocab_size=64", "fp8.recipe=delayed", "fp8.output_layer=true")
+    model = GPTModel(cfg.model)
+    apply_native_fp8(model, cfg)
+    rt = Fp8Runtime("native", cfg, [model])
+    assert rt.names[:4] == ["layers.0.attn.qkv", "layers.0.attn.proj", "layers.0.mlp.up", "layers.0.mlp.down"]
+    assert rt.names[-1] == "head" and len(rt.names) == 17 and rt.delayed_state() == {}  # nothing before a step
+    for i, m in enumerate(rt.matmuls):
+        m.amax_x.fill_(i + 1.0)
+        m.amax_g.fill_(1.0 / (i + 1))
+    rt.after_backward([])
+    state = rt.delayed_state()
+    assert list(state) == rt.names and state["head"]["amax_history"][:, -1].tolist() == pytest.approx(
+        [17.0, 1.0 / 17])
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append((r.levelno, r.getMessage()))
+    log = logging.getLogger("mmtrain.checkpoint")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        other = _cfg("model.vocab_size=64", "fp8.recipe=delayed", "fp8.output_layer=true", "fp8.bf16_first_layers=1",
+                     "fp8.amax_history_len=8")
+        model2 = GPTModel(other.model)
+        apply_native_fp8(model2, other)
+        rt2 = Fp8Runtime("native", other, [model2])
+        without_layer_1 = {n: v for n, v in state.items() if not n.startswith("layers.1.")}
+        rt2.load_delayed_state(without_layer_1, "ckpt", saved_any=True)
+        for name, m in zip(rt2.names, rt2.matmuls):
+            assert m.delayed_ready == (not name.startswith("layers.1.")), name
+            if m.delayed_ready:  # history 1024 -> 8: scales recomputed from the same (only) step, same values
+                assert torch.equal(m.scales, state[name]["scales"]), name
+        warnings = [msg for level, msg in lines if level == logging.WARNING]
+        assert any("no delayed-scaling state for 4 of this rank's 13 FP8 matmuls (layers.1.attn.qkv" in w
+                   for w in warnings)
+        assert any("length 1024, fp8.amax_history_len is 8" in w for w in warnings)
+        lines.clear()
+        fresh = Fp8Runtime("native", other, [model2])
+        fresh.load_delayed_state({}, "bf16ckpt", saved_any=False)
+        assert len(lines) == 1 and lines[0][0] == logging.INFO
+        assert lines[0][1].startswith("fp8: bf16ckpt holds no delayed-scaling state (a BF16 checkpoint")
+        assert lines[0][1].endswith("the amax history starts afresh")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 # ------------------------------------------------------------------------------------------ the linear
 def test_scaled_mm_emulation_matches_cpu_scaled_mm():
     a = torch.randn(32, 64).to(E4M3)
