@@ -17,6 +17,7 @@ Each rank still gets the caller's current environment, working directory and ``s
 from __future__ import annotations
 
 import io
+import logging
 import os
 import queue
 import socket
@@ -44,6 +45,18 @@ def _context():
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use only)
     return ctx
+
+
+def capture_log_messages() -> list[str]:
+    """From now on, every log record's message (INFO and up, from the root and every existing logger) is
+    appended to the returned list: for rank functions that check what a run logged."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: messages.append(r.getMessage())
+    for name in ["", *logging.root.manager.loggerDict]:
+        logging.getLogger(name).addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    return messages
 
 
 def start_rank_server() -> None:

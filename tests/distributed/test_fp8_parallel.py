@@ -5,15 +5,13 @@ training loop runs FP8 end to end, tracking BF16's losses."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.tensor import tp_shard_of
-from mmtrain.testing import run_distributed
+from mmtrain.testing import capture_log_messages, run_distributed
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.vocab_size=64", "data.mock=true", "data.seq_length=16"]
@@ -83,12 +81,7 @@ def _train_bf16_then_fp8(rank: int, world_size: int, run_dir: str):
     from mmtrain.train.loop import train_gpt
 
     build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())
-    for name in ["", *logging.root.manager.loggerDict]:
-        logging.getLogger(name).addHandler(handler)
-    logging.getLogger().setLevel(logging.INFO)
+    records = capture_log_messages()
     losses = []
     for precision in ("bf16", "fp8"):
         cfg = load_config(GPTRunConfig, None, [

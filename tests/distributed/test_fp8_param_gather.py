@@ -7,14 +7,12 @@ restoring them by name."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.parallel import ParallelDims
-from mmtrain.testing import run_distributed
+from mmtrain.testing import capture_log_messages, run_distributed
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.vocab_size=64", "data.mock=true", "data.seq_length=16"]
@@ -31,12 +29,7 @@ def _runs(rank: int, world_size: int, run_dir: str):
     from mmtrain.train.loop import train_gpt
 
     build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda r: lines.append(r.getMessage())
-    for name in ["", *logging.root.manager.loggerDict]:
-        logging.getLogger(name).addHandler(handler)
-    logging.getLogger().setLevel(logging.INFO)
+    lines = capture_log_messages()
     runs = {"bf16_gather": ["fp8.param_gather=false"],
             "fp8_gather": ["fp8.param_gather=true", "checkpoint.save_every=2", "checkpoint.async_save=true"],
             "resumed": ["fp8.param_gather=true", f"checkpoint.load={run_dir}/fp8_gather/checkpoints/step_00000002"],

@@ -47,15 +47,20 @@ def test_native_linear_on_the_gpu(recipe, fmt, fast_bwd, compiled):
     assert rel(dx, x.grad) < 0.1 and rel(dw, ref.weight.grad) < 0.1
 
 
-def test_weights_recast_in_place_on_the_gpu_equal_the_per_weight_cast():
-    """The compiled all-weights cast (refresh_weights_in_place) against the per-weight one."""
+def _cast_linears() -> tuple[list[Fp8Linear], list]:
+    """Four tensorwise FP8 linears of different shapes on the GPU, their FP8 weight copies made once."""
     torch.manual_seed(0)
     lins = [Fp8Linear(nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16), "tensorwise", "hybrid")
             for i, o in ((256, 768), (256, 256), (256, 1024), (512, 256))]
-    matmuls = [lin.matmul for lin in lins]
     for lin in lins:
         object.__setattr__(lin.matmul, "weight_ref", lin.weight)
         lin.matmul.refresh_weight(lin.weight)
+    return lins, [lin.matmul for lin in lins]
+
+
+def test_weights_recast_in_place_on_the_gpu_equal_the_per_weight_cast():
+    """The compiled all-weights cast (refresh_weights_in_place) against the per-weight one."""
+    lins, matmuls = _cast_linears()
     with torch.no_grad():
         for lin in lins:
             lin.weight.mul_(3.0)
@@ -74,13 +79,7 @@ def test_fp8_param_gather_cast_of_pieces_equals_the_in_place_cast_on_the_gpu():
     from mmtrain.model.fp8_native import weight_scales
     from mmtrain.model.fp8_param_gather import cast_pieces
 
-    torch.manual_seed(0)
-    lins = [Fp8Linear(nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16), "tensorwise", "hybrid")
-            for i, o in ((256, 768), (256, 256), (256, 1024), (512, 256))]
-    matmuls = [lin.matmul for lin in lins]
-    for lin in lins:
-        object.__setattr__(lin.matmul, "weight_ref", lin.weight)
-        lin.matmul.refresh_weight(lin.weight)
+    lins, matmuls = _cast_linears()
     amax = torch.stack([lin.weight.detach().abs().amax().float() for lin in lins])
     assert refresh_weights_in_place(matmuls, amax)
     scales, inv = weight_scales(amax, torch.float8_e4m3fn)
