@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmtrain.utils.atomic import atomic_open, atomic_write_text, fsync_dir
+from mmtrain.utils.atomic import atomic_open, atomic_write_text, file_mode, fsync_dir
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's customary record size; the archive is padded to it like GNU tar does
@@ -34,9 +34,7 @@ IMAGE_FIELD_MAP = "jpg,png,webp,gif,bmp,tiff"
 
 
 def _file_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return file_mode()  # read without os.umask's set-and-restore, which races with other threads' files
 
 
 def write_text(path: Path, text: str) -> None:

@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from mmtrain.utils.atomic import atomic_write_text, fsync_dir
+from mmtrain.utils.atomic import atomic_write_text, fsync_dir, temp_next_to
 from mmtrain.utils.log import get_logger
 
 log = get_logger("mmtrain.data")
@@ -96,10 +95,10 @@ class IndexCache:
         pool = ThreadPoolExecutor(2)  # file writes and fsync release the GIL
 
         def put(name: str, value: np.ndarray) -> None:
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.stem}.{name}.", suffix=".tmp", dir=self.folder)
+            fd, tmp = temp_next_to(self.array_path(name))  # at the umask's mode, not mkstemp's 0o600
             os.close(fd)
-            temps[name] = Path(tmp)
-            futures.append(pool.submit(_write_npy, Path(tmp), np.ascontiguousarray(value)))
+            temps[name] = tmp
+            futures.append(pool.submit(_write_npy, tmp, np.ascontiguousarray(value)))
 
         try:
             yield put

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtrain.utils.atomic import fsync_dir
+from mmtrain.utils.atomic import file_mode, fsync_dir
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -64,9 +64,7 @@ def token_dtype_for(max_token_id: int) -> np.dtype:
 
 def default_file_mode() -> int:
     """0o666 minus the umask: what a plain open() would give (mkstemp makes temporaries 0o600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+    return file_mode()  # read without os.umask's set-and-restore, which races with other threads' files
 
 
 def _temp_next_to(path: Path, tag: str) -> tuple[int, Path]:
