@@ -134,7 +134,8 @@ def test_each_quirk_shows_in_the_logits(change):
         if change == "zero_bias":
             state = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in state.items()}
         elif "yarn" in change:
-            cfg = dataclasses.replace(cfg, rope_scaling="yarn", yarn_factor=4.0, yarn_original_max_position_embeddings=64)
+            cfg = dataclasses.replace(cfg, rope_scaling="yarn", yarn_factor=4.0,
+                                      yarn_original_max_position_embeddings=64)
         else:
             cfg = dataclasses.replace(cfg, **change)
         assert (_ours(cfg, state)(ids, position_ids_BS=positions) - base).abs().max() > 1e-3
@@ -178,7 +179,8 @@ def test_training_smoke_loss_decreases_and_biases_balance():
 def test_shipped_yaml_loads_and_bad_values_name_the_field(tmp_path):
     cfg = load_deepseek_v3_config(TINY_YAML)
     assert cfg.q_lora_rank == 32 and cfg.n_group == 4 and cfg.v_head_dim != cfg.qk_head_dim
-    for override, field in [("model.n_group=3", "model.n_group"), ("model.qk_rope_head_dim=7", "model.qk_rope_head_dim"),
+    for override, field in [("model.n_group=3", "model.n_group"),
+                            ("model.qk_rope_head_dim=7", "model.qk_rope_head_dim"),
                             ("model.topk_group=5", "model.topk_group"), ("model.q_lora_rank=0", "model.q_lora_rank"),
                             ("model.num_experts_per_tok=9", "model.num_experts_per_tok")]:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -239,3 +241,11 @@ def test_sharding_spec_covers_every_tensor_and_counts_add_up(q_lora_rank, tied):
     output_not_embedding = 0 if tied else cfg.vocab_size * cfg.hidden_size  # the lookup costs no FLOPs
     attention = 3 * cfg.num_layers * 128 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     assert flops_per_token(cfg, 128) == 6 * (active - output_not_embedding) + attention
+
+
+def test_family_package_lists_documented_public_names():
+    import mmtrain.models.deepseek_v3 as family
+
+    for name in family.__all__:
+        obj = getattr(family, name)
+        assert isinstance(obj, tuple) or (obj.__doc__ or "").strip(), name

@@ -53,7 +53,8 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
         raise HFAdapterError(f"config.json: model_type={hf.get('model_type')!r}; this adapter reads 'deepseek_v3'")
     missing = [k for k in (*_SAME_KEYS, "num_hidden_layers") if k not in hf]
     if missing:
-        raise HFAdapterError(f"config.json lacks {missing[0]!r}; write the key out (transformers' save_pretrained does)")
+        raise HFAdapterError(f"config.json lacks {missing[0]!r}; write the key out "
+                             "(transformers' save_pretrained does)")
     unsupported = {"hidden_act": ("silu",), "attention_bias": (False,), "attention_dropout": (0, 0.0)}
     for key, allowed in unsupported.items():
         if key in hf and hf[key] not in allowed:
@@ -117,7 +118,8 @@ def _attention_names(cfg: DeepseekV3Config) -> dict[str, str]:
     """Our attention (and norm) tensor suffixes -> HF's, within one layer."""
     names = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
              "attn.kv_down.weight": "self_attn.kv_a_proj_with_mqa.weight",
-             "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight", "attn.kv_up.weight": "self_attn.kv_b_proj.weight",
+             "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+             "attn.kv_up.weight": "self_attn.kv_b_proj.weight",
              "attn.proj.weight": "self_attn.o_proj.weight"}
     if cfg.q_lora_rank is None:
         names["attn.q_proj.weight"] = "self_attn.q_proj.weight"
@@ -147,13 +149,13 @@ def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: DeepseekV3Confi
         if not torch.equal(take("lm_head.weight"), out["embed.weight"]):
             raise HFAdapterError("lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings "
                                  "is true; set tie_word_embeddings=false in config.json")
-    f = cfg.moe_intermediate_size
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         for mine, theirs in _attention_names(cfg).items():
             out[ours + mine] = take(hf + theirs)
         if not cfg.is_moe_layer(i):
-            out[ours + "mlp.up.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")])
+            out[ours + "mlp.up.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
+                                                     take(hf + "mlp.up_proj.weight")])
             out[ours + "mlp.down.weight"] = take(hf + "mlp.down_proj.weight")
             continue
         out[ours + "mlp.router.weight"] = take(hf + "mlp.gate.weight")
@@ -163,9 +165,10 @@ def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: DeepseekV3Confi
             out[ours + "mlp.experts.w_down"] = take(hf + "mlp.experts.down_proj").transpose(1, 2).contiguous()
         else:
             experts = [f"{hf}mlp.experts.{e}." for e in range(cfg.n_routed_experts)]
-            out[ours + "mlp.experts.w_up"] = torch.stack(
-                [torch.cat([take(x + "gate_proj.weight"), take(x + "up_proj.weight")]).t() for x in experts]).contiguous()
-            out[ours + "mlp.experts.w_down"] = torch.stack([take(x + "down_proj.weight").t() for x in experts]).contiguous()
+            w_up = [torch.cat([take(x + "gate_proj.weight"), take(x + "up_proj.weight")]).t() for x in experts]
+            out[ours + "mlp.experts.w_up"] = torch.stack(w_up).contiguous()
+            out[ours + "mlp.experts.w_down"] = torch.stack([take(x + "down_proj.weight").t()
+                                                            for x in experts]).contiguous()
         s = hf + "mlp.shared_experts."
         if not cfg.n_shared_experts:  # transformers still builds a zero-width shared MLP
             used.update(n for n in hf_tensors if n.startswith(s) and hf_tensors[n].numel() == 0)
@@ -181,11 +184,11 @@ def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: DeepseekV3Confi
                 if (m := mtp.match(extra[0])) and int(m.group(1)) >= cfg.num_layers else "")
         raise HFAdapterError(f"HF state dict has {extra[0]!r} ({len(extra)} unused tensors), which this model does "
                              f"not hold{hint}")
-    _check_shapes(out, cfg, f)
+    _check_shapes(out, cfg)
     return out
 
 
-def _check_shapes(out: dict[str, torch.Tensor], cfg: DeepseekV3Config, f: int) -> None:
+def _check_shapes(out: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> None:
     """Compare against the shapes a freshly built model has (built on the meta device: no memory)."""
     from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 

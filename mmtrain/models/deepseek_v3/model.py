@@ -58,7 +58,8 @@ def rope_inv_freq(cfg: DeepseekV3Config) -> torch.Tensor:
         return 1.0 / pos_freqs
 
     def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
-        return dim * math.log(cfg.yarn_original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        boundary_period = cfg.yarn_original_max_position_embeddings / (rotations * 2 * math.pi)  # = 1/inv_freq
+        return dim * math.log(boundary_period) / (2 * math.log(base))
 
     low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
     if cfg.yarn_truncate:
