@@ -1,0 +1,285 @@
+"""DeepSeek-V3-style decoder for one device (or one pipeline stage): MLA attention, sigmoid-routed MoE.
+
+Multi-head latent attention: queries come from the hidden state directly or through a low-rank latent
+(``q_down`` -> RMSNorm -> ``q_up``); keys and values from one compressed latent (``kv_down`` -> RMSNorm ->
+``kv_up``, per head [k_nope | v]) plus one RoPE key head shared by all heads, produced by ``kv_down`` next to the
+latent (decoupled RoPE). Query/key heads are ``qk_nope_head_dim + qk_rope_head_dim`` wide, values
+``v_head_dim``; SDPA takes the two widths as they are. RoPE uses HF's layout: with ``rope_interleave`` the rope
+dims are read as pairs (x0, x1), (x2, x3), ... and written back as [rotated evens | rotated odds]; queries and
+keys get the same permutation, so their dot products are those of DeepSeek's complex-number rotation.
+
+MoE layers route each token with sigmoid scores: a selection bias (``router.expert_bias``, HF's
+``e_score_correction_bias``, moved by ``update_routing_biases``, never by gradients) picks the experts, groups
+are ranked by the sum of their two best biased scores and only the best ``topk_group`` groups compete, the
+chosen experts' *unbiased* scores (optionally normalized) times ``routed_scaling_factor`` weight their outputs.
+Shared experts are one dense SwiGLU MLP added to every token. The first ``first_k_dense_replace`` layers are dense.
+
+Parameter names follow ``mmtrain.model.gpt`` where the piece is the same (``embed``, ``layers.<global i>``,
+``attn_norm``, ``attn.proj``, ``mlp.up`` [gate | up], ``mlp.down``, ``mlp.router``, ``mlp.experts.w_up/w_down``,
+``mlp.shared``, ``norm``, ``output``), so the existing TP/EP/checkpoint pieces can be pointed at them; how each
+one would be sharded is ``spec.py``. Sizes are read off the weights in ``forward``, so sharded linears drop in.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mmtrain.config.schema import ModelConfig
+from mmtrain.model.gpt import document_causal_mask, token_cross_entropy
+from mmtrain.model.layers import MLP, RMSNorm
+from mmtrain.model.moe import Experts
+from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.parallel.expert import permute_by_expert, unpermute_and_combine
+
+LATENT_NORM_EPS = 1e-6  # the q/kv latent norms' epsilon in DeepSeek's and HF's code (not rms_norm_eps)
+# projections writing into the residual stream (not q_down/kv_down, which also end in "down.weight")
+_OUTPUT_PROJECTIONS = ("attn.proj.weight", "mlp.down.weight", "shared.down.weight", "experts.w_down")
+
+
+def _swiglu_shape(cfg: DeepseekV3Config, width: int) -> ModelConfig:
+    """The GPT shape that makes ``layers.MLP`` / ``moe.Experts`` a SwiGLU of this width without biases."""
+    return ModelConfig(hidden_size=cfg.hidden_size, ffn_hidden_size=width, moe_ffn_hidden_size=width,
+                       activation="swiglu", add_bias=False)
+
+
+# --------------------------------------------------------------------------------------------- rotary
+def rope_inv_freq(cfg: DeepseekV3Config) -> torch.Tensor:
+    """Inverse frequencies (qk_rope_head_dim / 2,) in fp32, computed as HF does (default or YaRN)."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    if cfg.rope_scaling != "yarn":
+        return 1.0 / pos_freqs
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
+        boundary_period = cfg.yarn_original_max_position_embeddings / (rotations * 2 * math.pi)  # = 1/inv_freq
+        return dim * math.log(boundary_period) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
+    if cfg.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies unchanged), 0: interpolate by the factor
+    return (1.0 / (cfg.yarn_factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_cos_sin(position_ids_BS: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of one angle per rotated pair, (B, S, 1, rope_dim / 2), times YaRN's attention factor."""
+    angles = position_ids_BS.float()[..., None, None] * inv_freq.to(position_ids_BS.device)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ------------------------------------------------------------------------------------------ attention
+def _causal_sdpa(q, k, v, attn_mask, scale):
+    """(B, H, S, D) attention; ``attn_mask`` (bool, True = attend) replaces plain causality."""
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (see the module docstring)."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, heads = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, heads * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_down = nn.Linear(d, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_up = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False)
+        self.kv_down = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_down.part_sizes = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)  # [latent | shared rope key]
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_up = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.proj = nn.Linear(heads * cfg.v_head_dim, d, bias=False)
+        self.softmax_scale = cfg.softmax_scale()
+        self.core_attention = _causal_sdpa  # a context-parallel plan would swap in its K/V-gathering version
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.cfg
+        B, S = x_BSD.shape[:2]
+        q = self.q_proj(x_BSD) if c.q_lora_rank is None else self.q_up(self.q_norm(self.q_down(x_BSD)))
+        q_nope, q_rope = q.view(B, S, -1, c.qk_head_dim).split((c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1)
+        latent, k_rope = self.kv_down(x_BSD).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
+        kv = self.kv_up(self.kv_norm(latent)).view(B, S, -1, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split((c.qk_nope_head_dim, c.v_head_dim), dim=-1)
+        heads = q_nope.shape[2]  # this rank's heads under TP
+        q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
+        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, c.rope_interleave).expand(B, S, heads, -1)
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # (B, H, S, qk_head_dim)
+        k = torch.cat((k_nope, k_rope), dim=-1).transpose(1, 2)
+        out = self.core_attention(q, k, v.transpose(1, 2), attn_mask, self.softmax_scale)  # (B, H, S, v_dim)
+        return self.proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+class GroupLimitedRouter(nn.Module):
+    """Sigmoid scores; biased selection limited to the best ``topk_group`` groups; weights from unbiased scores."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts))  # selection only, no gradient
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (N, k) fp32, expert ids (N, k))."""
+        c = self.cfg
+        scores = F.linear(x_ND.float(), self.weight.float()).sigmoid()
+        choice = scores.detach() + self.expert_bias
+        if c.n_group > 1:
+            grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)
+            best_groups = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(c.topk_group, dim=-1).indices
+            allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
+        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+
+def local_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None):
+    """Every expert on this device: sort assignments by expert, run them, combine with the routing weights
+    (same signature as ``mmtrain.parallel.expert``'s all-to-all dispatch, which an EP plan would swap in)."""
+    order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
+    counts = counts.tolist()
+    kept = sum(counts[:num_experts])
+    y_sorted = experts(x_ND[order[:kept] // ids_NK.shape[1]], counts[:num_experts])
+    return unpermute_and_combine(y_sorted, order, weights_NK, x_ND)
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts (``moe.Experts``: w_up (E, D, 2F) [gate | up], w_down (E, F, D)) plus shared experts."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        self.router = GroupLimitedRouter(cfg)
+        self.experts = Experts(_swiglu_shape(cfg, cfg.moe_intermediate_size), cfg.n_routed_experts)
+        self.shared = MLP(_swiglu_shape(cfg, cfg.shared_intermediate_size)) if cfg.n_shared_experts else None
+        self.dispatch = local_dispatch
+        self.step_load: torch.Tensor | None = None  # tokens per expert since the last bias update
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x = x_BSD.reshape(-1, x_BSD.shape[-1])
+        weights, ids = self.router(x)
+        load = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        self.step_load = load if self.step_load is None else self.step_load + load
+        out = self.dispatch(x, weights, ids, self.experts, self.num_experts)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view_as(x_BSD)
+
+
+# ---------------------------------------------------------------------------------------------- model
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, index: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = LatentAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DeepseekMoE(cfg) if cfg.is_moe_layer(index) else MLP(_swiglu_shape(cfg, cfg.intermediate_size))
+        self.recompute = "none"  # "full": keep only the layer's input and recompute the rest in backward
+
+    def _forward(self, x, cos, sin, attn_mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x, cos, sin, attn_mask=None):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, attn_mask, use_reentrant=False)
+        return self._forward(x, cos, sin, attn_mask)
+
+
+class DeepseekV3Model(nn.Module):
+    """DeepSeek-V3-style LM, or one pipeline stage of it (``layer_range`` of global layer indices; the first
+    stage embeds, the last one normalizes, projects and computes per-token losses). Call ``init_weights``."""
+
+    def __init__(self, cfg: DeepseekV3Config, layer_range: tuple[int, int] | None = None,
+                 pre_process: bool = True, post_process: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg.check()
+        start, end = layer_range or (0, cfg.num_layers)
+        self.layer_range, self.pre_process, self.post_process = (start, end), pre_process, post_process
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if pre_process else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(start, end)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post_process else None
+        own_output = post_process and not (cfg.tie_word_embeddings and pre_process)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
+        self.loss_fn = token_cross_entropy  # a TP plan swaps in the vocab-parallel cross-entropy
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic per-parameter init keyed by (seed, name), as ``GPTModel``: any stage split gets the same
+        values. Output projections (``attn.proj``, ``down``, ``w_down``) are scaled by 1/sqrt(2 * num_layers);
+        norms start at one, routing biases at zero."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+                continue
+            seed_name = "embed.weight" if name == "output.weight" and self.cfg.tie_word_embeddings else name
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(seed_name.encode()))
+            scale = std / (2 * self.cfg.num_layers) ** 0.5 if name.endswith(_OUTPUT_PROJECTIONS) else std
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+        for module in self.modules():
+            if isinstance(module, GroupLimitedRouter):
+                module.expert_bias.zero_()
+
+    def output_weight(self) -> torch.Tensor:
+        return self.output.weight if self.output is not None else self.embed.weight
+
+    def forward(self, inputs: torch.Tensor, labels_BS: torch.Tensor | None = None,
+                position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """``inputs``: token ids (B, S) on the first stage, hidden states (B, S, D) otherwise. Returns per-token
+        losses (B, S) when ``labels_BS`` is given on the last stage, else logits (last stage) or hidden states.
+        ``doc_ids_BS``: document of each token of packed sequences (attention stays inside documents)."""
+        x = self.embed(inputs) if self.pre_process else inputs
+        if position_ids_BS is None:
+            B, S = x.shape[:2]
+            position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
+        cos, sin = rope_cos_sin(position_ids_BS, self.inv_freq, self.cfg.yarn_attention_factor(), x.dtype)
+        attn_mask = document_causal_mask(doc_ids_BS) if doc_ids_BS is not None else None
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, attn_mask)
+        if not self.post_process:
+            return x
+        logits = F.linear(self.norm(x), self.output_weight())
+        return logits if labels_BS is None else self.loss_fn(logits, labels_BS)
+
+    @torch.no_grad()
+    def update_routing_biases(self, groups: list = ()) -> dict[str, list[int]]:
+        """Auxiliary-loss-free balancing, after a step: sum each MoE layer's expert load over ``groups`` (ranks
+        that routed different tokens), move its selection bias by ``bias_update_rate`` toward the mean load
+        (under-used experts up, over-used down), reset the counts. Returns the loads by layer name."""
+        loads = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, DeepseekMoE) or module.step_load is None:
+                continue
+            load = module.step_load.float()
+            for g in groups:
+                if g is not None and dist.get_world_size(g) > 1:
+                    dist.all_reduce(load, group=g)
+            module.router.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+            loads[name] = [int(v) for v in load.tolist()]
+            module.step_load = None
+        return loads
