@@ -151,7 +151,7 @@ def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("freez=[vision]", "did you mean 'freeze'"),
     ("freeze=[encoder]", "freeze[0]: 'encoder' is not a VLM component"),
-    ("lr_scale={vision: 0}", "lr_scale.vision must be a positive number"),
+    ("lr_scale={vision: 0}", "lr_scale.vision must be > 0, got 0.0"),
     ("freeze=[vision, audio, projector, language]", "freezes every component"),
     ("data.mm_num_image_tokens=16", "data.mm_num_image_tokens (16) must equal the model's tokens per image 4"),
     ("model.language.num_attention_heads=3", "model.language.hidden_size (64) must be divisible by"),
