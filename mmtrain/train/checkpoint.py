@@ -3,8 +3,9 @@
 Folder layout under ``<run_dir>/checkpoints/``::
 
     step_00000100/.metadata, __0_0.distcp ...  DCP: global tensors by global name (``mmtrain.train.checkpoint_state``)
-    step_00000100/rank_00000.json ...         per rank: step, layout, data loader state, AdamW step count
-    step_00000100/complete.json               written by rank 0 after every rank finished: the checkpoint counts only then
+    step_00000100/rank_00000.json ...         per rank: step, layout, data loaders' states, AdamW step count
+    step_00000100/complete.json               written by rank 0 after every rank finished: the checkpoint counts only
+                                              then; the run config, its schedule and data-order records
     latest                                    name of the newest complete checkpoint, replaced atomically, last
 
 A crash during a save never damages an earlier checkpoint: nothing counts before ``complete.json``, and
