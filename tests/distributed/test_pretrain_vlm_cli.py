@@ -93,7 +93,9 @@ def _resume_scenario(rank: int, world_size: int, root: str):
     tail = _train(rank, world_size, str(root / "resumed"), extra)[0]
     stage2 = ["train.steps=1", "freeze=[vision]", "checkpoint.save_final=false"]
     try:
-        _train(rank, world_size, str(root / "s2"), [*stage2, f"checkpoint.load={root / 'full/checkpoints'}"])
+        _train(rank, world_size, str(root / "s2"), [*stage2, f"checkpoint.load={root / 'full/checkpoints'}",
+                                                     "checkpoint.schedule_change=use_config",  # past that check
+                                                     "checkpoint.data_order_change=use_config"])
         refused = ""
     except CheckpointError as exc:
         refused = str(exc)
