@@ -32,6 +32,21 @@ def parse_run_config(cls: type, argv: list[str] | None, prog: str) -> Any:
         raise SystemExit(2) from None
 
 
+def check_writable_run_dir(run_dir: str) -> None:
+    """Create ``logging.run_dir`` and write a probe file in it (every rank writes checkpoints there); a
+    ``ConfigError`` naming the key and the OS's reason otherwise, before any process group."""
+    import tempfile
+
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-check."):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"logging.run_dir={run_dir}: cannot write there ({reason}: {exc.filename or run_dir}); "
+                          "choose a folder this user can write") from None
+
+
 def run_entry(prog: str, cls: type, validate: Callable[..., None], train: Callable[[], Callable[..., Any]],
               argv: list[str] | None) -> int:
     """One pretrain entry point: parse -> validate -> processes and groups -> resolved config -> ``train()(cfg,
@@ -40,6 +55,7 @@ def run_entry(prog: str, cls: type, validate: Callable[..., None], train: Callab
     cfg = parse_run_config(cls, argv, prog)
     try:
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        check_writable_run_dir(cfg.logging.run_dir)
     except (ConfigError, LayoutError) as exc:
         print(f"{prog}: config error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from mmtrain.config.ranges import range_text
 from mmtrain.config.schema import GPTRunConfig
 
 
@@ -30,18 +31,24 @@ def _default(f: dataclasses.Field) -> str:
     return f"`{f.default!r}`"
 
 
+def _range(f: dataclasses.Field) -> str:
+    """The declared bounds (``mmtrain.config.ranges``); floats are also always finite."""
+    text = range_text(f.metadata)
+    return text.replace("<", "&lt;").replace(">", "&gt;") if text else ""
+
+
 def _section(lines: list[str], key: str, cls: type, help_text: str) -> None:
     """One table per dataclass section; nested sections (the VLM's ``model.vision``) follow as their own."""
     lines += [f"## `{key}` — {help_text}", "", (cls.__doc__ or "").strip(), "",
-              "| key | type | default | meaning |", "|---|---|---|---|"]
+              "| key | type | default | range | meaning |", "|---|---|---|---|---|"]
     hints = typing.get_type_hints(cls)
     nested = []
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             nested.append(f)
-            lines.append(f"| `{key}.{f.name}` | section | | {f.metadata.get('help', '')} (below) |")
+            lines.append(f"| `{key}.{f.name}` | section | | | {f.metadata.get('help', '')} (below) |")
             continue
-        lines.append(f"| `{key}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | "
+        lines.append(f"| `{key}.{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {_range(f)} | "
                      f"{f.metadata.get('help', '')} |")
     lines.append("")
     for f in nested:
@@ -53,6 +60,8 @@ def reference_markdown(root: type = GPTRunConfig, with_vlm: bool = True) -> str:
              "Generated from `mmtrain/config/schema.py` (and `vlm_schema.py`, `vlm_run_schema.py`) by "
              "`python -m mmtrain.config.reference`; do not edit by hand.",
              "Set any key in a YAML file (`section:` then `key: value`) or on the command line as `section.key=value`.",
+             "A value outside its range (a list: each element; a mapping: each value), or a float that is NaN or "
+             "infinite, is an error naming the key before anything starts.",
              ""]
     hints = typing.get_type_hints(root)
     for section in dataclasses.fields(root):
@@ -79,9 +88,9 @@ def _vlm_reference_markdown() -> str:
             _section(lines, f.name, hints[f.name], f.metadata.get("help", ""))
         else:
             top.append(f)
-    lines += ["## Top-level keys", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {f.metadata.get('help', '')} |"
-              for f in top]
+    lines += ["## Top-level keys", "", "| key | type | default | range | meaning |", "|---|---|---|---|---|"]
+    lines += [f"| `{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {_range(f)} | "
+              f"{f.metadata.get('help', '')} |" for f in top]
     lines.append("")
     return "\n".join(lines)
 

@@ -12,7 +12,11 @@ from typing import Any, Literal
 
 
 def doc(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with a default and its help text (mutable defaults are copied per instance)."""
+    """A dataclass field with a default and its help text (mutable defaults are copied per instance).
+
+    Numeric fields declare their range here: ``ge``/``gt`` (lower bound, inclusive/exclusive) and ``le``/``lt``
+    (upper bound); ``mmtrain.config.ranges`` checks every field (each element of a list, each value of a
+    mapping) against them, and refuses NaN and infinities in any float field."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -23,32 +27,33 @@ class ModelConfig:
     """Shape of the decoder-only language model (Llama family by default)."""
 
     name: str = doc("tiny", "Free-form name of the shape, shown in logs (e.g. llama3.2-1b).")
-    num_layers: int = doc(2, "Number of transformer blocks.")
-    hidden_size: int = doc(64, "Width of the residual stream.")
-    ffn_hidden_size: int = doc(176, "Inner width of the MLP (per gate for SwiGLU).")
-    num_attention_heads: int = doc(4, "Number of query heads.")
-    num_query_groups: int = doc(0, "Number of key/value heads for GQA/MQA; 0 means one per query head (MHA).")
-    vocab_size: int = doc(512, "Rows of the embedding table; must exceed every token id in the data.")
+    num_layers: int = doc(2, "Number of transformer blocks.", ge=1)
+    hidden_size: int = doc(64, "Width of the residual stream.", ge=1)
+    ffn_hidden_size: int = doc(176, "Inner width of the MLP (per gate for SwiGLU).", ge=1)
+    num_attention_heads: int = doc(4, "Number of query heads.", ge=1)
+    num_query_groups: int = doc(0, "Number of key/value heads for GQA/MQA; 0 means one per query head (MHA).", ge=0)
+    vocab_size: int = doc(512, "Rows of the embedding table; must exceed every token id in the data.", ge=1)
     norm: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer kind.")
-    norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.")
+    norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.", gt=0)
     activation: Literal["swiglu", "gelu"] = doc("swiglu", "MLP activation: gated SiLU (Llama) or GELU.")
-    rope_theta: float = doc(10000.0, "Base of the rotary position embedding frequencies.")
-    rope_scaling_factor: float = doc(1.0, "Llama-3 style RoPE frequency scaling factor; 1.0 disables scaling.")
+    rope_theta: float = doc(10000.0, "Base of the rotary position embedding frequencies.", gt=0)
+    rope_scaling_factor: float = doc(1.0, "Llama-3 style RoPE frequency scaling factor; 1.0 disables scaling.", gt=0)
     tie_embeddings: bool = doc(False, "Share the input embedding and the output projection.")
     add_bias: bool = doc(False, "Add biases to all attention and MLP linears.")
     qkv_bias: bool = doc(False, "Add biases to the query/key/value projections only (Qwen2 style).")
     qk_norm: bool = doc(False, "Normalize queries and keys per head before attention (Qwen3/OLMo2 style).")
-    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.")
-    num_experts: int = doc(0, "Mixture of experts: experts per MoE layer; 0 keeps a dense MLP.")
-    moe_top_k: int = doc(2, "Experts each token is routed to.")
-    moe_ffn_hidden_size: int = doc(0, "Inner width of each expert; 0 uses ffn_hidden_size.")
+    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.", ge=0)
+    num_experts: int = doc(0, "Mixture of experts: experts per MoE layer; 0 keeps a dense MLP.", ge=0)
+    moe_top_k: int = doc(2, "Experts each token is routed to.", ge=1)
+    moe_ffn_hidden_size: int = doc(0, "Inner width of each expert; 0 uses ffn_hidden_size.", ge=0)
     moe_router: Literal["softmax", "sigmoid"] = doc(
         "softmax", "softmax top-k (Mixtral) or sigmoid top-k with bias-based balancing (DeepSeek-V3).")
-    moe_aux_loss_coeff: float = doc(0.01, "Weight of the load-balancing auxiliary loss (0 disables).")
-    moe_z_loss_coeff: float = doc(0.0, "Weight of the router z-loss (0 disables).")
-    moe_capacity_factor: float = doc(0.0, "Expert capacity as a multiple of the even share; 0 = dropless.")
-    moe_shared_ffn_hidden_size: int = doc(0, "Width of an always-on shared expert added to the routed ones; 0 = none.")
-    moe_bias_update_rate: float = doc(1e-3, "Sigmoid router: per-step bias step towards balanced expert load.")
+    moe_aux_loss_coeff: float = doc(0.01, "Weight of the load-balancing auxiliary loss (0 disables).", ge=0)
+    moe_z_loss_coeff: float = doc(0.0, "Weight of the router z-loss (0 disables).", ge=0)
+    moe_capacity_factor: float = doc(0.0, "Expert capacity as a multiple of the even share; 0 = dropless.", ge=0)
+    moe_shared_ffn_hidden_size: int = doc(0, "Width of an always-on shared expert added to the routed ones; "
+                                             "0 = none.", ge=0)
+    moe_bias_update_rate: float = doc(1e-3, "Sigmoid router: per-step bias step towards balanced expert load.", ge=0)
     moe_grouped_gemm: bool = doc(True, "Run experts as one grouped GEMM (torch._grouped_mm on Hopper, bf16); "
                                        "else a loop over experts.")
 
@@ -61,18 +66,18 @@ class ModelConfig:
 class ParallelConfig:
     """How the ranks are laid out; the product tp*pp*cp*dp must equal the world size."""
 
-    tp: int = doc(1, "Tensor-parallel size (splits heads and MLP columns).")
-    pp: int = doc(1, "Pipeline-parallel size (splits the layers into stages).")
-    cp: int = doc(1, "Context-parallel size (splits each sequence).")
-    dp: int = doc(0, "Data-parallel size; 0 infers it as world_size / (tp*pp*cp).")
-    ep: int = doc(1, "Expert-parallel size; experts are sharded over the dp*cp ranks, so ep must divide dp*cp.")
+    tp: int = doc(1, "Tensor-parallel size (splits heads and MLP columns).", ge=1)
+    pp: int = doc(1, "Pipeline-parallel size (splits the layers into stages).", ge=1)
+    cp: int = doc(1, "Context-parallel size (splits each sequence).", ge=1)
+    dp: int = doc(0, "Data-parallel size; 0 infers it as world_size / (tp*pp*cp).", ge=0)
+    ep: int = doc(1, "Expert-parallel size; experts are sharded over the dp*cp ranks, so ep must divide dp*cp.", ge=1)
     sequence_parallel: bool = doc(False, "Shard norms and residuals along the sequence over the TP group.")
-    pipeline_layers: list[int] = doc([], "Layers per pipeline stage, e.g. [3, 5, 5, 3]; empty splits evenly.")
-    virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.")
+    pipeline_layers: list[int] = doc([], "Layers per pipeline stage, e.g. [3, 5, 5, 3]; empty splits evenly.", ge=1)
+    virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.", ge=1)
     distributed_optimizer: bool = doc(True, "Shard optimizer state and fp32 master weights over data-parallel ranks.")
     backend: Literal["auto", "nccl", "gloo"] = doc("auto", "torch.distributed backend; auto picks nccl on GPU, gloo on CPU.")
     collective_timeout_s: float = doc(600.0, "Seconds a collective may wait before the run stops with a report "
-                                             "naming the rank and the operation.")
+                                             "naming the rank and the operation.", gt=0)
 
 
 @dataclass
@@ -82,80 +87,84 @@ class DataConfig:
     mock: bool = doc(False, "Use random tokens instead of a dataset (benchmarks and smoke tests).")
     prefixes: list[str] = doc([], "Indexed dataset prefixes (path without .bin/.idx); used when no blend is given.")
     blend: str = doc("", "Path of a blend-spec YAML file (docs/blend-spec.md); wins over `prefixes`.")
-    seq_length: int = doc(128, "Tokens per training sample.")
+    seq_length: int = doc(128, "Tokens per training sample.", ge=1)
     split: str = doc("969,30,1", "Train/valid/test split of the documents, as relative weights.")
-    seed: int = doc(1234, "Seed of the document and sample shuffling.")
+    seed: int = doc(1234, "Seed of the document and sample shuffling.", ge=0, le=2**32 - 1)
     cache_dir: str = doc("", "Folder for the cached sample indices; empty means PREFIX.cache/ next to the first dataset.")
     weights: list[float] = doc([], "Weights of data.prefixes, one per prefix; empty weighs each prefix by its token "
-                                    "count in the split (data.prefixes may also be Megatron's 'w1 p1 w2 p2' list).")
+                                    "count in the split (data.prefixes may also be Megatron's 'w1 p1 w2 p2' list).", gt=0)
     reset_position_ids: bool = doc(False, "Restart position ids after every end-of-document token in packed samples.")
     reset_attention_mask: bool = doc(False, "Give each packed document its own document id so attention does not "
                                             "cross documents.")
     eod_mask_loss: bool = doc(False, "Mask the loss where the input token is the end-of-document token.")
-    index_build_timeout_s: float = doc(1800.0, "Seconds a process waits for LOCAL_RANK 0 to build the sample indices.")
+    index_build_timeout_s: float = doc(1800.0, "Seconds a process waits for LOCAL_RANK 0 to build the sample "
+                                               "indices.", gt=0)
     num_workers: int = doc(0, "Multimodal loader worker processes per rank (decoding and cooking media; the order does "
                               "not depend on it). The text loader reads memory-mapped samples in the training "
-                              "process and uses no workers.")
+                              "process and uses no workers.", ge=0)
     mm_tokenizer: str = doc("", "Multimodal: tokenizer of the text (SentencePiece .model, tokenizer.json or its folder); "
                                 "the sources are data.blend: energon entries of a blend spec, an energon metadataset "
                                 "YAML, or one mmtrain-prep media folder.")
-    mm_image_size: int = doc(224, "Multimodal: images (and video frames) are resized to this square size, CHW float.")
+    mm_image_size: int = doc(224, "Multimodal: images (and video frames) are resized to this square size, CHW float.", ge=1)
     mm_image_mean: list[float] = doc([0.5, 0.5, 0.5], "Multimodal: per-channel mean subtracted from [0, 1] pixels.")
-    mm_image_std: list[float] = doc([0.5, 0.5, 0.5], "Multimodal: per-channel std the pixels are divided by.")
-    mm_image_token_id: int = doc(-1, "Multimodal: placeholder token id where an image's features go; required.")
-    mm_num_image_tokens: int = doc(64, "Multimodal: placeholder tokens per image (the vision encoder's output length).")
-    mm_audio_token_id: int = doc(-1, "Multimodal: placeholder token id of an audio clip; -1 refuses audio samples.")
-    mm_num_audio_tokens: int = doc(32, "Multimodal: placeholder tokens per audio clip.")
-    mm_audio_rate: int = doc(16000, "Multimodal: waveforms are resampled (linearly) to this rate in Hz.")
-    mm_max_audio_seconds: float = doc(30.0, "Multimodal: waveforms are cut to this many seconds.")
-    mm_video_frames: int = doc(4, "Multimodal: evenly spaced frames taken from each video (each is an image).")
+    mm_image_std: list[float] = doc([0.5, 0.5, 0.5], "Multimodal: per-channel std the pixels are divided by.", gt=0)
+    mm_image_token_id: int = doc(-1, "Multimodal: placeholder token id where an image's features go; required.", ge=-1)
+    mm_num_image_tokens: int = doc(64, "Multimodal: placeholder tokens per image (the vision encoder's output length).", ge=1)
+    mm_audio_token_id: int = doc(-1, "Multimodal: placeholder token id of an audio clip; -1 refuses audio samples.", ge=-1)
+    mm_num_audio_tokens: int = doc(32, "Multimodal: placeholder tokens per audio clip.", ge=1)
+    mm_audio_rate: int = doc(16000, "Multimodal: waveforms are resampled (linearly) to this rate in Hz.", ge=1)
+    mm_max_audio_seconds: float = doc(30.0, "Multimodal: waveforms are cut to this many seconds.", gt=0)
+    mm_video_frames: int = doc(4, "Multimodal: evenly spaced frames taken from each video (each is an image).", ge=1)
     mm_pack: bool = doc(False, "Multimodal: pack several samples into each seq_length sequence (document ids and "
                                "position ids per sample).")
     mm_packing_buffer_size: int = doc(32, "Multimodal: samples the packer of each slice chooses from when filling "
-                                          "sequences.")
-    mm_shuffle_buffer_size: int = doc(100, "Multimodal: energon's sample shuffle buffer of each slice; 0 disables it.")
+                                          "sequences.", ge=1)
+    mm_shuffle_buffer_size: int = doc(100, "Multimodal: energon's sample shuffle buffer of each slice; 0 disables it.", ge=0)
     mm_slices: int = doc(16, "Multimodal: the data is read as this many slices (energon streams) in one fixed order; "
-                             "must be a multiple of every data-parallel size the run uses or resumes at.")
+                             "must be a multiple of every data-parallel size the run uses or resumes at.", ge=1)
 
 
 @dataclass
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
-    lr: float = doc(3e-4, "Peak learning rate.")
-    min_lr: float = doc(3e-5, "Learning rate at the end of the decay.")
-    weight_decay: float = doc(0.1, "Decoupled weight decay; never applied to norms, biases or embeddings' rows of ones.")
-    beta1: float = doc(0.9, "AdamW beta1.")
-    beta2: float = doc(0.95, "AdamW beta2.")
-    eps: float = doc(1e-8, "AdamW epsilon.")
+    lr: float = doc(3e-4, "Peak learning rate.", gt=0)
+    min_lr: float = doc(3e-5, "Learning rate at the end of the decay.", ge=0)
+    weight_decay: float = doc(0.1, "Decoupled weight decay; never applied to norms, biases or embeddings' rows of ones.", ge=0)
+    beta1: float = doc(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = doc(0.95, "AdamW beta2.", ge=0, lt=1)
+    eps: float = doc(1e-8, "AdamW epsilon.", gt=0)
     master_weights: bool = doc(True, "Keep fp32 master weights, gradients and Adam moments; false keeps them in the "
                                      "parameter dtype (bf16), the plain-AdamW setup of the benchmark anchors.")
-    grad_clip: float = doc(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    grad_clip: float = doc(1.0, "Clip the global gradient norm to this value; 0 disables clipping.", ge=0)
     schedule: Literal["cosine", "wsd", "constant"] = doc("cosine", "Learning-rate schedule after warmup.")
-    warmup_steps: int = doc(10, "Linear warmup steps from 0 to `lr`.")
-    decay_fraction: float = doc(0.2, "WSD only: fraction of the steps spent in the final decay.")
+    warmup_steps: int = doc(10, "Linear warmup steps from 0 to `lr`.", ge=0)
+    decay_fraction: float = doc(0.2, "WSD only: fraction of the steps spent in the final decay.", ge=0, le=1)
 
 
 @dataclass
 class TrainConfig:
     """The step loop."""
 
-    steps: int = doc(20, "Optimizer steps to run.")
-    micro_batch_size: int = doc(2, "Samples per micro-batch per data-parallel rank.")
-    global_batch_size: int = doc(0, "Samples per optimizer step over all ranks; 0 means micro_batch_size * dp.")
+    steps: int = doc(20, "Optimizer steps to run.", ge=1)
+    micro_batch_size: int = doc(2, "Samples per micro-batch per data-parallel rank.", ge=1)
+    global_batch_size: int = doc(0, "Samples per optimizer step over all ranks; 0 means micro_batch_size * dp.", ge=0)
     precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32; fp8: "
                                                                     "BF16 weights, FP8 block linears (the fp8 section).")
     activation_checkpointing: Literal["none", "selective", "full"] = doc("none", "Recompute activations in backward.")
     compile: bool = doc(False, "torch.compile each transformer block (and the loss on one TP rank).")
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = doc(
         "auto", "scaled_dot_product_attention kernel on GPU; auto lets PyTorch choose.")
-    seed: int = doc(42, "Seed of the weight initialization and dropout.")
-    eval_every: int = doc(0, "Evaluate on the valid split every N steps; 0 disables.")
-    eval_steps: int = doc(4, "Global batches per evaluation (the same samples whatever the parallel layout).")
+    seed: int = doc(42, "Seed of the weight initialization and dropout.", ge=0, le=2**63 - 1)
+    eval_every: int = doc(0, "Evaluate on the valid split every N steps; 0 disables.", ge=0)
+    eval_steps: int = doc(4, "Global batches per evaluation (the same samples whatever the parallel layout).", ge=1)
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "Where to run; auto picks cuda when available.")
     nan_policy: Literal["skip", "stop"] = doc("skip", "On a NaN/Inf loss or gradient norm: skip the step's update, "
                                                       "or stop with a report naming the step and ranks.")
-    max_skipped_steps: int = doc(10, "With nan_policy=skip: stop once more than this many steps were skipped.")
+    max_skipped_steps: int = doc(10, "With nan_policy=skip: stop once more than this many steps were skipped.", ge=0)
+    exit_at_step: int = doc(0, "Stop after this step, with a checkpoint, as if preempted: the learning-rate schedule "
+                               "and the data order still span train.steps, so the same command without it continues "
+                               "exactly as one uninterrupted run; 0 runs to train.steps.", ge=0)
 
 
 @dataclass
@@ -163,21 +172,32 @@ class LoggingConfig:
     """What is printed and written during a run."""
 
     run_dir: str = doc("runs/default", "Folder of this run: resolved config, metrics, checkpoints.")
-    log_every: int = doc(1, "Print one metrics line every N steps (rank 0).")
+    log_every: int = doc(1, "Print one metrics line every N steps (rank 0).", ge=1)
     tensorboard: bool = doc(False, "Also write TensorBoard event files to run_dir/tb (needs the tensorboard package).")
-    peak_tflops: float = doc(0.0, "Per-device peak TFLOP/s for MFU; 0 hides MFU.")
+    peak_tflops: float = doc(0.0, "Per-device peak TFLOP/s for MFU; 0 hides MFU.", ge=0)
 
 
 @dataclass
 class CheckpointConfig:
     """Saving and resuming."""
 
-    save_every: int = doc(0, "Save a checkpoint every N steps; 0 saves only at the end if `save_final`.")
+    save_every: int = doc(0, "Save a checkpoint every N steps; 0 saves only at the end if `save_final`.", ge=0)
     save_final: bool = doc(True, "Save a checkpoint after the last step.")
-    keep_last: int = doc(2, "Keep only the newest N checkpoints; 0 keeps all.")
+    keep_last: int = doc(2, "Keep only the newest N checkpoints; 0 keeps all.", ge=0)
     async_save: bool = doc(False, "Write checkpoints in a background thread; the step waits only for a copy to "
                                   "pinned host memory.")
     load: str = doc("", "Checkpoint folder to resume from; empty resumes from run_dir/checkpoints/latest if present.")
+    schedule_change: Literal["error", "use_config", "use_checkpoint"] = doc(
+        "error", "Resuming with another learning-rate schedule than the checkpoint's (train.steps, optim.lr, min_lr, "
+                 "warmup_steps, schedule, decay_fraction): error names each changed key; use_config continues "
+                 "with this run's schedule from the resumed step (the learning rate jumps); use_checkpoint keeps "
+                 "the checkpoint's schedule (the run still stops at this run's train.steps).")
+    data_order_change: Literal["error", "use_config"] = doc(
+        "error", "Resuming with other data-order inputs than the checkpoint's (data.seed, seq_length, blend, "
+                 "prefixes, weights, split, mock, the global batch size, and train.steps, which sizes the sample "
+                 "indices; for a VLM the data.mm_* order keys): error names each changed key; use_config builds "
+                 "this run's order and continues at the checkpoint's consumed-sample count in it (samples may "
+                 "repeat or be skipped).")
 
 
 @dataclass
@@ -193,12 +213,12 @@ class Fp8Config:
                       "per-row scales), blockwise (TE: 1x128/128x128 blocks), mxfp8 (TE, Blackwell: 1x32 blocks).")
     format: Literal["hybrid", "e4m3"] = doc(
         "hybrid", "hybrid: E4M3 activations and weights, E5M2 gradients; e4m3: E4M3 everywhere.")
-    amax_history_len: int = doc(1024, "Delayed scaling: steps of amax history kept per tensor.")
+    amax_history_len: int = doc(1024, "Delayed scaling: steps of amax history kept per tensor.", ge=1)
     amax_compute_algo: Literal["max", "most_recent"] = doc(
         "max", "Delayed scaling: scale from the largest amax in the history or from the latest one.")
-    margin: int = doc(0, "Scales are divided by 2**margin (headroom against overflow).")
-    bf16_first_layers: int = doc(0, "Keep this many first transformer blocks in BF16.")
-    bf16_last_layers: int = doc(0, "Keep this many last transformer blocks in BF16.")
+    margin: int = doc(0, "Scales are divided by 2**margin (headroom against overflow).", ge=0)
+    bf16_first_layers: int = doc(0, "Keep this many first transformer blocks in BF16.", ge=0)
+    bf16_last_layers: int = doc(0, "Keep this many last transformer blocks in BF16.", ge=0)
     output_layer: bool = doc(
         False, "Native backend: compute the output layer (LM head) in FP8 too: its forward, dgrad and wgrad GEMMs, "
                "with the recipe's scaling (its input and the logits gradient are cast like a block linear's). "

@@ -36,7 +36,7 @@ class VLMRunConfig:
                              "at step 0 with a fresh optimizer and data order, e.g. stage 1's for stage 2 (saved with "
                              "the same parallel.tp); ignored once the run has checkpoints of its own.")
     lr_scale: dict[str, float] = doc({}, "Learning-rate multiplier per parameter-name prefix, e.g. "
-                                         "{vision: 0.1, projector: 10}; the longest matching prefix wins, others 1.")
+                                         "{vision: 0.1, projector: 10}; the longest matching prefix wins, others 1.", gt=0)
 
 
 def matches(name: str, prefix: str) -> bool:

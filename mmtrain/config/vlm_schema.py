@@ -19,26 +19,26 @@ class VisionConfig:
     """The ViT image encoder (SigLIP/CLIP-like). Video frames are images with a temporal position."""
 
     image_size: int = doc(32, "Side of the square input image (and of each tile) in pixels; must equal "
-                              "data.mm_image_size.")
-    patch_size: int = doc(8, "Side of a square patch; image_size must be a multiple of it.")
-    hidden_size: int = doc(64, "Width of the encoder's residual stream.")
-    num_layers: int = doc(2, "Number of (bidirectional, pre-norm) transformer blocks.")
-    num_attention_heads: int = doc(4, "Attention heads of the encoder.")
-    ffn_hidden_size: int = doc(128, "Inner width of the encoder MLP.")
+                              "data.mm_image_size.", ge=1)
+    patch_size: int = doc(8, "Side of a square patch; image_size must be a multiple of it.", ge=1)
+    hidden_size: int = doc(64, "Width of the encoder's residual stream.", ge=1)
+    num_layers: int = doc(2, "Number of (bidirectional, pre-norm) transformer blocks.", ge=1)
+    num_attention_heads: int = doc(4, "Attention heads of the encoder.", ge=1)
+    ffn_hidden_size: int = doc(128, "Inner width of the encoder MLP.", ge=1)
     norm: Literal["layernorm", "rmsnorm"] = doc("layernorm", "Normalization layer kind.")
-    norm_eps: float = doc(1e-6, "Epsilon of the normalization layers.")
+    norm_eps: float = doc(1e-6, "Epsilon of the normalization layers.", gt=0)
     activation: Literal["gelu", "swiglu"] = doc("gelu", "MLP activation (SigLIP/CLIP: gelu).")
     add_bias: bool = doc(True, "Biases on all attention and MLP linears (SigLIP/CLIP: true).")
     position_embedding: Literal["learned", "sincos2d", "rope2d"] = doc(
         "learned", "2D patch positions: a learned table (SigLIP), fixed 2D sin-cos, or 2D rotary embeddings in "
                    "attention (half the rotary frequencies on rows, half on columns).")
-    rope_theta: float = doc(10000.0, "Base of the 2D rotary frequencies (position_embedding=rope2d).")
+    rope_theta: float = doc(10000.0, "Base of the 2D rotary frequencies (position_embedding=rope2d).", gt=0)
     post_norm: bool = doc(True, "Normalize the encoder output (SigLIP's post-layernorm).")
     max_tiles: int = doc(1, "Dynamic resolution: an image may be cut into up to this many image_size tiles (plus a "
-                            "thumbnail when > 1), each encoded and counted as one image; 1 = fixed size.")
+                            "thumbnail when > 1), each encoded and counted as one image; 1 = fixed size.", ge=1)
     max_video_frames: int = doc(8, "Rows of the temporal position embedding: frame i of a video adds row i "
-                                   "(still images add row 0).")
-    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.")
+                                   "(still images add row 0).", ge=1)
+    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.", ge=0)
 
     @property
     def grid(self) -> int:
@@ -62,19 +62,19 @@ class AudioConfig:
     """The optional Whisper-like audio encoder: log-mel features, a conv stem, transformer blocks, pooling."""
 
     enabled: bool = doc(False, "Build the audio encoder (needs audio_token_id and data.mm_audio_token_id).")
-    sample_rate: int = doc(16000, "Waveform rate in Hz; must equal data.mm_audio_rate.")
-    n_mels: int = doc(80, "Mel bands of the log-mel features.")
-    n_fft: int = doc(400, "FFT size of the spectrogram (25 ms at 16 kHz).")
-    hop_length: int = doc(160, "Samples between feature frames (10 ms at 16 kHz).")
-    hidden_size: int = doc(64, "Width of the encoder's residual stream.")
-    num_layers: int = doc(2, "Number of (bidirectional, pre-norm) transformer blocks.")
-    num_attention_heads: int = doc(4, "Attention heads of the encoder.")
-    ffn_hidden_size: int = doc(128, "Inner width of the encoder MLP.")
-    max_frames: int = doc(1500, "Encoder positions after the stride-2 conv stem (1500 = 30 s at 10 ms hops).")
+    sample_rate: int = doc(16000, "Waveform rate in Hz; must equal data.mm_audio_rate.", ge=1)
+    n_mels: int = doc(80, "Mel bands of the log-mel features.", ge=1)
+    n_fft: int = doc(400, "FFT size of the spectrogram (25 ms at 16 kHz).", ge=1)
+    hop_length: int = doc(160, "Samples between feature frames (10 ms at 16 kHz).", ge=1)
+    hidden_size: int = doc(64, "Width of the encoder's residual stream.", ge=1)
+    num_layers: int = doc(2, "Number of (bidirectional, pre-norm) transformer blocks.", ge=1)
+    num_attention_heads: int = doc(4, "Attention heads of the encoder.", ge=1)
+    ffn_hidden_size: int = doc(128, "Inner width of the encoder MLP.", ge=1)
+    max_frames: int = doc(1500, "Encoder positions after the stride-2 conv stem (1500 = 30 s at 10 ms hops).", ge=1)
     num_tokens: int = doc(8, "Placeholder tokens per audio clip: the encoder output is average-pooled over the "
-                             "clip's valid frames into this many vectors; must equal data.mm_num_audio_tokens.")
-    norm_eps: float = doc(1e-5, "Epsilon of the LayerNorms.")
-    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.")
+                             "clip's valid frames into this many vectors; must equal data.mm_num_audio_tokens.", ge=1)
+    norm_eps: float = doc(1e-5, "Epsilon of the LayerNorms.", gt=0)
+    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.", ge=0)
 
     def block_config(self) -> ModelConfig:
         return ModelConfig(name="audio", num_layers=self.num_layers, hidden_size=self.hidden_size,
@@ -87,10 +87,10 @@ class AudioConfig:
 class ProjectorConfig:
     """Encoder features -> language-model width (one projector per modality, same shape rules)."""
 
-    num_layers: int = doc(2, "Linear layers of the MLP (GELU between them); 1 is a single linear map.")
-    hidden_size: int = doc(0, "Inner width of the MLP; 0 uses the language model's hidden_size.")
+    num_layers: int = doc(2, "Linear layers of the MLP (GELU between them); 1 is a single linear map.", ge=1)
+    hidden_size: int = doc(0, "Inner width of the MLP; 0 uses the language model's hidden_size.", ge=0)
     pixel_shuffle: int = doc(1, "Images: merge each f x f block of neighbouring patches into one token (f^2 times "
-                                "fewer tokens, f^2 times wider features); 1 disables. The patch grid must divide.")
+                                "fewer tokens, f^2 times wider features); 1 disables. The patch grid must divide.", ge=1)
     input_norm: bool = doc(True, "LayerNorm on the (shuffled) encoder features before the MLP.")
 
 
@@ -104,9 +104,9 @@ class VLMModelConfig:
     projector: ProjectorConfig = field(default_factory=ProjectorConfig, metadata={"help": "Projectors."})
     language: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The GPT language model."})
     image_token_id: int = doc(-1, "Placeholder token id where image features go; must equal "
-                                  "data.mm_image_token_id and be < language.vocab_size.")
+                                  "data.mm_image_token_id and be < language.vocab_size.", ge=-1)
     audio_token_id: int = doc(-1, "Placeholder token id of audio features (audio.enabled); must equal "
-                                  "data.mm_audio_token_id.")
+                                  "data.mm_audio_token_id.", ge=-1)
 
     @property
     def tokens_per_image(self) -> int:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 from mmtrain.config.loader import ConfigError
+from mmtrain.config.ranges import check_ranges
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.config.validate import validate_gpt_config
 from mmtrain.config.vlm_run_schema import COMPONENTS, VLMRunConfig
@@ -17,6 +17,7 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
     ``model.language``, the VLM shape against the data's placeholder settings, the layout the VLM supports,
     ``freeze`` and ``lr_scale``)."""
     p, d = cfg.parallel, cfg.data
+    check_ranges(cfg)  # every numeric field, the VLM model's included, named by its own key
     gpt = GPTRunConfig(model=cfg.model.language, parallel=p, data=d, optim=cfg.optim, train=cfg.train,
                        logging=cfg.logging, checkpoint=cfg.checkpoint)
     try:
@@ -40,10 +41,8 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
     built = {"vision", "projector", "language"} | ({"audio"} if cfg.model.audio.enabled else set())
     if built <= set(cfg.freeze):
         raise ConfigError(f"freeze={cfg.freeze} freezes every component; nothing would train")
-    for prefix, scale in cfg.lr_scale.items():
+    for prefix in cfg.lr_scale:
         _check_prefix(prefix, f"lr_scale.{prefix}")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ConfigError(f"lr_scale.{prefix} must be a positive number, got {scale}")
         if any(prefix == f or prefix.startswith(f + ".") for f in cfg.freeze):
             raise ConfigError(f"lr_scale.{prefix} names a frozen component (freeze={cfg.freeze}); remove one of them")
 

@@ -3,8 +3,9 @@
 Folder layout under ``<run_dir>/checkpoints/``::
 
     step_00000100/.metadata, __0_0.distcp ...  DCP: global tensors by global name (``mmtrain.train.checkpoint_state``)
-    step_00000100/rank_00000.json ...         per rank: step, layout, data loader state, AdamW step count
-    step_00000100/complete.json               written by rank 0 after every rank finished: the checkpoint counts only then
+    step_00000100/rank_00000.json ...         per rank: step, layout, data loaders' states, AdamW step count
+    step_00000100/complete.json               written by rank 0 after every rank finished: the checkpoint counts only
+                                              then; the run config, its schedule and data-order records
     latest                                    name of the newest complete checkpoint, replaced atomically, last
 
 A crash during a save never damages an earlier checkpoint: nothing counts before ``complete.json``, and
@@ -57,12 +58,14 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t.detach(), non_blocking=t.device.type == "cuda")
 
 
-def _finalize(root: Path, folder: Path, step: int, layout: dict, keep_last: int, config: dict | None) -> None:
-    """Rank 0, once every rank's data is written: the marker, then ``latest``, then retention."""
+def _finalize(root: Path, folder: Path, step: int, layout: dict, keep_last: int, config: dict | None,
+              records: dict | None = None) -> None:
+    """Rank 0, once every rank's data is written: the marker, then ``latest``, then retention. ``records``:
+    more entries of the marker (the schedule and data-order inputs: ``mmtrain.train.resume_inputs``)."""
     atomic_write_text(folder / "complete.json", json.dumps({
         "step": step, "layout": layout, "format": "torch.distributed.checkpoint",
         "mmtrain_version": mmtrain.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "config": config or {}}, indent=1))
+        "config": config or {}, **(records or {})}, indent=1))
     atomic_write_text(Path(root) / "latest", folder.name + "\n")
     if keep_last > 0:
         done = sorted(p for p in Path(root).glob("step_*") if (p / "complete.json").exists())
@@ -96,7 +99,8 @@ class CheckpointWriter:
         self.last_timing: dict[str, float] = {}
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any, loader_state: dict, device: torch.device,
-             keep_last: int = 0, config: dict | None = None, force_sync: bool = False) -> Path:
+             keep_last: int = 0, config: dict | None = None, force_sync: bool = False, records: dict | None = None,
+             valid_loader_state: dict | None = None) -> Path:
         self.wait()
         via_dcp = self.async_save and not force_sync and self.async_via == "dcp"
         if self.group is None and dist.is_initialized() and (dist.get_world_size() > 1 or via_dcp):
@@ -119,7 +123,7 @@ class CheckpointWriter:
         layout = _layout(self.mesh)
         try:
             extra = json.dumps({"step": step, "layout": layout, "loader": loader_state, "adam_step": adam_step,
-                                "trainable": _trainable_names(model)})
+                                "trainable": _trainable_names(model), "valid_loader": valid_loader_state})
         except TypeError as exc:
             raise CheckpointError(f"the data loader state must be plain JSON values (dict/list/str/number): {exc}") from exc
         atomic_write_text(folder / f"rank_{self.mesh.rank:05d}.json", extra)
@@ -130,7 +134,7 @@ class CheckpointWriter:
                                                         cache_staged_state_dict=staged_by_dcp)
             future = async_save_chunks(folder, chunks, self._dcp_writer, self.group)
         blocked = time.perf_counter() - start
-        args = (folder, chunks, step, layout, keep_last, config, start, blocked, future)
+        args = (folder, chunks, step, layout, keep_last, config, start, blocked, future, records)
         if not self.async_save or force_sync:
             self._write(*args)
             self.wait()
@@ -142,7 +146,7 @@ class CheckpointWriter:
         return folder
 
     def _write(self, folder: Path, chunks: list[Chunk], step: int, layout: dict, keep_last: int,
-               config: dict | None, start: float, blocked: float, future=None) -> None:
+               config: dict | None, start: float, blocked: float, future=None, records: dict | None = None) -> None:
         try:
             if future is not None:
                 future.result()
@@ -153,7 +157,7 @@ class CheckpointWriter:
                                 "bytes": sum(c.tensor.numel() * c.tensor.element_size() for c in chunks)}
             if self.mesh.rank != 0:
                 return
-            _finalize(self.root, folder, step, layout, keep_last, config)
+            _finalize(self.root, folder, step, layout, keep_last, config, records)
             how = (f"asynchronously: the step waited {blocked:.3f}s, the background write took "
                    if self.async_save and threading.current_thread() is self._thread else "in ")
             self.log.info(f"saved checkpoint {folder} {how}{time.perf_counter() - start:.2f}s")
@@ -214,7 +218,7 @@ def find_checkpoint(load: str, run_dir: str) -> Path | None:
 @torch.no_grad()
 def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any,
                     device: torch.device) -> dict:
-    """Restore this rank's state; returns {"step", "loader"}. At the saving run's layout everything is restored
+    """Restore this rank's state; returns {"step", "loader", "valid_loader"} (the last None when not saved). At the saving run's layout everything is restored
     bit for bit (RNG included); at another layout weights and optimizer state are resharded by DCP."""
     folder = Path(folder)
     meta = json.loads((folder / "complete.json").read_text())
@@ -229,4 +233,4 @@ def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, op
     load_state(folder, mesh, model, optimizer, device, extra.get("adam_step"), restore_rng=same)
     how = "" if same else f", resharded from layout {meta['layout']} to {_layout(mesh)}"
     get_logger("checkpoint").info(f"resumed from {folder} (step {extra['step']}){how}")
-    return {"step": extra["step"], "loader": extra["loader"]}
+    return {"step": extra["step"], "loader": extra["loader"], "valid_loader": extra.get("valid_loader")}

@@ -31,8 +31,8 @@ from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weigh
 from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, PreemptionWatch, collective_timeout_report,
                                   is_collective_timeout, nonfinite_report)
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
-from mmtrain.train.lr import lr_at
 from mmtrain.train.metrics import MetricsLogger
+from mmtrain.train.resume_inputs import LrSchedule, resolve_resume, resume_records
 from mmtrain.utils.log import get_logger
 
 
@@ -201,6 +201,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
 
         load_model_weights(found, mesh, stage, run_model_cfg=cfg.model)
         get_logger("train").info(f"initialized from weights-only checkpoint {found}; training starts at step 0")
+    lr_schedule = resolve_resume(found, cfg, dims.dp)  # before the data is built: a changed order is an error
     train_samples = _build_samples(cfg, "train", dims.dp)
     eod_id = getattr(train_samples, "eod_id", None)
     batches = MicroBatches(train_samples, cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
@@ -209,19 +210,23 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         val_batches = MicroBatches(_build_samples(cfg, "valid", dims.dp), cfg.train.micro_batch_size,
                                    mesh.coord.dp, dims.dp)
     return train_model(cfg, mesh, device, stage, batches, val_batches, _gpt_task(cfg, mesh, device, stage, eod_id),
-                       found, model_name=cfg.model.name)
+                       found, model_name=cfg.model.name, lr_schedule=lr_schedule)
 
 
 def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.Module, batches, val_batches,
                 task: StepTask, found: Path | None, model_name: str,
-                lr_scale_of: Callable[[torch.nn.Parameter], float] | None = None) -> TrainResult:
+                lr_scale_of: Callable[[torch.nn.Parameter], float] | None = None,
+                lr_schedule: LrSchedule | None = None) -> TrainResult:
     """The shared part of a run: gradient buckets and optimizer over the trainable parameters (frozen ones,
     ``requires_grad=False``, get neither gradients nor optimizer state), resume from ``found`` (a full
     checkpoint; weights-only ones were loaded by the caller), then the steps. ``batches``/``val_batches`` have
-    ``next()`` and ``state_dict()``/``load_state_dict()``; ``lr_scale_of(param)`` multiplies its learning rate."""
+    ``next()`` and ``state_dict()``/``load_state_dict()``; ``lr_scale_of(param)`` multiplies its learning rate.
+    ``lr_schedule``: what ``resolve_resume`` decided for ``found`` (checked here when not given)."""
     log = get_logger("train")
     dims = mesh.dims
     weights_only = found is not None and is_weights_only(found)
+    if lr_schedule is None:
+        lr_schedule = resolve_resume(found, cfg, dims.dp)
     params = [p for p in stage.parameters() if p.requires_grad]
     o = cfg.optim
     pdtype = _param_dtype_for(cfg.train.precision)
@@ -247,8 +252,10 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
         restored = load_checkpoint(found, mesh, stage, optimizer, device)
         start_step = restored["step"]
         batches.load_state_dict(restored["loader"])
+        if val_batches is not None and restored["valid_loader"] is not None:  # evaluations continue their order
+            val_batches.load_state_dict(restored["valid_loader"])
     metrics = MetricsLogger(cfg.logging.run_dir, mesh.rank, cfg.train.steps, cfg.logging.log_every,
-                            cfg.logging.tensorboard)
+                            cfg.logging.tensorboard, resume_step=start_step)
     n_params = sum(p.numel() for p in stage.parameters())
     n_frozen = n_params - sum(p.numel() for p in params)
     frozen = f" ({n_frozen / 1e6:.2f}M frozen)" if n_frozen else ""
@@ -259,7 +266,11 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
         fp8.weights_changed()  # from here on the loop says when the FP8 weight copies are stale
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,
                CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), PreemptionWatch(),
-               TrainResult(model=stage, optimizer=optimizer), gbs, num_micro)
+               TrainResult(model=stage, optimizer=optimizer), gbs, num_micro, lr_schedule,
+               resume_records(cfg, lr_schedule, dims.dp))
+    if cfg.train.exit_at_step and start_step >= cfg.train.exit_at_step:
+        log.info(f"resumed at step {start_step}, not before train.exit_at_step={cfg.train.exit_at_step}: "
+                 "nothing to run (leave train.exit_at_step out to continue)")
     try:
         run.steps(start_step)
         optimizer.gather_full_params()  # FP8 parameter gathers leave BF16 weights partial: the model is returned
@@ -289,6 +300,8 @@ class _Run:
     result: TrainResult
     gbs: int
     num_micro: int
+    lr_schedule: LrSchedule
+    records: dict  # the schedule and data-order inputs every checkpoint records
     skipped: int = 0
     phase: str = "start-up"
 
@@ -296,7 +309,8 @@ class _Run:
         """The step loop; a collective that times out is re-raised naming rank, step and phase."""
         step = start_step
         try:
-            for step in range(start_step + 1, self.cfg.train.steps + 1):
+            last = self.cfg.train.exit_at_step or self.cfg.train.steps
+            for step in range(start_step + 1, last + 1):
                 if not self.step(step):
                     break
         except RuntimeError as exc:
@@ -310,7 +324,7 @@ class _Run:
         cfg, mesh, device, stage, optimizer = self.cfg, self.mesh, self.device, self.stage, self.optimizer
         log, dims = get_logger("train"), mesh.dims
         t0 = time.perf_counter()
-        lr = lr_at(step, cfg.train.steps, cfg.optim)
+        lr = self.lr_schedule.lr(step)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         micro_batches = [self.batches.next() for _ in range(self.num_micro)]
@@ -370,11 +384,18 @@ class _Run:
         c = cfg.checkpoint
         self.phase = "checkpoint save"
         preempted = self.preemption.agreed(mesh, device)
-        if (c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps) or preempted:
+        exiting = step == cfg.train.exit_at_step
+        if ((c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps) or preempted
+                or exiting):
             self.writer.save(step, stage, optimizer, self.batches.state_dict(), device, c.keep_last,
-                             dataclasses.asdict(cfg), force_sync=preempted)
+                             dataclasses.asdict(cfg), force_sync=preempted, records=self.records,
+                             valid_loader_state=None if self.val_batches is None else self.val_batches.state_dict())
         if preempted:
             log.warning(f"SIGTERM received: saved step {step} to {self.writer.root}; exiting (a restart resumes)")
             self.result.preempted = True
+            return False
+        if exiting and step < cfg.train.steps:
+            log.info(f"train.exit_at_step={step} reached: saved step {step} to {self.writer.root}; the same command "
+                     f"without it continues to train.steps={cfg.train.steps}")
             return False
         return True

@@ -1,5 +1,9 @@
 """Per-step metrics: one console line per logged step on rank 0, a JSONL file, optional TensorBoard.
 
+``metrics.jsonl`` keeps one row per step: a run resumed from the checkpoint of step k first removes the rows of
+steps after k (logged by the interrupted run after its last checkpoint, now run again), and TensorBoard purges
+its events after k the same way.
+
 The line format is fixed and greppable::
 
     step 12/100 | loss 3.2104 | lr 3.00e-04 | grad_norm 1.234 | tok/s 12.3k | tflops 45.1 | mfu 6.1% | mem 3.2GiB
@@ -12,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mmtrain.utils.atomic import atomic_write_text
 from mmtrain.utils.log import get_logger
 
 _ORDER = ("loss", "lr", "grad_norm", "tokens_per_s", "images_per_s", "tflops", "mfu", "mem_gib", "step_time_s")
@@ -47,11 +52,37 @@ def format_step_line(step: int, total_steps: int, metrics: dict[str, Any]) -> st
     return " | ".join([f"step {step}/{total_steps}"] + [_fmt_value(k, metrics[k]) for k in keys])
 
 
+def _drop_rows_after(path: Path, step: int, log) -> None:
+    """Rewrite ``path`` (atomically) without the rows of steps after ``step`` and without a last line cut short
+    by a killed run; says what it removed."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept, dropped, unreadable = [], [], 0
+    for line in lines:
+        try:
+            row_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            unreadable += 1
+            continue
+        (kept if row_step <= step else dropped).append((row_step, line))
+    if not dropped and not unreadable:
+        return
+    atomic_write_text(path, "".join(line + "\n" for _, line in kept))
+    what = []
+    if dropped:
+        steps = sorted({s for s, _ in dropped})
+        what.append(f"{len(dropped)} row(s) of steps {steps[0]}..{steps[-1]}, which run again from step {step + 1}")
+    if unreadable:
+        what.append(f"{unreadable} unreadable line(s) (cut short when a run was killed)")
+    log.warning(f"{path}: removed {' and '.join(what)}; one row per step")
+
+
 class MetricsLogger:
     """Writes metrics on rank 0 only; other ranks get a no-op object with the same methods."""
 
     def __init__(self, run_dir: str | Path, rank: int = 0, total_steps: int = 0, log_every: int = 1,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, resume_step: int = 0) -> None:
         self.enabled = rank == 0
         self.total_steps = total_steps
         self.log_every = max(1, log_every)
@@ -62,6 +93,7 @@ class MetricsLogger:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        _drop_rows_after(run_dir / "metrics.jsonl", resume_step, self._log)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
             try:
@@ -69,7 +101,7 @@ class MetricsLogger:
             except ImportError as exc:  # pragma: no cover - depends on the install
                 raise RuntimeError("logging.tensorboard=true needs the tensorboard package: "
                                    "pip install 'mmtrain[tensorboard]'") from exc
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=resume_step + 1)
 
     def log_step(self, step: int, metrics: dict[str, Any], force: bool = False) -> None:
         if not self.enabled:

@@ -26,6 +26,7 @@ from mmtrain.train.loop import (
     schedule_micro_batches,
     train_model,
 )
+from mmtrain.train.resume_inputs import resolve_resume
 from mmtrain.utils.log import get_logger
 
 
@@ -134,9 +135,10 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         if saved != here:  # VLM shapes are not resharded; energon's loader state is per data-parallel rank
             raise ConfigError(f"{found}: saved at layout {saved}, this run is {here}; a VLM resumes only at the same "
                               "layout (start from its weights with init_from at the same tp/pp/cp instead)")
+    lr_schedule = resolve_resume(found, cfg, mesh.dims.dp)  # before the data is built: a changed order is an error
     if found is None and cfg.init_from:
         _load_stage_weights(cfg.init_from, mesh, model)
     batches = build_vlm_batches(cfg, mesh, "train")
     val_batches = build_vlm_batches(cfg, mesh, "valid") if cfg.train.eval_every else None
     return train_model(cfg, mesh, device, model, batches, val_batches, _vlm_task(cfg, mesh, device, model), found,
-                       model_name=cfg.model.name, lr_scale_of=lr_scale_of)
+                       model_name=cfg.model.name, lr_scale_of=lr_scale_of, lr_schedule=lr_schedule)

@@ -73,10 +73,11 @@ def test_sigterm_saves_and_exits_zero_then_restart_resumes(tmp_path):
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     saved_step = int(latest.split("_")[1])
     assert saved_step >= 3
-    again = subprocess.run(cmd[:-2] + [f"train.steps={saved_step + 2}", f"logging.run_dir={tmp_path}"],
-                           capture_output=True, text=True, timeout=120)
+    # the same run (train.steps is its schedule), stopped two steps later
+    again = subprocess.run(cmd + [f"train.exit_at_step={saved_step + 2}"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"(step {saved_step})" in again.stdout and f"step {saved_step + 2}/{saved_step + 2}" in again.stdout
+    assert f"(step {saved_step})" in again.stdout and f"step {saved_step + 2}/100000" in again.stdout
+    assert f"train.exit_at_step={saved_step + 2} reached" in again.stdout
 
 
 def _stuck_peer(rank: int, world_size: int, run_dir: str):

@@ -45,3 +45,33 @@ def test_bad_config_is_a_clean_error(tmp_path):
     assert "Traceback" not in stderr
     _, stderr = typo.communicate(timeout=120)
     assert typo.returncode == 2 and "did you mean 'optim.lr'" in stderr
+
+
+def test_bad_numeric_value_and_unwritable_run_dir_are_one_line_exit_2(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    cases = [(["optim.lr=nan"], "config error: optim.lr must be a finite number (> 0), got nan"),
+             ([f"logging.run_dir={tmp_path / 'a_file' / 'run'}"],
+              f"config error: logging.run_dir={tmp_path / 'a_file' / 'run'}: cannot write there (Not a directory")]
+    procs = [subprocess.Popen([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
+                               str(REPO / "configs/gpt/tiny_cpu.yaml"), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args, _ in cases]
+    for proc, (_, message) in zip(procs, cases):
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and message in stderr, stderr
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+
+
+def test_resume_with_another_schedule_is_one_line_exit_2(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
+                               str(REPO / "configs/gpt/tiny_cpu.yaml"), "train.steps=4", f"logging.run_dir={tmp_path}",
+                               "model.num_layers=1", *args], capture_output=True, text=True, timeout=300, check=False)
+
+    first = run("train.exit_at_step=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    proc = run("train.steps=6")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "train.steps: 4 in the checkpoint, 6 now" in errors[0], errors
+    assert "Traceback" not in proc.stdout + proc.stderr

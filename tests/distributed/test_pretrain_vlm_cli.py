@@ -93,7 +93,9 @@ def _resume_scenario(rank: int, world_size: int, root: str):
     tail = _train(rank, world_size, str(root / "resumed"), extra)[0]
     stage2 = ["train.steps=1", "freeze=[vision]", "checkpoint.save_final=false"]
     try:
-        _train(rank, world_size, str(root / "s2"), [*stage2, f"checkpoint.load={root / 'full/checkpoints'}"])
+        _train(rank, world_size, str(root / "s2"), [*stage2, f"checkpoint.load={root / 'full/checkpoints'}",
+                                                     "checkpoint.schedule_change=use_config",  # past that check
+                                                     "checkpoint.data_order_change=use_config"])
         refused = ""
     except CheckpointError as exc:
         refused = str(exc)
@@ -151,7 +153,7 @@ def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("freez=[vision]", "did you mean 'freeze'"),
     ("freeze=[encoder]", "freeze[0]: 'encoder' is not a VLM component"),
-    ("lr_scale={vision: 0}", "lr_scale.vision must be a positive number"),
+    ("lr_scale={vision: 0}", "lr_scale.vision must be > 0, got 0.0"),
     ("freeze=[vision, audio, projector, language]", "freezes every component"),
     ("data.mm_num_image_tokens=16", "data.mm_num_image_tokens (16) must equal the model's tokens per image 4"),
     ("model.language.num_attention_heads=3", "model.language.hidden_size (64) must be divisible by"),

@@ -198,7 +198,7 @@ def test_resume_mid_epoch_continues_identically(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["data.split=9;x"], "data.split='9;x'"),
     (["data.prefixes=[a, b]", "data.weights=[1.0]"], "data.weights has 1 values but data.prefixes has 2"),
-    (["data.prefixes=[a]", "data.weights=[0.0]"], "data.weights must all be positive"),
+    (["data.prefixes=[a]", "data.weights=[0.0]"], r"data.weights\[0\] must be > 0, got 0.0"),
     (["data.blend=spec.yaml", "data.weights=[1.0]"], "data.weights applies to data.prefixes"),
     (["data.index_build_timeout_s=0"], "data.index_build_timeout_s must be > 0"),
 ])
