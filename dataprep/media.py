@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dataprep.errors import PrepError
+from dataprep.jsonl import jsonl_line
 from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
 from dataprep.media_manifest import Reject, input_fingerprint, is_val, iter_rows
 from dataprep.media_shards import (NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta,
@@ -403,5 +404,4 @@ def _finish(args, out: Path, shards: list[ShardRecord], index: dict, done_keys: 
 
 def _write_rejects(out: Path, rejects: list[Reject], source_order: dict[str, int]) -> None:
     rejects.sort(key=lambda r: (source_order.get(r.source, len(source_order)), r.line))
-    write_text(out / "rejects.jsonl",
-                      "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects))
+    write_text(out / "rejects.jsonl", "".join(jsonl_line(r.to_json()) for r in rejects))

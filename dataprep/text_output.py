@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dataprep.jsonl import jsonl_line
 from mmtrain.data.indexed import bin_path, default_file_mode, idx_path
 from mmtrain.utils.atomic import atomic_write_text, fsync_dir
 
@@ -85,8 +86,7 @@ class RejectLog:
         self.codes: collections.Counter = collections.Counter()
 
     def add(self, file: str, line: int, reason: str, excerpt: str, code: str = "bad_record") -> None:
-        self._f.write(json.dumps({"file": file, "line": line, "code": code, "reason": reason, "excerpt": excerpt},
-                                 ensure_ascii=False) + "\n")
+        self._f.write(jsonl_line({"file": file, "line": line, "code": code, "reason": reason, "excerpt": excerpt}))
         self.count += 1
         self.codes[code] += 1
 
