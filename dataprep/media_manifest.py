@@ -292,20 +292,26 @@ def _iter_folder(root: Path, allow_outside: bool = False) -> Iterator[MediaRow |
             continue
         rel = os.path.relpath(path, root)
         record = json.dumps({"file": rel})
+        shown = _printable_name(rel)
         try:
             item = _folder_row(root, path, rel, ordinal, record, path in linked, captions, used_captions,
                                allow_outside)
         except _RowError as exc:
-            item = Reject(source, ordinal, exc.code, f"{rel}: {exc.reason}", record)
+            item = Reject(source, ordinal, exc.code, f"{shown}: {exc.reason}", record)
         except Exception as exc:  # noqa: BLE001 - one odd file must not stop the run; it is reported
-            item = Reject(source, ordinal, "bad_field", f"{rel}: cannot use this file "
+            item = Reject(source, ordinal, "bad_field", f"{shown}: cannot use this file "
                           f"({type(exc).__name__})", record)
         yield item
     for ordinal, path in enumerate(files, 1):
         if path.lower().endswith(".txt") and path not in used_captions and path not in linked:
             rel = os.path.relpath(path, root)
-            yield Reject(source, ordinal, "no_media", f"{rel}: caption without a same-stem media file",
-                         json.dumps({"file": rel}))
+            yield Reject(source, ordinal, "no_media",
+                         f"{_printable_name(rel)}: caption without a same-stem media file", json.dumps({"file": rel}))
+
+
+def _printable_name(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (kept by os.walk as lone surrogates) shown as \\xNN."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _folder_row(root: Path, path: str, rel: str, ordinal: int, record: str, linked_dir: bool,
@@ -375,8 +381,11 @@ def input_fingerprint(inputs: list[str]) -> str:
             for dirpath, dirnames, filenames in os.walk(p):
                 dirnames.sort()
                 for n in sorted(filenames):
-                    st = os.stat(os.path.join(dirpath, n))
-                    h.update(f"{os.path.relpath(os.path.join(dirpath, n), p)}\0{st.st_size}\0".encode())
+                    try:
+                        size = os.stat(os.path.join(dirpath, n)).st_size
+                    except OSError:  # a dangling symlink: its row is a reject, the listing still counts
+                        size = -1
+                    h.update(os.fsencode(os.path.relpath(os.path.join(dirpath, n), p)) + f"\0{size}\0".encode())
         else:
             with open(p, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -115,7 +115,8 @@ def check_record(obj, keys: tuple[str, ...]) -> tuple[str, str] | None:
             present = ", ".join(x[:40] for x in sorted(obj)[:8]) or "none"
             return "missing_key", f"missing key {k!r} (keys present: {present}); see --json-keys"
         if not isinstance(obj[k], str):
-            return "not_a_string", f"key {k!r} holds {_JSON_TYPE.get(type(obj[k]), type(obj[k]).__name__)}, not a string"
+            kind = _JSON_TYPE.get(type(obj[k]), type(obj[k]).__name__)
+            return "not_a_string", f"key {k!r} holds {kind}, not a string"
     return None
 
 

@@ -142,6 +142,9 @@ def test_folder_input_refuses_symlinks_out_of_it(tmp_path):
     (d / "capout.png").write_bytes(_png())                         # its caption points out
     (d / "capout.txt").symlink_to(outside / "cap.txt")
     (d / "sub").symlink_to(outside, target_is_directory=True)      # a linked folder: not walked, reported
+    (d / "dangling.png").symlink_to(d / "gone.png")                # a dangling link: missing_file
+    (d / "dangling.txt").write_text("caption of nothing")
+    (d / os.fsdecode(b"bad\xff.png")).write_bytes(_png())         # not a UTF-8 name
     out = tmp_path / "out"
     assert main(["media", "--input", str(d), "--output", str(out), "--no-progress", "--workers", "1",
                  "--val-ratio", "0"]) == 0
@@ -149,6 +152,8 @@ def test_folder_input_refuses_symlinks_out_of_it(tmp_path):
     assert by_file["link.png"]["code"] == "outside_path" and "--allow-outside" in by_file["link.png"]["reason"]
     assert by_file["capout.png"]["code"] == "outside_path"
     assert by_file["sub"]["code"] == "bad_field" and "not followed" in by_file["sub"]["reason"]
+    assert by_file["dangling.png"]["code"] == "missing_file"
+    assert by_file["bad\udcff.png"]["code"] == "bad_field" and "UTF-8" in by_file["bad\udcff.png"]["reason"]
     assert {s["__key__"] for s in _energon_samples(out)} == {"ok", "inner"}
     out2 = tmp_path / "out2"
     assert main(["media", "--input", str(d), "--output", str(out2), "--no-progress", "--workers", "1",
