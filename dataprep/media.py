@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dataprep.errors import PrepError
+from dataprep.jsonl import jsonl_line
 from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
 from dataprep.media_manifest import Reject, input_fingerprint, is_val, iter_rows
 from dataprep.media_shards import (NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta,
@@ -135,11 +136,15 @@ def _prepare_output(out: Path, fingerprint: str, args) -> list[ShardRecord]:
         if ours:
             raise PrepError(f"{out} has shard files but no run state ({STATE_FILE}); use --overwrite")
         return []
-    state = json.loads(state_path.read_text())
-    if state.get("fingerprint") != fingerprint:
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+        same_inputs = state.get("fingerprint") == fingerprint
+        done = [ShardRecord(**r) for r in state["shards"]] if same_inputs else []
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        raise PrepError(f"{state_path}: unreadable run state (damaged?); pass --overwrite to start again") from None
+    if not same_inputs:
         raise PrepError(f"{out}: the interrupted run used other inputs or options; rerun with the same "
                         "ones, or pass --overwrite to start again")
-    done = [ShardRecord(**r) for r in state["shards"]]
     for rec in done:
         path = out / rec.name
         if not path.exists() or path.stat().st_size != rec.bytes:
@@ -236,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
     for inp in args.input:
         if not Path(inp).exists():
             raise PrepError(f"--input {inp}: no such file or folder")
+        if not os.access(inp, os.R_OK | (os.X_OK if Path(inp).is_dir() else 0)):
+            raise PrepError(f"--input {inp}: not readable (permission denied)")
     out = Path(args.output)
     for inp in args.input:
         if Path(inp).is_dir() and out.resolve().is_relative_to(Path(inp).resolve()):
@@ -245,7 +252,10 @@ def run(args: argparse.Namespace) -> int:
                 "sample_type": args.sample_type, "allow_outside": args.allow_outside}
     fingerprint = hashlib.sha256(json.dumps([input_fingerprint(args.input), settings], sort_keys=True)
                                  .encode()).hexdigest()
-    done = _prepare_output(out, fingerprint, args)
+    try:
+        done = _prepare_output(out, fingerprint, args)
+    except OSError as exc:
+        raise PrepError(_unwritable(out, exc)) from None
     done_keys = {s.key for rec in done for s in scan_shard(out / rec.name)[0]}
     start_index = {split: sum(1 for r in done if r.split == split) for split in SPLITS}
 
@@ -303,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
                         parts = res.resolve()
                     except MediaReject as exc:
                         res = (exc.code, exc.reason)
+                    except OSError as exc:  # a kept file vanished or became unreadable since its check
+                        res = ("unreadable_media", f"{res.key}: cannot read it again to pack it: {exc.strerror}")
                 if isinstance(res, Packed):
                     split = "val" if is_val(row.key, args.val_ratio) else "train"
                     writer.add(split, res.key, parts, row.modality)
@@ -317,23 +329,43 @@ def run(args: argparse.Namespace) -> int:
             progress.update(counts["rows_read"], nbytes)  # rows read runs a few batches ahead of rows packed
         writer.finish()
         progress.update(counts["rows_read"], 0)
-    except BaseException:
+    except BaseException as exc:
         writer.abandon()
         progress.close()
+        if isinstance(exc, OSError):
+            raise PrepError(_unwritable(out, exc)) from None
         raise
     progress.close()
     elapsed = time.monotonic() - t0
 
+    try:
+        return _finish(args, out, shards, writer.index, done_keys, rejects, counts, kinds, source_order,
+                       settings, elapsed)
+    except OSError as exc:
+        raise PrepError(_unwritable(out, exc)) from None
+
+
+def _unwritable(out: Path, exc: OSError) -> str:
+    where = exc.filename or out
+    return (f"cannot write the output in {out}: {where}: {exc.strerror or exc}; choose a folder you can "
+            "write to (and with free space)")
+
+
+def _finish(args, out: Path, shards: list[ShardRecord], index: dict, done_keys: set, rejects: list[Reject],
+            counts: collections.Counter, kinds: set, source_order: dict, settings: dict, elapsed: float) -> int:
+    """energon metadata, rejects.jsonl and manifest.json (last) once every shard is complete; the summary."""
     if not shards:
         _write_rejects(out, rejects, source_order)
+        codes = collections.Counter(r.code for r in rejects)
         raise PrepError(f"no sample could be written: all {counts['rows_read']} rows were rejected "
-                        f"(see {out / 'rejects.jsonl'})")
+                        f"({', '.join(f'{k}: {v}' for k, v in sorted(codes.items()))}); "
+                        f"see {out / 'rejects.jsonl'}")
     sample_type = args.sample_type
     if sample_type == "auto":
         sample_type = "captioning" if all(m == "image" and t in ("caption", "text") for m, t in kinds) else "crude"
     modalities = sorted({m for m, _ in kinds})
     subflavor = modalities[0] if len(modalities) == 1 else "mixed"
-    write_energon_meta(out, shards, sample_type, subflavor, writer.index)
+    write_energon_meta(out, shards, sample_type, subflavor, index)
     _write_rejects(out, rejects, source_order)
     reject_codes = collections.Counter(r.code for r in rejects)
     ordered = sorted(shards, key=lambda s: (SPLITS.index(s.split), s.name))
@@ -372,5 +404,4 @@ def run(args: argparse.Namespace) -> int:
 
 def _write_rejects(out: Path, rejects: list[Reject], source_order: dict[str, int]) -> None:
     rejects.sort(key=lambda r: (source_order.get(r.source, len(source_order)), r.line))
-    write_text(out / "rejects.jsonl",
-                      "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects))
+    write_text(out / "rejects.jsonl", "".join(jsonl_line(r.to_json()) for r in rejects))

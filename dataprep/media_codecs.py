@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import wave
 from collections.abc import Collection
@@ -27,6 +28,9 @@ _CANON_EXT = {"jpeg": "jpg", "tif": "tiff", "oga": "ogg"}
 _PNG_IEND = b"IEND\xaeB`\x82"
 # A decoded stream shorter than this share of its declared length is a truncated file.
 _TRUNCATED_SHARE = 0.9
+# Object reprs in library messages ("<_io.BytesIO object at 0x7f...>"): a memory address differs per run.
+_OBJECT_REPR = re.compile(r"\s*<[^<>]*? at 0x[0-9a-fA-F]+>")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{8,}\b")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,12 @@ class MediaReject(Exception):
     def __init__(self, code: str, reason: str):
         super().__init__(reason)
         self.code, self.reason = code, reason
+
+
+def stable_reason(text: str) -> str:
+    """A reject reason without the parts that change from run to run (object reprs, memory addresses), so
+    the same bad file gives the same rejects.jsonl line every time."""
+    return _ADDRESS.sub("0x?", _OBJECT_REPR.sub("", text))
 
 
 def _ext(path: str) -> str:
@@ -399,9 +409,9 @@ def pack_row(row: MediaRow, opts: MediaOptions) -> Packed | tuple[str, str]:
         parts["json"] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
         return Packed(row.key, parts, meta, kept)
     except MediaReject as exc:
-        return exc.code, exc.reason
+        return exc.code, stable_reason(exc.reason)
     except Exception as exc:  # noqa: BLE001 - a decoder bug on one file must not stop the run; it is reported
-        return "unreadable_media", f"unexpected {type(exc).__name__} while packing: {exc}"
+        return "unreadable_media", stable_reason(f"unexpected {type(exc).__name__} while packing: {exc}"[:300])
 
 
 def pack_batch(batch: list[tuple[MediaRow, MediaOptions]], by_reference: bool = False

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +27,9 @@ TEXT_FIELDS = ("caption", "text", "conversation")
 # slashes; the 80-character cap keeps every member name inside the plain ustar header (fixed bytes).
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _MAX_KEY = 80
+# Deepest nesting of lists/objects a row may hold. Deeper rows are rejected in the main process: the
+# sample's metadata is pickled to a worker and written as JSON, and both recurse once per level.
+MAX_NESTING = 64
 
 
 @dataclass(frozen=True)
@@ -105,17 +109,57 @@ class _RowError(Exception):
 
 def _resolve(base: Path, value, field_name: str, allow_outside: bool) -> tuple[str, str]:
     if not isinstance(value, str) or not value.strip():
-        raise _RowError("bad_field", f"field {field_name!r} must be a non-empty path string, got {value!r}")
+        raise _RowError("bad_field", f"field {field_name!r} must be a non-empty path string, got {_short(value)}")
+    if "\0" in value:
+        raise _RowError("bad_field", f"{field_name} path {_short(value)} holds a NUL character; no file can "
+                        "have that name")
     if (os.path.isabs(value) or ".." in Path(value).parts) and not allow_outside:
-        raise _RowError("outside_path", f"{field_name} path {value!r} is absolute or climbs out with '..'; "
+        raise _RowError("outside_path", f"{field_name} path {_short(value)} is absolute or climbs out with '..'; "
                         "paths are relative to the manifest's folder (pass --allow-outside to permit)")
-    path = os.path.realpath(os.path.join(base, value))
+    try:
+        path = os.path.realpath(os.path.join(base, value))
+    except (OSError, ValueError) as exc:  # e.g. a name the file system cannot encode
+        raise _RowError("bad_field", f"{field_name} path {_short(value)} is not a usable file name "
+                        f"({type(exc).__name__})") from None
     if not allow_outside:
-        root = _real_folder(str(base))
-        if path != root and not path.startswith(root.rstrip(os.sep) + os.sep):
-            raise _RowError("outside_path", f"{field_name} path {value!r} resolves outside the manifest's folder "
-                            f"(to {path}); pass --allow-outside to permit")
+        _check_inside(path, str(base), f"{field_name} path {_short(value)}", "the manifest's folder")
     return path, value
+
+
+def _check_inside(path: str, folder: str, what: str, where: str) -> None:
+    """``path`` (resolved) must be ``folder`` (resolved) or lie below it: symlinks may not lead out."""
+    root = _real_folder(folder)
+    if path != root and not path.startswith(root.rstrip(os.sep) + os.sep):
+        raise _RowError("outside_path", f"{what} resolves outside {where} (to {path}); "
+                        "pass --allow-outside to permit")
+
+
+def _short(value, limit: int = 120) -> str:
+    """repr() of a user value for a reason, cut to ``limit`` characters (a reason is one readable line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def check_values(obj) -> None:
+    """Reject what no later step can take: nesting deeper than MAX_NESTING, and strings (keys included)
+    that are not valid Unicode (a lone surrogate escape such as "\\ud800" cannot be written as UTF-8)."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise _RowError("bad_field", f"a string holds a lone surrogate escape "
+                                f"(\\u{ord(value[exc.start]):04x}): not valid Unicode; fix the JSON escape") from None
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_NESTING:
+                raise _RowError("bad_field", f"lists/objects nested deeper than {MAX_NESTING} levels")
+            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+            for k, v in items:
+                if k is not None:
+                    stack.append((k, depth + 1))
+                stack.append((v, depth + 1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -139,7 +183,7 @@ def parse_record(obj, base: Path, source: str, line: int, record: str, allow_out
     if kind in ("image", "images"):
         values = obj[kind] if kind == "images" else [obj[kind]]
         if not isinstance(values, list) or not values:
-            raise _RowError("bad_field", f"field 'images' must be a non-empty list of paths, got {obj[kind]!r}")
+            raise _RowError("bad_field", f"field 'images' must be a non-empty list of paths, got {_short(obj[kind])}")
         resolved = [_resolve(base, v, kind, allow_outside) for v in values]
         images = tuple(r[0] for r in resolved)
         rel["images"] = [r[1] for r in resolved]
@@ -170,7 +214,7 @@ def parse_record(obj, base: Path, source: str, line: int, record: str, allow_out
 
     if "id" in obj and obj["id"] is not None:
         if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool) or str(obj["id"]) == "":
-            raise _RowError("bad_field", f"field 'id' must be a non-empty string or integer, got {obj['id']!r}")
+            raise _RowError("bad_field", f"field 'id' must be a non-empty string or integer, got {_short(obj['id'])}")
         sample_id = str(obj["id"])
     else:
         sample_id = f"{Path(source).stem}-{line:08d}"
@@ -181,75 +225,130 @@ def parse_record(obj, base: Path, source: str, line: int, record: str, allow_out
                     conversation=conversation, extra=extra)
 
 
+def parse_json(record: str):
+    """``json.loads`` with every failure as a _RowError: besides syntax errors, a number too long to
+    convert (ValueError from Python's int digit limit) and nesting deep enough to exhaust the stack."""
+    try:
+        return json.loads(record)
+    except json.JSONDecodeError as exc:
+        raise _RowError("malformed_line", f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _RowError("malformed_line", "not usable JSON: nested too deeply to parse") from None
+    except ValueError:
+        raise _RowError("malformed_line", f"not usable JSON: an integer with more than "
+                        f"{sys.get_int_max_str_digits()} digits") from None
+
+
+def _manifest_row(raw: bytes, base: Path, source: str, line_no: int, allow_outside: bool):
+    """One manifest line -> MediaRow, Reject, or None for a blank line. Never raises for the line's content."""
+    try:
+        record = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        return Reject(source, line_no, "malformed_line", f"not UTF-8 (byte {exc.start} of the line); "
+                      "re-encode the manifest", raw.decode("utf-8", "replace").rstrip("\r\n"))
+    if not record.strip():
+        return None  # blank lines are layout, not records
+    try:
+        obj = parse_json(record)
+        check_values(obj)
+        return parse_record(obj, base, source, line_no, record, allow_outside)
+    except _RowError as exc:
+        return Reject(source, line_no, exc.code, exc.reason, record)
+    except Exception as exc:  # noqa: BLE001 - one hostile row must not stop the run; it is reported
+        return Reject(source, line_no, "bad_field", f"cannot use this row ({type(exc).__name__}); "
+                      "check its fields against the manifest format", record)
+
+
 def _iter_manifest(path: Path, allow_outside: bool) -> Iterator[MediaRow | Reject]:
     base = path.parent
     source = str(path)
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
-            try:
-                record = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as exc:
-                yield Reject(source, line_no, "malformed_line", f"not UTF-8 ({exc}); re-encode the manifest",
-                             raw.decode("utf-8", "replace").rstrip("\r\n"))
-                continue
-            if not record.strip():
-                continue  # blank lines are layout, not records
-            try:
-                obj = json.loads(record)
-            except json.JSONDecodeError as exc:
-                yield Reject(source, line_no, "malformed_line", f"not valid JSON: {exc}", record)
-                continue
-            try:
-                yield parse_record(obj, base, source, line_no, record, allow_outside)
-            except _RowError as exc:
-                yield Reject(source, line_no, exc.code, exc.reason, record)
+            item = _manifest_row(raw, base, source, line_no, allow_outside)
+            if item is not None:
+                yield item
 
 
-def _iter_folder(root: Path) -> Iterator[MediaRow | Reject]:
+def _iter_folder(root: Path, allow_outside: bool = False) -> Iterator[MediaRow | Reject]:
     """A folder of media files with same-stem ``.txt`` captions, walked in sorted order.
 
-    Hidden files and folders (a leading '.') are skipped: they are tool state, not data."""
-    files = []
+    Hidden files and folders (a leading '.') are skipped: they are tool state, not data. A symlink is taken
+    like the manifest path it stands for: one that leads out of the folder is refused (unless
+    ``allow_outside``); a symlinked sub-folder is not walked (a link cycle would never end) but reported."""
+    files, linked_dirs = [], []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        visible = sorted(d for d in dirnames if not d.startswith("."))
+        linked_dirs.extend(os.path.join(dirpath, d) for d in visible if os.path.islink(os.path.join(dirpath, d)))
+        dirnames[:] = [d for d in visible if not os.path.islink(os.path.join(dirpath, d))]
         files.extend(os.path.join(dirpath, n) for n in filenames if not n.startswith("."))
+    files.extend(linked_dirs)
     files.sort(key=lambda p: os.path.relpath(p, root))
-    captions = {os.path.splitext(p)[0]: p for p in files if p.lower().endswith(".txt")}
+    linked = set(linked_dirs)
+    captions = {os.path.splitext(p)[0]: p for p in files if p.lower().endswith(".txt") and p not in linked}
     used_captions: set[str] = set()
     source = str(root)
     for ordinal, path in enumerate(files, 1):
+        if path.lower().endswith(".txt") and path not in linked:
+            continue
         rel = os.path.relpath(path, root)
-        if path.lower().endswith(".txt"):
-            continue
-        stem = os.path.splitext(path)[0]
-        kind = media_kind(path)
         record = json.dumps({"file": rel})
-        if kind is None:
-            yield Reject(source, ordinal, "wrong_extension",
-                         f"{rel}: not a known image/audio/video extension; remove it or rename it", record)
-            continue
-        cap = captions.get(stem)
-        if cap is None:
-            yield Reject(source, ordinal, "no_text", f"{rel}: no caption file {os.path.relpath(stem, root)}.txt",
-                         record)
-            continue
-        used_captions.add(cap)
+        shown = _printable_name(rel)
         try:
-            with open(cap, encoding="utf-8") as f:
-                text = f.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            yield Reject(source, ordinal, "no_text", f"{os.path.relpath(cap, root)}: unreadable caption: {exc}", record)
-            continue
-        sample_id = os.path.splitext(rel)[0].replace(os.sep, "/")
-        rel_map = {"images": [rel]} if kind == "image" else {kind: rel}
-        yield MediaRow(source=source, line=ordinal, record=record, id=sample_id, key=sample_key(sample_id),
-                       images=(path,) if kind == "image" else (), video=path if kind == "video" else None,
-                       audio=path if kind == "audio" else None, rel=rel_map, text_field="caption", text=text)
+            item = _folder_row(root, path, rel, ordinal, record, path in linked, captions, used_captions,
+                               allow_outside)
+        except _RowError as exc:
+            item = Reject(source, ordinal, exc.code, f"{shown}: {exc.reason}", record)
+        except Exception as exc:  # noqa: BLE001 - one odd file must not stop the run; it is reported
+            item = Reject(source, ordinal, "bad_field", f"{shown}: cannot use this file "
+                          f"({type(exc).__name__})", record)
+        yield item
     for ordinal, path in enumerate(files, 1):
-        if path.lower().endswith(".txt") and path not in used_captions:
+        if path.lower().endswith(".txt") and path not in used_captions and path not in linked:
             rel = os.path.relpath(path, root)
-            yield Reject(source, ordinal, "no_media", f"{rel}: caption without a same-stem media file",
-                         json.dumps({"file": rel}))
+            yield Reject(source, ordinal, "no_media",
+                         f"{_printable_name(rel)}: caption without a same-stem media file", json.dumps({"file": rel}))
+
+
+def _printable_name(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (kept by os.walk as lone surrogates) shown as \\xNN."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _folder_row(root: Path, path: str, rel: str, ordinal: int, record: str, linked_dir: bool,
+                captions: dict[str, str], used_captions: set[str], allow_outside: bool) -> MediaRow:
+    source = str(root)
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _RowError("bad_field", "the file name is not valid UTF-8; rename it") from None
+    if linked_dir:
+        raise _RowError("bad_field", "a symlink to a folder is not followed; link the files themselves or "
+                        "list them in a manifest")
+    real = os.path.realpath(path)
+    if not allow_outside:
+        _check_inside(real, str(root), "the symlink", "the input folder")
+    stem = os.path.splitext(path)[0]
+    kind = media_kind(path)
+    if kind is None:
+        raise _RowError("wrong_extension", "not a known image/audio/video extension; remove it or rename it")
+    cap = captions.get(stem)
+    if cap is None:
+        raise _RowError("no_text", f"no caption file {os.path.relpath(stem, root)}.txt")
+    used_captions.add(cap)
+    if not allow_outside:
+        _check_inside(os.path.realpath(cap), str(root), f"its caption {os.path.relpath(cap, root)!r}",
+                      "the input folder")
+    try:
+        with open(cap, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) else f"not UTF-8 at byte {exc.start}"
+        raise _RowError("no_text", f"unreadable caption {os.path.relpath(cap, root)}: {detail}") from None
+    sample_id = os.path.splitext(rel)[0].replace(os.sep, "/")
+    rel_map = {"images": [rel]} if kind == "image" else {kind: rel}
+    return MediaRow(source=source, line=ordinal, record=record, id=sample_id, key=sample_key(sample_id),
+                    images=(real,) if kind == "image" else (), video=real if kind == "video" else None,
+                    audio=real if kind == "audio" else None, rel=rel_map, text_field="caption", text=text)
 
 
 def iter_rows(inputs: list[str], allow_outside: bool = False) -> Iterator[MediaRow | Reject]:
@@ -257,12 +356,13 @@ def iter_rows(inputs: list[str], allow_outside: bool = False) -> Iterator[MediaR
     seen: dict[str, tuple[str, int, str]] = {}
     for inp in inputs:
         path = Path(inp)
-        items = _iter_folder(path) if path.is_dir() else _iter_manifest(path, allow_outside)
+        items = _iter_folder(path, allow_outside) if path.is_dir() else _iter_manifest(path, allow_outside)
         for item in items:
             if isinstance(item, MediaRow):
                 first = seen.get(item.key)
                 if first is not None:
-                    same = "id" if first[2] == item.id else f"key {item.key!r} (ids {first[2]!r} and {item.id!r})"
+                    same = ("id" if first[2] == item.id
+                            else f"key {item.key!r} (ids {_short(first[2])} and {_short(item.id)})")
                     item = Reject(item.source, item.line, "duplicate_id",
                                   f"duplicate {same}: first used at {first[0]}:{first[1]}; give each row a unique id",
                                   item.record)
@@ -281,8 +381,11 @@ def input_fingerprint(inputs: list[str]) -> str:
             for dirpath, dirnames, filenames in os.walk(p):
                 dirnames.sort()
                 for n in sorted(filenames):
-                    st = os.stat(os.path.join(dirpath, n))
-                    h.update(f"{os.path.relpath(os.path.join(dirpath, n), p)}\0{st.st_size}\0".encode())
+                    try:
+                        size = os.stat(os.path.join(dirpath, n)).st_size
+                    except OSError:  # a dangling symlink: its row is a reject, the listing still counts
+                        size = -1
+                    h.update(os.fsencode(os.path.relpath(os.path.join(dirpath, n), p)) + f"\0{size}\0".encode())
         else:
             with open(p, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):

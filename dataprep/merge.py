@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from dataprep.errors import PrepError
-from dataprep.text_output import print_summary, remove_old_outputs, write_manifest
+from dataprep.text_output import print_summary, replace_outputs, write_manifest
 from dataprep.text_tools import resolve_targets
 from dataprep.tokenizer import file_sha256
 from mmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, IndexedFormatError
@@ -61,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
                         "pass --allow-mixed-tokenizers if that is really intended")
     dtypes = {ds.dtype for _, ds in sources}
     dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.int32)
-    remove_old_outputs(out, [out])
-    with IndexedDatasetWriter(out, dtype) as writer:
+    with IndexedDatasetWriter(out, dtype) as writer:  # beside a complete earlier OUT, which stays until the end
         for _, ds in sources:
             begin = 0
             while begin < len(ds):
@@ -71,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                 stop = begin + max(1, int(np.searchsorted(ends, _CHUNK_TOKENS, side="right")))
                 writer.add(ds.tokens_of_range(begin, stop).astype(dtype, copy=False), ds.lengths[begin:stop])
                 begin = stop
-        writer.commit()
+        writer.finish()
+        replace_outputs(out, [writer], None)
     first_tok = next((t.manifest.get("tokenizer") for t, _ in sources if t.manifest), None)
     total = sum(ds.num_documents for _, ds in sources)
     elapsed = time.monotonic() - start

@@ -20,9 +20,9 @@ from concurrent.futures.process import BrokenProcessPool
 from dataprep import text_encode
 from dataprep.errors import PrepError
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
-from dataprep.text_input import Truncated, expand_inputs, stream_blocks
-from dataprep.text_output import (RejectLog, human_rate, key_prefixes, print_summary, remove_old_outputs,
-                                  write_manifest)
+from dataprep.text_input import Truncated, describe_skipped, find_inputs, stream_blocks
+from dataprep.text_output import (RejectLog, failed_rejects_path, human_rate, key_prefixes, manifest_path,
+                                  output_paths, print_summary, rejects_path, replace_outputs, write_manifest)
 from dataprep.tokenizer import TOKENIZER_TYPES, load_tokenizer
 from mmtrain.data.indexed import IndexedDatasetWriter, token_dtype_for
 
@@ -90,22 +90,22 @@ class _Run:
         pause = os.environ.get(_PAUSE_ENV)
         self._pause = tuple(float(x) for x in pause.split(":")) if pause else None
 
-    def _reject(self, file_index: int, line: int, reason: str, excerpt: str) -> None:
+    def _reject(self, file_index: int, line: int, reason: str, excerpt: str, code: str) -> None:
         path = str(self.files[file_index].path)
         if self.args.strict:
             raise PrepError(f"{path}:{line}: {reason} (--strict stops at the first bad record; "
                             "drop --strict to collect them in PREFIX.rejects.jsonl)")
-        self.rejects.add(path, line, reason, excerpt)
+        self.rejects.add(path, line, reason, excerpt, code)
         self.rejected += 1
 
     def consume(self, item: EncodedBlock | Truncated) -> None:
         if isinstance(item, Truncated):
             self.read += 1
             self.files[item.file_index].records += 1
-            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial))
+            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial), "truncated_file")
             return
         for r in item.rejects:
-            self._reject(item.file_index, r.line, r.reason, r.excerpt)
+            self._reject(item.file_index, r.line, r.reason, r.excerpt, r.code)
         for key, writer in self.writers.items():
             writer.add(item.tokens[key], item.lengths[key])
         self.read += item.records
@@ -175,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
         raise PrepError(f"--json-keys lists a key twice: {' '.join(keys)}")
     if args.workers is not None and args.workers < 0:
         raise PrepError("--workers must be 0 or more")
-    files = expand_inputs(args.input)
+    prefix = os.fspath(args.output_prefix)
+    prefixes = key_prefixes(prefix, keys)
+    files, skipped = find_inputs(args.input, exclude=output_paths(prefix, list(prefixes.values())))
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
                                add_special_tokens=args.add_special_tokens, merge_file=args.merge_file)
     if args.append_eod and tokenizer.eod_id is None:
@@ -189,15 +191,15 @@ def run(args: argparse.Namespace) -> int:
                             tokenizer.type, args.eod_token, args.add_special_tokens, keys, args.append_eod,
                             tokenizer.eod_id, args.keep_empty, dtype.name, threads,
                             str(tokenizer.merges_path) if tokenizer.type == "gpt2-bpe" else None)
-    prefix = os.fspath(args.output_prefix)
-    prefixes = key_prefixes(prefix, keys)
-    remove_old_outputs(prefix, list(prefixes.values()))
 
+    # Everything is written beside a complete earlier output of PREFIX, which stays until the new one is
+    # complete (replace_outputs); a run that fails, is killed or writes nothing leaves it as it was.
     writers: dict[str, IndexedDatasetWriter] = {}
-    rejects = RejectLog(prefix)
+    rejects: RejectLog | None = None
     bar = _progress_bar(sum(f.size for f in files), args.progress)
     results = None
     try:
+        rejects = RejectLog(prefix)
         for key, p in prefixes.items():
             writers[key] = IndexedDatasetWriter(p, dtype)
         state = _Run(args, files, writers, rejects)
@@ -210,13 +212,23 @@ def run(args: argparse.Namespace) -> int:
                 bar.set_postfix_str(state.rates(), refresh=False)
         for w in writers.values():
             w.finish()
-        for w in writers.values():
-            w.commit()
-        rejects_file = rejects.commit()
-    except BaseException:
+        problem = _nothing_written(state, writers, prefixes)
+        if problem:
+            for w in writers.values():
+                w.abort()
+            # the rejects are this failed run's; a complete earlier output keeps its own rejects log
+            where = failed_rejects_path(prefix) if manifest_path(prefix).exists() else rejects_path(prefix)
+            where = rejects.commit_to(where)
+            raise PrepError(f"{problem}; nothing was written" + (f"; see {where}" if where else ""))
+        rejects_file = replace_outputs(prefix, writers.values(), rejects)
+    except BaseException as exc:
         for w in writers.values():
             w.abort()
-        rejects.abort()
+        if rejects is not None:
+            rejects.abort()
+        if isinstance(exc, OSError):
+            raise PrepError(f"cannot write the output {prefix}: {exc.filename or prefix}: {exc.strerror or exc}; "
+                            "choose an --output-prefix in a folder you can write to (with free space)") from None
         raise
     finally:
         if results is not None:
@@ -233,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         "argv": sys.argv[1:],
         "inputs": [{"path": str(f.path), "size": f.size, "sha256": f.sha256, "records": f.records,
                     "text_bytes": f.bytes_read} for f in files],
+        "skipped_inputs": [{"path": str(s.path), "reason": s.reason} for s in skipped],
         "tokenizer": tokenizer.describe(),
         "dtype": dtype.name,
         "json_keys": list(keys),
@@ -241,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
         "keep_empty": args.keep_empty,
         "outputs": outputs,
         "documents": counts,
+        "rejects_by_code": dict(sorted(rejects.codes.items())),
         "tokens": state.tokens,
         "bytes": state.text_bytes,
         "rejects_file": rejects_file.name if rejects_file else None,
@@ -248,7 +262,28 @@ def run(args: argparse.Namespace) -> int:
         "threads_per_worker": threads,
         "elapsed_s": round(elapsed, 3),
     })
+    taken = ", ".join(str(f.path) for f in files[:3]) + (f", ... {len(files) - 3} more" if len(files) > 3 else "")
     print_summary("mmtrain-prep text", counts, state.tokens, state.text_bytes, elapsed,
                   [f"{p}.bin/.idx ({outputs[k]['documents']:,} docs, {dtype.name})" for k, p in prefixes.items()]
-                  + [f"{prefix}.manifest.json"], rejects_file)
+                  + [f"{prefix}.manifest.json"], rejects_file,
+                  inputs=f"{len(files)} input file(s): {taken}" + (f"; skipped {describe_skipped(skipped)}"
+                                                                    if skipped else ""))
     return 0
+
+
+def _nothing_written(state: _Run, writers: dict[str, IndexedDatasetWriter], prefixes: dict[str, str]) -> str | None:
+    """Why this run's output would be unusable, or None. A .bin without tokens cannot be memory-mapped
+    (megatron-core: "cannot mmap an empty file"), so zero documents -- or a key with no tokens at all --
+    is a failed run, not an empty dataset."""
+    if state.read == 0:
+        return "no documents written: the inputs hold no records (only blank lines)"
+    if state.written == 0:
+        parts = [state.rejects.summary()] if state.rejected else []
+        if state.empty:
+            parts.append(f"{state.empty:,} empty (no tokens; --keep-empty writes them)")
+        return f"no documents written: {state.read:,} read, {', '.join(parts)}"
+    for key, w in writers.items():
+        if w.tokens == 0:
+            return (f"no tokens for key {key!r} in any of the {w.documents:,} documents: an empty "
+                    f"{prefixes[key]}.bin cannot be memory-mapped by readers")
+    return None

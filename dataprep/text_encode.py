@@ -44,6 +44,7 @@ class Reject:
     line: int
     reason: str
     excerpt: str
+    code: str = "bad_record"  # stable category for summaries: malformed_json, missing_key, not_a_string, ...
 
 
 @dataclass
@@ -85,29 +86,37 @@ def parse_records(lines: list[bytes], first_line: int, keys: tuple[str, ...], ou
         try:
             obj = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
-            reason = f"invalid UTF-8 at byte {exc.start} of the line; re-encode the file as UTF-8"
-        except (ValueError, RecursionError) as exc:
-            detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
-            reason = f"malformed JSON: {detail}"
+            code, reason = "invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line; re-encode the file as UTF-8"
+        except json.JSONDecodeError as exc:
+            code, reason = "malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}"
+        except RecursionError:
+            code, reason = "malformed_json", "malformed JSON: nested too deeply to parse"
+        except ValueError:  # Python's limit on digits in an int conversion
+            code, reason = "malformed_json", (f"malformed JSON: an integer with more than "
+                                              f"{sys.get_int_max_str_digits()} digits")
         else:
-            reason = check_record(obj, keys)
-            if reason is None:
+            problem = check_record(obj, keys)
+            if problem is None:
                 for k in keys:
                     texts[k].append(obj[k])
                 where.append(i)
                 continue
-        out.rejects.append(Reject(first_line + i, reason, excerpt(raw)))
+            code, reason = problem
+        out.rejects.append(Reject(first_line + i, reason, excerpt(raw), code))
     return texts, where
 
 
-def check_record(obj, keys: tuple[str, ...]) -> str | None:
+def check_record(obj, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """None for a usable record, else (code, reason)."""
     if not isinstance(obj, dict):
-        return f"the line is {_JSON_TYPE.get(type(obj), type(obj).__name__)}, not a JSON object"
+        return "not_an_object", f"the line is {_JSON_TYPE.get(type(obj), type(obj).__name__)}, not a JSON object"
     for k in keys:
         if k not in obj:
-            return f"missing key {k!r} (keys present: {', '.join(sorted(obj)[:8]) or 'none'}); see --json-keys"
+            present = ", ".join(x[:40] for x in sorted(obj)[:8]) or "none"
+            return "missing_key", f"missing key {k!r} (keys present: {present}); see --json-keys"
         if not isinstance(obj[k], str):
-            return f"key {k!r} holds {_JSON_TYPE.get(type(obj[k]), type(obj[k]).__name__)}, not a string"
+            kind = _JSON_TYPE.get(type(obj[k]), type(obj[k]).__name__)
+            return "not_a_string", f"key {k!r} holds {kind}, not a string"
     return None
 
 
@@ -129,22 +138,23 @@ class BlockEncoder:
             return {k: self.tokenizer.encode_batch(v) for k, v in texts.items()}
         except Exception:  # noqa: BLE001 - find the record(s) the tokenizer refuses, reject only those
             pass
-        bad: dict[int, str] = {}
+        bad: dict[int, tuple[str, str]] = {}
         for j in range(len(where)):
             for k, v in texts.items():
                 try:
                     v[j].encode("utf-8")
                 except UnicodeEncodeError as exc:
-                    bad[j] = (f"key {k!r} holds a lone surrogate (\\u{ord(v[j][exc.start]):04x} escape) at "
+                    bad[j] = ("lone_surrogate",
+                              f"key {k!r} holds a lone surrogate (\\u{ord(v[j][exc.start]):04x} escape) at "
                               f"character {exc.start}: not valid Unicode; fix the JSON escape")
                     break
                 try:
                     self.tokenizer.encode_batch([v[j]])
                 except Exception as exc:  # noqa: BLE001
-                    bad[j] = f"tokenizer refused key {k!r}: {type(exc).__name__}: {exc}"[:300]
+                    bad[j] = "tokenizer_error", f"tokenizer refused key {k!r}: {type(exc).__name__}: {exc}"[:300]
                     break
-        for j, reason in bad.items():
-            out.rejects.append(Reject(first_line + where[j], reason, excerpt(lines[where[j]])))
+        for j, (code, reason) in bad.items():
+            out.rejects.append(Reject(first_line + where[j], reason, excerpt(lines[where[j]]), code))
         out.rejects.sort(key=lambda r: r.line)
         keep = [j for j in range(len(where)) if j not in bad]
         for k in texts:

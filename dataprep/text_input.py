@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
+import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Iterator
 from dataprep.errors import PrepError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl.zstd")
+NOT_JSONL = "not a .jsonl/.json[.gz|.zst] name"  # names are matched case-sensitively: c.JSONL is skipped
 _PIECE = 1 << 17  # compressed bytes fed to a decompressor at a time: keeps each output piece small
 
 
@@ -55,24 +57,72 @@ def _is_jsonl(name: str) -> bool:
     return name.endswith(JSONL_SUFFIXES)
 
 
+@dataclass
+class Skipped:
+    """A file a folder or glob input turned up but that is not read, and why (reported in the summary)."""
+
+    path: Path
+    reason: str  # NOT_JSONL | "dangling symlink" | "symlinked folder, not followed" | "this run's output" | ...
+
+
 def expand_inputs(patterns: list[str]) -> list[InputFile]:
     """Files, globs and folders (searched recursively for JSONL files) -> a sorted, de-duplicated list."""
+    return find_inputs(patterns)[0]
+
+
+def _walk(folder: Path, exclude: set[Path], skipped: list[Skipped]) -> list[Path]:
+    """JSONL files below ``folder``, sorted; everything else it holds goes to ``skipped`` with a reason."""
     found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for d in dirnames:
+            if os.path.islink(os.path.join(dirpath, d)):
+                skipped.append(Skipped(Path(dirpath, d), "symlinked folder, not followed"))
+        for name in sorted(filenames):
+            path = Path(dirpath, name)
+            if path.resolve() in exclude:
+                skipped.append(Skipped(path, "this run's output"))
+            elif not _is_jsonl(name):
+                skipped.append(Skipped(path, NOT_JSONL))
+            elif not path.is_file():
+                skipped.append(Skipped(path, "dangling symlink" if path.is_symlink() else "not a regular file"))
+            else:
+                found.append(path)
+    return sorted(found)
+
+
+def find_inputs(patterns: list[str], exclude: set[Path] = frozenset()) -> tuple[list[InputFile], list[Skipped]]:
+    """Files, globs and folders (searched recursively for JSONL files) -> a sorted, de-duplicated list, and
+    what folders and globs turned up but is not read. ``exclude``: resolved paths of the run's own outputs,
+    never read (named explicitly, they are an error: the run would read what it is about to replace)."""
+    found: list[Path] = []
+    skipped: list[Skipped] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        magic = glob.has_magic(pattern)
+        matches = sorted(glob.glob(pattern, recursive=True)) if magic else [pattern]
         if not matches:
             raise PrepError(f"--input {pattern!r} matches no file")
         for match in matches:
             path = Path(match)
             if path.is_dir():
-                inner = sorted(p for p in path.rglob("*") if p.is_file() and _is_jsonl(p.name))
+                inner = _walk(path, exclude, skipped)
                 if not inner:
                     raise PrepError(f"--input folder {path} holds no .jsonl/.jsonl.gz/.jsonl.zst file")
                 found.extend(inner)
+            elif path.resolve() in exclude:
+                if not magic:
+                    raise PrepError(f"--input {path} is an output of this run (same --output-prefix); "
+                                    "it would be replaced while it is read. Give the input another name")
+                skipped.append(Skipped(path, "this run's output"))
             elif path.is_file():
                 found.append(path)
+            elif magic and path.is_symlink():
+                skipped.append(Skipped(path, "dangling symlink"))
             else:
                 raise PrepError(f"--input {path} not found")
+    if not found:
+        raise PrepError(f"--input {' '.join(patterns)}: no JSONL file to read (skipped: "
+                        f"{describe_skipped(skipped)})")
     seen: set[Path] = set()
     files = []
     for path in found:
@@ -80,7 +130,19 @@ def expand_inputs(patterns: list[str]) -> list[InputFile]:
         if key not in seen:
             seen.add(key)
             files.append(InputFile(path=path, size=path.stat().st_size))
-    return files
+    return files, skipped
+
+
+def describe_skipped(skipped: list[Skipped], examples: int = 3) -> str:
+    """'2 not a .jsonl/.json[.gz|.zst] name (d/c.JSONL, d/notes.txt); 1 dangling symlink (d/gone.jsonl)'."""
+    by_reason: dict[str, list[str]] = {}
+    for s in skipped:
+        by_reason.setdefault(s.reason, []).append(str(s.path))
+    parts = []
+    for reason, paths in by_reason.items():
+        shown = ", ".join(paths[:examples]) + (f", ... {len(paths) - examples} more" if len(paths) > examples else "")
+        parts.append(f"{len(paths)} {reason} ({shown})")
+    return "; ".join(parts) or "nothing"
 
 
 class _HashingReader:

@@ -1,13 +1,16 @@
 """Output side of `mmtrain-prep text` (and merge): file names, the rejects log, the manifest, the summary.
 
-Completion protocol, so that a killed run never leaves files that look complete: old outputs of the same
-prefix are removed first (manifest first), everything is written under temporary names and fsynced, the
-``.bin``/``.idx`` pairs are renamed into place, and ``PREFIX.manifest.json`` -- the "this is complete"
-marker -- is written last. ``verify`` treats a pair without its manifest as incomplete.
+Completion protocol, so that a killed or failed run never leaves files that look complete and never costs
+a complete earlier output: everything is written beside the old files under hidden temporaries and
+fsynced; only when the new set is complete does `replace_outputs` switch over -- the old
+``PREFIX.manifest.json`` (the "this is complete" marker) is removed, the new ``.bin``/``.idx`` pairs and
+rejects log are renamed into place, and the new manifest is written last. ``verify`` treats a pair
+without its manifest as incomplete.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as _dt
 import json
@@ -16,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dataprep.jsonl import jsonl_line
 from mmtrain.data.indexed import bin_path, default_file_mode, idx_path
 from mmtrain.utils.atomic import atomic_write_text, fsync_dir
 
@@ -37,18 +41,40 @@ def key_prefixes(prefix: str, keys: tuple[str, ...]) -> dict[str, str]:
     return {k: f"{prefix}_{k}" for k in keys}
 
 
-def remove_old_outputs(prefix: str, data_prefixes: list[str]) -> None:
-    """Delete a previous run's outputs, the manifest first, so no stale set can pass for the new one."""
-    paths = [manifest_path(prefix), rejects_path(prefix)]
+def failed_rejects_path(prefix: str | os.PathLike) -> Path:
+    """Where a run that wrote nothing puts its rejects when a complete earlier output owns PREFIX.rejects.jsonl."""
+    return Path(f"{os.fspath(prefix)}.failed.rejects.jsonl")
+
+
+def output_paths(prefix: str, data_prefixes: list[str]) -> set[Path]:
+    """Every file a run with this prefix writes (resolved): a run never reads these as input."""
+    paths = [manifest_path(prefix), rejects_path(prefix), failed_rejects_path(prefix)]
     for p in data_prefixes:
         paths += [idx_path(p), bin_path(p)]
-    for path in paths:
+    return {p.resolve() for p in paths}
+
+
+def replace_outputs(prefix: str, writers, rejects: "RejectLog | None") -> Path | None:
+    """Switch PREFIX over to a new complete set: ``writers`` (IndexedDatasetWriter) finished, ``rejects``
+    finished. The old manifest goes first (a crash from here on leaves no manifest, i.e. "incomplete", not a
+    mix that passes for complete), then the pairs and the rejects log are renamed over the old files and
+    a rejects log the new run does not have is removed. The caller writes the new manifest next."""
+    path = manifest_path(prefix)
+    if path.exists():
+        os.unlink(path)
+        fsync_dir(path.parent)
+    for w in writers:
+        w.commit()
+    new_rejects = rejects.commit_to(rejects_path(prefix)) if rejects is not None else None
+    stale = [failed_rejects_path(prefix)] + ([] if new_rejects else [rejects_path(prefix)])
+    for p in stale:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            os.unlink(p)
+    return new_rejects
 
 
 class RejectLog:
-    """Streams reject records to a temporary; ``commit`` renames it to PREFIX.rejects.jsonl if non-empty."""
+    """Streams reject records to a temporary; ``commit_to`` renames it into place if non-empty."""
 
     def __init__(self, prefix: str) -> None:
         self.path = rejects_path(prefix)
@@ -57,23 +83,35 @@ class RejectLog:
         self._tmp = Path(tmp)
         self._f = os.fdopen(fd, "w", encoding="utf-8")
         self.count = 0
+        self.codes: collections.Counter = collections.Counter()
 
-    def add(self, file: str, line: int, reason: str, excerpt: str) -> None:
-        self._f.write(json.dumps({"file": file, "line": line, "reason": reason, "excerpt": excerpt},
-                                 ensure_ascii=False) + "\n")
+    def add(self, file: str, line: int, reason: str, excerpt: str, code: str = "bad_record") -> None:
+        self._f.write(jsonl_line({"file": file, "line": line, "code": code, "reason": reason, "excerpt": excerpt}))
         self.count += 1
+        self.codes[code] += 1
+
+    def summary(self) -> str:
+        """'120 rejected (missing_key: 100, not_a_string: 20)'."""
+        by_code = ", ".join(f"{k}: {v}" for k, v in sorted(self.codes.items(), key=lambda kv: (-kv[1], kv[0])))
+        return f"{self.count:,} rejected" + (f" ({by_code})" if by_code else "")
 
     def commit(self) -> Path | None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        return self.commit_to(self.path)
+
+    def commit_to(self, path: Path) -> Path | None:
+        """fsync; rename the log to ``path`` (None and nothing written when it is empty)."""
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
         if not self.count:
-            os.unlink(self._tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
             return None
         os.chmod(self._tmp, default_file_mode())
-        os.replace(self._tmp, self.path)
-        fsync_dir(self.path.parent)
-        return self.path
+        os.replace(self._tmp, path)
+        fsync_dir(path.parent)
+        return path
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -105,11 +143,14 @@ def human_rate(n: float, seconds: float, unit: str = "") -> str:
 
 
 def print_summary(title: str, counts: dict, tokens: int, text_bytes: int, seconds: float,
-                  outputs: list[str], rejects: Path | None, stream=None) -> None:
+                  outputs: list[str], rejects: Path | None, stream=None, inputs: str | None = None) -> None:
+    """``inputs``: which files were read and which a folder or glob turned up but were skipped."""
     stream = stream or sys.stderr
     print(f"{title}: read {counts['read']:,} documents = written {counts['written']:,} + empty "
           f"{counts['empty']:,} + rejected {counts['rejected']:,}"
           + (f" ({counts['blank_lines']:,} blank lines skipped)" if counts.get("blank_lines") else ""), file=stream)
+    if inputs:
+        print(f"  {inputs}", file=stream)
     print(f"  {tokens:,} tokens from {text_bytes / 1e6:,.1f} MB in {seconds:.1f}s: "
           f"{human_rate(counts['read'], seconds, ' docs')}, {human_rate(text_bytes, seconds, 'B')}, "
           f"{human_rate(tokens, seconds, ' tokens')}", file=stream)

@@ -1,5 +1,6 @@
 """`mmtrain-prep text` on bad input: every record written or reported, counts reconcile, --strict stops,
-cut-short compressed files are reported, and a killed run leaves nothing that looks complete."""
+cut-short compressed files are reported, and a killed run leaves nothing that looks complete (and a complete
+earlier output as it was)."""
 
 from __future__ import annotations
 
@@ -137,9 +138,10 @@ def test_killed_run_leaves_nothing_complete_looking(tmp_path, sp_model):
     cmd = [sys.executable, "-m", "dataprep", "text", "--input", str(data), "--output-prefix", str(prefix),
            "--tokenizer", str(sp_model), "--append-eod", "--workers", "2", "--block-mb", "0.02"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    # a complete earlier run: the killed run must not leave these looking like its own output
+    # a complete earlier run: the killed run must leave it exactly as it was (written beside, switched at the end)
     subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=REPO)
     assert len(_outputs(prefix)) == 3
+    earlier = {p.name: p.read_bytes() for p in _outputs(prefix)}
     proc = subprocess.Popen(cmd, env={**env, "MMTRAIN_PREP_TEXT_PAUSE_AFTER_BLOCKS": "3:600"}, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -157,8 +159,10 @@ def test_killed_run_leaves_nothing_complete_looking(tmp_path, sp_model):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert _outputs(prefix) == []
-    assert all(p.name.startswith(".") and p.name.endswith(".tmp") for p in prefix.parent.iterdir())
+    assert {p.name: p.read_bytes() for p in _outputs(prefix)} == earlier
+    assert prep(["verify", str(prefix)]) == 0
+    assert all(p.name.startswith(".") and p.name.endswith(".tmp") or p.name in earlier
+               for p in prefix.parent.iterdir())
     deadline = time.monotonic() + 30  # its worker processes die with it (not left waiting forever)
     while _processes_with(str(prefix)) and time.monotonic() < deadline:
         time.sleep(0.1)
