@@ -2,7 +2,7 @@
 
 Pipeline: this process streams the inputs as ~1 MB blocks of whole lines (``text_input``), worker
 processes parse and batch-encode each block (``text_encode``), and this process writes the results in
-input order (``mmtrain.data.indexed``). At most a few blocks per worker are in flight, so memory stays
+input order (``mmtrain.core.indexed``). At most a few blocks per worker are in flight, so memory stays
 flat on inputs of any size. Outputs appear only when complete (``text_output`` has the protocol).
 """
 
@@ -23,8 +23,8 @@ from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, enco
 from dataprep.text_input import Truncated, expand_inputs, stream_blocks
 from dataprep.text_output import (RejectLog, human_rate, key_prefixes, print_summary, remove_old_outputs,
                                   write_manifest)
-from dataprep.tokenizer import TOKENIZER_TYPES, load_tokenizer
-from mmtrain.data.indexed import IndexedDatasetWriter, token_dtype_for
+from mmtrain.core.tokenizer import TOKENIZER_TYPES, load_tokenizer
+from mmtrain.core.indexed import IndexedDatasetWriter, token_dtype_for
 
 # Test hook: sleep this long after writing N blocks ("N:SECONDS"), so a test can kill a run mid-write.
 _PAUSE_ENV = "MMTRAIN_PREP_TEXT_PAUSE_AFTER_BLOCKS"

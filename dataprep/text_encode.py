@@ -17,7 +17,7 @@ from itertools import chain
 import numpy as np
 
 from dataprep.text_input import Block, split_lines
-from dataprep.tokenizer import Tokenizer, load_tokenizer
+from mmtrain.core.tokenizer import Tokenizer, load_tokenizer
 
 EXCERPT_CHARS = 200
 _JSON_TYPE = {dict: "an object", list: "an array", int: "a number", float: "a number", bool: "a boolean",

@@ -19,7 +19,7 @@ from mmtrain.data.blend_spec import (BlendEntry, BlendSpec, BlendSpecError, blen
 from mmtrain.data.gpt_dataset import (GPTSamples, SPLITS, SplitError, default_cache_dir, samples_needed,
                                       split_document_ranges)
 from mmtrain.data.index_cache import IndexCache
-from mmtrain.data.indexed import IndexedDataset
+from mmtrain.core.indexed import IndexedDataset
 from mmtrain.utils.log import get_logger
 
 log = get_logger("mmtrain.data")

@@ -149,7 +149,7 @@ def test_blended_samples_follow_the_weights_and_log_the_mix(tmp_path, two, caplo
 
 
 def test_prefixes_without_weights_are_weighed_by_tokens(tmp_path, two):
-    from mmtrain.data.indexed import IndexedDataset
+    from mmtrain.core.indexed import IndexedDataset
 
     cfg = run_config(tmp_path, prefixes=[str(p) for p in two], split="1")
     samples = build_blended_samples(cfg)

@@ -15,7 +15,7 @@ from mmtrain.data import gpt_indices
 from mmtrain.data.gpt_dataset import (GPTSamples, SplitError, build_gpt_samples_from_config, packed_document_inputs,
                                       samples_needed, split_document_ranges)
 from mmtrain.data.index_cache import IndexCacheTimeout
-from mmtrain.data.indexed import IndexedDataset
+from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data.loader import MicroBatches
 from tests.data_helpers import EOD, run_config, write_text_dataset
 
@@ -78,7 +78,7 @@ def test_samples_are_the_document_stream_cut_into_overlapping_windows(tmp_path, 
 
 
 def test_empty_documents_are_skipped_like_megatron_does(tmp_path):
-    from mmtrain.data.indexed import IndexedDatasetWriter
+    from mmtrain.core.indexed import IndexedDatasetWriter
 
     lengths = np.array([5, 0, 7, 0, 0, 9, 3, 0, 11] * 5, np.int32)
     with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
