@@ -48,7 +48,7 @@ _PUBLIC = {
     "GradBuckets": "mmtrain.parallel.data", "MixedPrecisionAdamW": "mmtrain.parallel.data",
     "finalize_grads": "mmtrain.train.grads", "clip_grad_norm": "mmtrain.train.grads", "lr_at": "mmtrain.train.lr",
     "MicroBatches": "mmtrain.data.loader", "MockGPTSamples": "mmtrain.data.mock",
-    "GPTSamples": "mmtrain.data.gpt_dataset", "build_gpt_samples_from_config": "mmtrain.data.gpt_dataset",
+    "GPTSamples": "mmtrain.data.gpt_dataset", "build_gpt_samples_from_config": "mmtrain.data.blend",
     "IndexedDataset": "mmtrain.core.indexed",
     "save_checkpoint": "mmtrain.train.checkpoint", "load_checkpoint": "mmtrain.train.checkpoint",
     "find_checkpoint": "mmtrain.train.checkpoint", "CheckpointWriter": "mmtrain.train.checkpoint",
