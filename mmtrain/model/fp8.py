@@ -20,7 +20,7 @@ from torch import nn
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.config.validate import NATIVE_FP8_RECIPES, TE_FP8_RECIPES
-from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, refresh_weights_in_place
+from mmtrain.model.fp8_native import Fp8Casts, Fp8Linear, Fp8Matmul, refresh_weights_in_place
 from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes
 from mmtrain.model.fp8_te import apply_te_fp8  # transformer_engine itself is imported only when used
 from mmtrain.utils.log import get_logger
@@ -101,21 +101,23 @@ def fp8_linears(model: nn.Module, cfg: GPTRunConfig) -> list[tuple[nn.Module, st
 
 def apply_native_fp8(model: nn.Module, cfg: GPTRunConfig) -> list[Fp8Matmul]:
     """Swap the FP8 blocks' linears of a ``GPTModel`` (stage) for native FP8 ones, in place; returns the matmuls.
-    Single-device ``nn.Linear`` become ``Fp8Linear`` (same parameter names); TP linears get an FP8 ``matmul``."""
+    Single-device ``nn.Linear`` become ``Fp8Linear`` (same parameter names); TP linears get an FP8 ``matmul``.
+    All of them share one ``Fp8Casts`` (the model's compiled weight casts)."""
     f = cfg.fp8
+    casts = Fp8Casts()
     matmuls = []
     for parent, name, lin in fp8_linears(model, cfg):
         if isinstance(lin, nn.Linear):
-            lin = Fp8Linear(lin, f.recipe, f.format, f.fast_accum_backward)
+            lin = Fp8Linear(lin, f.recipe, f.format, f.fast_accum_backward, casts)
             setattr(parent, name, lin)
         elif hasattr(lin, "matmul"):  # ColumnParallelLinear / RowParallelLinear
-            lin.matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward)
+            lin.matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward, casts)
         else:
             continue
         object.__setattr__(lin.matmul, "weight_ref", lin.weight)  # a plain reference, not a submodule param
         matmuls.append(lin.matmul)
     if f.output_layer and model.post_process:  # the LM head (this rank's vocabulary shard under TP; tied or not)
-        model.head_matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward)
+        model.head_matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward, casts)
         object.__setattr__(model.head_matmul, "weight_ref", model.output_weight())
         matmuls.append(model.head_matmul)
     return matmuls
