@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data import gpt_indices
 from mmtrain.data.blend_spec import (BlendEntry, BlendSpec, BlendSpecError, blend_from_prefixes, check_text_datasets,
                                      load_blend_spec)
 from mmtrain.data.gpt_dataset import (GPTSamples, SPLITS, SplitError, default_cache_dir, samples_needed,
                                       split_document_ranges)
 from mmtrain.data.index_cache import IndexCache
-from mmtrain.core.indexed import IndexedDataset
 from mmtrain.utils.log import get_logger
 
 log = get_logger("mmtrain.data")

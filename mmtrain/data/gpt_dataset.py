@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data import gpt_indices
 from mmtrain.data.index_cache import IndexCache, file_identity
-from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data.splits import SPLITS, SplitError, parse_split, split_document_ranges  # noqa: F401 - re-exported
 from mmtrain.utils.log import get_logger
 

@@ -136,7 +136,7 @@ class Fp8Casts:
     few eager kernels would cost ~ms per step. One object per model: ``apply_native_fp8`` makes it and gives it to
     every matmul it makes; ``refresh_weights_in_place`` and the FP8 parameter gather use the matmuls' object. So
     the compiled graphs belong to their model (no module-global cache), and every cast of its weights goes
-    through the same ones: the same bits (a compiled division need not round like an eager one)."""
+    through the same compiled function: the same bits (a compiled division need not round like an eager one)."""
 
     def __init__(self) -> None:
         self._compiled: dict = {}

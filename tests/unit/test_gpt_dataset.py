@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmtrain.data import gpt_indices
 from mmtrain.core.indexed import IndexedDataset
+from mmtrain.data import gpt_indices
 from mmtrain.data.blend import build_gpt_samples_from_config
 from mmtrain.data.gpt_dataset import GPTSamples, SplitError, packed_document_inputs, samples_needed, split_document_ranges
 from mmtrain.data.index_cache import IndexCacheTimeout
