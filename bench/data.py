@@ -31,7 +31,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter  # noqa: E402
+from mmtrain.core.indexed import IndexedDataset, IndexedDatasetWriter  # noqa: E402
 
 _DOCS_PER_CHUNK = 1 << 16
 

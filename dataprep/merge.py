@@ -16,8 +16,8 @@ import numpy as np
 from dataprep.errors import PrepError
 from dataprep.text_output import print_summary, replace_outputs, write_manifest
 from dataprep.text_tools import resolve_targets
-from dataprep.tokenizer import file_sha256
-from mmtrain.data.indexed import IndexedDataset, IndexedDatasetWriter, IndexedFormatError
+from mmtrain.core.indexed import IndexedDataset, IndexedDatasetWriter, IndexedFormatError
+from mmtrain.core.tokenizer import file_sha256
 
 _CHUNK_TOKENS = 32 << 20
 

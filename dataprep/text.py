@@ -2,7 +2,7 @@
 
 Pipeline: this process streams the inputs as ~1 MB blocks of whole lines (``text_input``), worker
 processes parse and batch-encode each block (``text_encode``), and this process writes the results in
-input order (``mmtrain.data.indexed``). At most a few blocks per worker are in flight, so memory stays
+input order (``mmtrain.core.indexed``). At most a few blocks per worker are in flight, so memory stays
 flat on inputs of any size. Outputs appear only when complete (``text_output`` has the protocol).
 """
 
@@ -17,17 +17,13 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from dataprep import text_encode
 from dataprep.errors import PrepError
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
 from dataprep.text_input import Truncated, describe_skipped, find_inputs, stream_blocks
 from dataprep.text_output import (RejectLog, failed_rejects_path, human_rate, key_prefixes, manifest_path,
                                   output_paths, print_summary, rejects_path, replace_outputs, write_manifest)
-from dataprep.tokenizer import TOKENIZER_TYPES, load_tokenizer
-from mmtrain.data.indexed import IndexedDatasetWriter, token_dtype_for
-
-# Test hook: sleep this long after writing N blocks ("N:SECONDS"), so a test can kill a run mid-write.
-_PAUSE_ENV = "MMTRAIN_PREP_TEXT_PAUSE_AFTER_BLOCKS"
+from mmtrain.core.indexed import IndexedDatasetWriter, token_dtype_for
+from mmtrain.core.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
 
 def available_cpus() -> int:
@@ -87,8 +83,6 @@ class _Run:
         self.tokens = self.text_bytes = 0
         self.blocks = 0
         self.start = time.monotonic()
-        pause = os.environ.get(_PAUSE_ENV)
-        self._pause = tuple(float(x) for x in pause.split(":")) if pause else None
 
     def _reject(self, file_index: int, line: int, reason: str, excerpt: str, code: str) -> None:
         path = str(self.files[file_index].path)
@@ -116,10 +110,6 @@ class _Run:
         self.tokens += item.token_count
         self.text_bytes += item.text_bytes
         self.blocks += 1
-        if self._pause and self.blocks == int(self._pause[0]):
-            for w in self.writers.values():  # make the partial temporaries really hit the disk
-                w._bin.flush()
-            time.sleep(self._pause[1])
 
     def rates(self) -> str:
         s = max(time.monotonic() - self.start, 1e-9)
@@ -140,11 +130,12 @@ def _pipeline(blocks, options: EncodeOptions, workers: int, tokenizer=None):
             yield item if isinstance(item, Truncated) else encoder.encode(item)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    text_encode.PRELOADED = tokenizer if method == "fork" else None
     # concurrent.futures rather than multiprocessing.Pool: a worker that dies (e.g. out of memory) raises
     # BrokenProcessPool here instead of leaving the run waiting forever.
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
-                               initializer=init_worker, initargs=(options,))
+                               initializer=init_worker,
+                               # forked workers inherit the loaded tokenizer (fork pickles nothing)
+                               initargs=(options, tokenizer if method == "fork" else None))
     try:
         pending: collections.deque = collections.deque()
 

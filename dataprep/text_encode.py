@@ -17,7 +17,7 @@ from itertools import chain
 import numpy as np
 
 from dataprep.text_input import Block, split_lines
-from dataprep.tokenizer import Tokenizer, load_tokenizer
+from mmtrain.core.tokenizer import Tokenizer, load_tokenizer
 
 EXCERPT_CHARS = 200
 _JSON_TYPE = {dict: "an object", list: "an array", int: "a number", float: "a number", bool: "a boolean",
@@ -194,12 +194,11 @@ class BlockEncoder:
 
 # One encoder per worker process, built by the pool initializer.
 _ENCODER: BlockEncoder | None = None
-# The writing process's own tokenizer (same options), set just before it forks the workers: they inherit it
-# instead of loading the files again (a GPT-2/HF tokenizer takes ~0.5 s to parse).
-PRELOADED: Tokenizer | None = None
 
 
-def init_worker(options: EncodeOptions) -> None:
+def init_worker(options: EncodeOptions, preloaded: Tokenizer | None = None) -> None:
+    """Pool initializer. ``preloaded``: the writing process's own tokenizer (same options), which forked workers
+    inherit instead of loading the files again (a GPT-2/HF tokenizer takes ~0.5 s to parse)."""
     global _ENCODER
     import signal
 
@@ -212,7 +211,7 @@ def init_worker(options: EncodeOptions) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    _ENCODER = BlockEncoder(options, PRELOADED)
+    _ENCODER = BlockEncoder(options, preloaded)
 
 
 def encode_in_worker(block: Block) -> EncodedBlock:

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from dataprep.jsonl import jsonl_line
-from mmtrain.data.indexed import bin_path, default_file_mode, idx_path
+from mmtrain.core.indexed import bin_path, default_file_mode, idx_path
 from mmtrain.utils.atomic import atomic_write_text, fsync_dir
 
 MANIFEST_FORMAT = "mmtrain-prep-text/1"

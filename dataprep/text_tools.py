@@ -19,8 +19,8 @@ import numpy as np
 
 from dataprep.errors import PrepError
 from dataprep.text_output import manifest_path, read_manifest
-from dataprep.tokenizer import file_sha256, load_tokenizer
-from mmtrain.data.indexed import HEADER_SIZE, IndexedDataset, IndexedFormatError, idx_path
+from mmtrain.core.indexed import HEADER_SIZE, IndexedDataset, IndexedFormatError, idx_path
+from mmtrain.core.tokenizer import file_sha256, load_tokenizer
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataprep.errors import PrepError
 from dataprep.text_encode import EncodedBlock, parse_records
 from dataprep.text_input import Truncated, expand_inputs, split_lines, stream_blocks
 from dataprep.text_output import write_manifest
-from dataprep.tokenizer import file_sha256
+from mmtrain.core.tokenizer import file_sha256
 from mmtrain.utils.atomic import fsync_dir
 
 

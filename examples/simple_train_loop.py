@@ -47,7 +47,7 @@ optimizer = mt.MixedPrecisionAdamW(buckets, lr=cfg.optim.lr, betas=(0.9, 0.95), 
 
 # 4. Data: each data-parallel rank takes its micro-batches from one global order.
 samples = mt.MockGPTSamples(cfg.model.vocab_size, cfg.data.seq_length) if cfg.data.mock else \
-    mt.build_gpt_samples_from_config(cfg, "train", mesh.dims.dp)
+    mt.build_gpt_samples_from_config(cfg, "train", mesh.dims.dp, index_builder=mesh.node_local_rank == 0)
 batches = mt.MicroBatches(samples, cfg.train.micro_batch_size, mesh.coord.dp, mesh.dims.dp)
 num_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dims.dp)
 

@@ -23,8 +23,8 @@ Checkpoints
 The whole loop
     train_gpt, train_vlm
 
-Each subpackage (``mmtrain.config``, ``.parallel``, ``.model``, ``.data``, ``.train``, ``.convert``) lists its own
-public names in ``__all__``. Anything not listed is internal and may change without notice; module-level helpers
+Each subpackage (``mmtrain.core``, ``.config``, ``.parallel``, ``.model``, ``.data``, ``.train``, ``.convert``)
+lists its own public names in ``__all__``. Anything not listed is internal and may change without notice; module-level helpers
 used by one module only carry a leading underscore.
 """
 
@@ -48,8 +48,8 @@ _PUBLIC = {
     "GradBuckets": "mmtrain.parallel.data", "MixedPrecisionAdamW": "mmtrain.parallel.data",
     "finalize_grads": "mmtrain.train.grads", "clip_grad_norm": "mmtrain.train.grads", "lr_at": "mmtrain.train.lr",
     "MicroBatches": "mmtrain.data.loader", "MockGPTSamples": "mmtrain.data.mock",
-    "GPTSamples": "mmtrain.data.gpt_dataset", "build_gpt_samples_from_config": "mmtrain.data.gpt_dataset",
-    "IndexedDataset": "mmtrain.data.indexed",
+    "GPTSamples": "mmtrain.data.gpt_dataset", "build_gpt_samples_from_config": "mmtrain.data.blend",
+    "IndexedDataset": "mmtrain.core.indexed",
     "save_checkpoint": "mmtrain.train.checkpoint", "load_checkpoint": "mmtrain.train.checkpoint",
     "find_checkpoint": "mmtrain.train.checkpoint", "CheckpointWriter": "mmtrain.train.checkpoint",
     "train_gpt": "mmtrain.train.loop",

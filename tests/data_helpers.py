@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtrain.config.schema import GPTRunConfig
-from mmtrain.data.indexed import IndexedDatasetWriter
+from mmtrain.core.indexed import IndexedDatasetWriter
 
 EOD = 0
 

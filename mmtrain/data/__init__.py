@@ -10,8 +10,8 @@ Everything else in this package is internal and may change.
 from mmtrain.utils.lazy import lazy_exports
 
 _PUBLIC = {
-    "IndexedDataset": "mmtrain.data.indexed", "GPTSamples": "mmtrain.data.gpt_dataset",
-    "build_gpt_samples_from_config": "mmtrain.data.gpt_dataset", "MockGPTSamples": "mmtrain.data.mock",
+    "IndexedDataset": "mmtrain.core.indexed", "GPTSamples": "mmtrain.data.gpt_dataset",
+    "build_gpt_samples_from_config": "mmtrain.data.blend", "MockGPTSamples": "mmtrain.data.mock",
     "MicroBatches": "mmtrain.data.loader", "build_multimodal_loader": "mmtrain.data.multimodal_loader",
     "MultimodalLoader": "mmtrain.data.multimodal_loader", "merge_loader_states": "mmtrain.data.multimodal_loader",
     "MultimodalBatch": "mmtrain.data.multimodal",

@@ -3,7 +3,9 @@
 Global sample ``n`` comes from dataset ``dataset_index[n]`` (its sample ``dataset_sample_index[n]``); after any
 ``n`` samples each dataset has supplied ``n * weight`` samples to within one (``gpt_indices.build_blend_index``).
 Each dataset is indexed for exactly as many samples as the blend draws from it, and the blend index is cached
-next to the datasets' indices. ``build_blended_samples`` turns a run config into the samples of one split.
+next to the datasets' indices. ``build_gpt_samples_from_config`` turns a run config into the samples of one split
+(what the training loop calls); the data-parallel size and whether this process builds indices are its
+arguments, never read from the environment or the default process group.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data import gpt_indices
 from mmtrain.data.blend_spec import (BlendEntry, BlendSpec, BlendSpecError, blend_from_prefixes, check_text_datasets,
                                      load_blend_spec)
 from mmtrain.data.gpt_dataset import (GPTSamples, SPLITS, SplitError, default_cache_dir, samples_needed,
                                       split_document_ranges)
 from mmtrain.data.index_cache import IndexCache
-from mmtrain.data.indexed import IndexedDataset
 from mmtrain.utils.log import get_logger
 
 log = get_logger("mmtrain.data")
@@ -30,14 +32,14 @@ class BlendedSamples:
 
     def __init__(self, datasets: list[GPTSamples], weights: list[float], size: int,
                  cache_dir: str | os.PathLike, build_timeout_s: float = 1800.0,
-                 blend_index: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 blend_index: tuple[np.ndarray, np.ndarray] | None = None, index_builder: bool = True) -> None:
         self.datasets, self.size = datasets, int(size)
         total = float(sum(weights))
         self.weights = [w / total for w in weights]
         params = {"kind": "blend", "version": 1, "size": self.size, "weights": self.weights,
                   "datasets": [d.cache.key for d in datasets]}
         self._computed = blend_index  # already computed by the caller for the same weights and size
-        self.cache = IndexCache(cache_dir, "blend", params, build_timeout_s)
+        self.cache = IndexCache(cache_dir, "blend", params, build_timeout_s, index_builder)
         arrays, self.built = self.cache.load_or_build(self._build)
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
@@ -78,8 +80,12 @@ def _split_ranges(spec: BlendSpec, split_setting: str, dataset: IndexedDataset, 
         raise
 
 
-def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
-    """Check the blend of ``split``, size and build (or load) every index, log the mix; returns samples."""
+def build_gpt_samples_from_config(cfg, split: str, dp_size: int, *, index_builder: bool = True):
+    """The samples of ``split`` for a run: a ``GPTSamples`` or ``BlendedSamples`` with at least as many samples as
+    the run consumes at ``dp_size`` data-parallel ranks (``mesh.dims.dp``; it sizes the run when
+    ``train.global_batch_size`` is 0). Checks the blend, builds (or loads) every index, logs the mix.
+    ``index_builder``: whether this process builds missing indices (``mesh.node_local_rank == 0``; the others
+    wait for them). ``.eod_id`` holds the end-of-document id named by the datasets' manifests (or None)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     d = cfg.data
@@ -91,8 +97,6 @@ def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
     infos = check_text_datasets(every_split, cfg.model.vocab_size, log)  # tokenizers must agree across splits
     infos = [i for i in infos if i.where in {e.where for e in entries}]
     eod_id = _common_eod_id(infos, d)
-    if dp_size == 1 and not cfg.train.global_batch_size:
-        dp_size = _data_parallel_size(cfg)
     size = samples_needed(cfg, split, dp_size)
     if size <= 0:
         raise BlendSpecError(f"the run consumes no {split} samples (train.steps, batch sizes or eval settings are 0)")
@@ -117,13 +121,13 @@ def build_blended_samples(cfg, split: str = "train", dp_size: int = 1):
         blend_index = gpt_indices.build_blend_index(weights, size)  # tells how many samples each dataset gives
         counts = np.bincount(blend_index[0], minlength=len(entries)).tolist()
     datasets = [GPTSamples(e.path, d.seq_length, d.seed, max(int(c), 1), documents=r, split_name=split,
-                           cache_dir=cache_dir, build_timeout_s=timeout, dataset=ds)
+                           cache_dir=cache_dir, build_timeout_s=timeout, dataset=ds, index_builder=index_builder)
                 for e, ds, r, c in zip(entries, indexed, ranges, counts)]
     _log_mix(split, entries, weights, counts, datasets, size, d.seq_length)
     if len(datasets) == 1:
         samples = datasets[0]
     else:
-        samples = BlendedSamples(datasets, weights, size, cache_dir, timeout, blend_index)
+        samples = BlendedSamples(datasets, weights, size, cache_dir, timeout, blend_index, index_builder)
     samples.eod_id = eod_id
     return samples
 
@@ -142,16 +146,6 @@ def _common_eod_id(infos, d) -> int | None:
         raise BlendSpecError(f"{missing.where}: data.{needs[0]} needs end-of-document tokens, but the manifest of "
                              f"{missing.prefix} names no eod_id (prepare it with --append-eod, or turn data.{needs[0]} off)")
     return with_eod[0].eod_id if with_eod else None
-
-
-def _data_parallel_size(cfg) -> int:
-    """dp of a running job (world / (tp*pp*cp)), so a caller that passes no dp_size still sizes the run right."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    p = cfg.parallel
-    return p.dp or max(1, dist.get_world_size() // (p.tp * p.pp * p.cp))
 
 
 def _log_mix(split: str, entries: list[BlendEntry], weights: list[float], counts: list[int],

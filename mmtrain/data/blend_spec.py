@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from mmtrain.data.indexed import IndexedDataset, IndexedFormatError, bin_path, idx_path
+from mmtrain.core.indexed import IndexedDataset, IndexedFormatError, bin_path, idx_path
 
 SPLIT_KEYS = ("train", "valid", "test")
 ENTRY_KEYS = {"path", "weight", "type"}

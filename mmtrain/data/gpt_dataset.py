@@ -2,9 +2,9 @@
 
 ``GPTSamples`` covers one document range (a split) of one ``PREFIX.bin/.idx`` pair; its index arrays come
 from ``mmtrain.data.gpt_indices`` (equal to Megatron-Core's for the same data, range, seed and sizes) and are
-cached by ``mmtrain.data.index_cache``. ``build_gpt_samples_from_config`` is what the training loop calls:
-it resolves ``data.blend`` / ``data.prefixes`` into per-split blends (``mmtrain.data.blend``), checks them,
-sizes every dataset from the run length and returns one indexable sequence of samples.
+cached by ``mmtrain.data.index_cache``. ``samples_needed`` sizes a split from the run length; the training loop
+gets its samples from ``mmtrain.data.blend.build_gpt_samples_from_config``, which builds ``GPTSamples`` and
+blends them (that module imports this one, never the reverse).
 
 ``packed_document_inputs`` gives the per-token position ids, document ids and loss mask of packed samples,
 so attention and positions can restart at every end-of-document token.
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data import gpt_indices
 from mmtrain.data.index_cache import IndexCache, file_identity
-from mmtrain.data.indexed import IndexedDataset
 from mmtrain.data.splits import SPLITS, SplitError, parse_split, split_document_ranges  # noqa: F401 - re-exported
 from mmtrain.utils.log import get_logger
 
@@ -37,12 +37,13 @@ class GPTSamples:
     """Samples over documents ``[begin, end)`` of one indexed dataset: ``len()`` and ``[i]`` -> int64 array
     of ``seq_length + 1`` tokens. At least ``num_samples`` samples exist (whole epochs are indexed)."""
 
-    eod_id: int | None = None  # set by build_gpt_samples_from_config from the manifests
+    eod_id: int | None = None  # set by blend.build_gpt_samples_from_config from the manifests
 
     def __init__(self, prefix: str | os.PathLike, seq_length: int, seed: int, num_samples: int,
                  documents: tuple[int, int] | None = None, split_name: str = "train",
                  cache_dir: str | os.PathLike | None = None, build_timeout_s: float = 1800.0,
-                 dataset: IndexedDataset | None = None) -> None:
+                 dataset: IndexedDataset | None = None, index_builder: bool = True) -> None:
+        """``index_builder``: whether this process builds missing index arrays (``IndexCache.builder``)."""
         self.prefix = str(prefix)
         self.dataset = dataset if dataset is not None else IndexedDataset(prefix)
         self.seq_length, self.seed, self.num_samples = int(seq_length), int(seed), int(num_samples)
@@ -62,7 +63,8 @@ class GPTSamples:
                   "bin": file_identity(self.dataset.bin_path), "documents": list(self.documents),
                   "seq_length": self.seq_length, "seed": self.seed, "num_samples": self.num_samples}
         folder = cache_dir if cache_dir else default_cache_dir(self.prefix)
-        self.cache = IndexCache(folder, f"gpt-{Path(self.prefix).name}-{split_name}", params, build_timeout_s)
+        self.cache = IndexCache(folder, f"gpt-{Path(self.prefix).name}-{split_name}", params, build_timeout_s,
+                                index_builder)
         arrays, self.built = self.cache.load_or_build(self._build)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
@@ -147,14 +149,6 @@ def packed_document_inputs(tokens_BS1: torch.Tensor, eod_id: int | None, reset_p
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
     return position_ids, document_ids, loss_mask
-
-
-def build_gpt_samples_from_config(cfg, split: str = "train", dp_size: int = 1):
-    """The samples of ``split`` for a run: a ``GPTSamples`` or ``BlendedSamples`` with at least as many samples
-    as the run consumes. ``.eod_id`` holds the end-of-document id named by the datasets' manifests (or None)."""
-    from mmtrain.data.blend import build_blended_samples  # blend imports this module
-
-    return build_blended_samples(cfg, split, dp_size)
 
 
 def samples_needed(cfg, split: str, dp_size: int = 1) -> int:

@@ -4,9 +4,9 @@ Each entry is ``NAME-HASH.<array>.npy`` files plus ``NAME-HASH.json`` (the param
 presence means the entry is complete). Every file is written atomically, so a crashed or concurrent build
 never leaves a torn entry; two builders of the same entry write identical bytes.
 
-In a multi-process job only one process per node builds (``LOCAL_RANK`` 0, or any process when the variable
-is unset); the others wait for the entry to appear, up to a timeout, then fail with a message saying what
-they waited for. Loading memory-maps the arrays read-only.
+In a multi-process job only one process per node builds: the caller says which (``builder``: local rank 0 of
+the node, ``ParallelMesh.node_local_rank``); the others wait for the entry to appear, up to a timeout, then
+fail with a message saying what they waited for. Loading memory-maps the arrays read-only.
 """
 
 from __future__ import annotations
@@ -53,16 +53,14 @@ def _write_npy(path: Path, value: np.ndarray) -> None:
         os.fsync(f.fileno())
 
 
-def _is_index_builder() -> bool:
-    """One process per node builds indices: LOCAL_RANK 0 (a single process has no LOCAL_RANK)."""
-    return os.environ.get("LOCAL_RANK", "0") == "0"
-
-
 class IndexCache:
-    """One cache entry: ``load_or_build(build)`` returns (arrays, built)."""
+    """One cache entry: ``load_or_build(build)`` returns (arrays, built). ``builder``: whether this process builds
+    a missing entry (one process per node; the others wait for it). Two builders are safe, only wasteful."""
 
-    def __init__(self, folder: str | os.PathLike, name: str, params: dict, timeout_s: float = 1800.0) -> None:
+    def __init__(self, folder: str | os.PathLike, name: str, params: dict, timeout_s: float = 1800.0,
+                 builder: bool = True) -> None:
         self.folder = Path(folder)
+        self.builder = builder
         self.params = params
         self.key = _params_hash(params)
         self.stem = f"{name}-{self.key}"
@@ -120,7 +118,7 @@ class IndexCache:
         while not self.exists():
             if time.monotonic() >= deadline:
                 raise IndexCacheTimeout(
-                    f"waited {self.timeout_s:.0f} s for LOCAL_RANK 0 of this node to build {self.description}; "
+                    f"waited {self.timeout_s:.0f} s for local rank 0 of this node to build {self.description}; "
                     "check that process's log for its error, or raise data.index_build_timeout_s if the "
                     "build is just slow (a cache folder shared by all ranks of the node is required)")
             time.sleep(_POLL_S)
@@ -131,7 +129,7 @@ class IndexCache:
         as each is ready) and saved; ``built`` says which happened."""
         if self.exists():
             return self.load(), False
-        if not _is_index_builder():
+        if not self.builder:
             self.wait()
             return self.load(), False
         started = time.monotonic()

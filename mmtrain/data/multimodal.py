@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from megatron.energon import (Batch, CaptioningSample, Cooker, DefaultTaskEncoder, Sample, edataclass,
                               stateless)
 
+from mmtrain.core.tokenizer import load_tokenizer
 from mmtrain.data.multimodal_media import MediaSampleError, MediaTextSample, cook_media_sample, from_captioning
 
 IGNORE_INDEX = -100
@@ -100,8 +101,6 @@ class MultimodalBatch(Batch):
 
 def _load_tokenizer(spec):
     if isinstance(spec, (str, os.PathLike)):
-        from dataprep.tokenizer import load_tokenizer
-
         return load_tokenizer(spec)
     return spec
 

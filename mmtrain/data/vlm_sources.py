@@ -14,7 +14,9 @@ from types import SimpleNamespace
 
 import yaml
 
+from mmtrain.data.blend import build_gpt_samples_from_config
 from mmtrain.data.blend_spec import BlendSpecError, load_blend_spec
+from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.vlm_batches import EnergonRows, MockMediaSamples, VLMBatches
 from mmtrain.utils.atomic import atomic_write_text
 
@@ -71,19 +73,16 @@ def _split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Pat
     return text_spec, media_spec, fraction
 
 
-def _text_samples(cfg, text_spec: Path, split: str, dp: int):
-    from mmtrain.data.gpt_dataset import build_gpt_samples_from_config
-
+def _text_samples(cfg, text_spec: Path, split: str, dp: int, index_builder: bool):
     data = dataclasses.replace(cfg.data, blend=str(text_spec), prefixes=[], weights=[])
     shim = SimpleNamespace(data=data, model=cfg.model.language, train=cfg.train, parallel=cfg.parallel)
-    return build_gpt_samples_from_config(shim, split=split, dp_size=dp)
+    return build_gpt_samples_from_config(shim, split, dp, index_builder=index_builder)
 
 
 def _text_row_inputs(cfg, eod_id):
     d = cfg.data
     if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
         return None
-    from mmtrain.data.gpt_dataset import packed_document_inputs
 
     def inputs(tokens):
         positions, doc_ids, loss_mask = packed_document_inputs(tokens, eod_id, d.reset_position_ids,
@@ -104,7 +103,7 @@ def build_vlm_batches(cfg, mesh, split: str = "train") -> VLMBatches:
     text_spec, media_src, fraction = _split_blend(d.blend, cfg.logging.run_dir, split)
     text = row_inputs = None
     if text_spec is not None:
-        text = _text_samples(cfg, text_spec, split, dp)
+        text = _text_samples(cfg, text_spec, split, dp, mesh.node_local_rank == 0)
         row_inputs = _text_row_inputs(cfg, getattr(text, "eod_id", None))
     media = None
     if media_src is not None:

@@ -19,8 +19,10 @@ from torch import nn
 
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.schema import GPTRunConfig
-from mmtrain.model.fp8_native import Fp8Linear, Fp8Matmul, refresh_weights_in_place
+from mmtrain.config.validate import NATIVE_FP8_RECIPES, TE_FP8_RECIPES
+from mmtrain.model.fp8_native import Fp8Casts, Fp8Linear, Fp8Matmul, refresh_weights_in_place
 from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes
+from mmtrain.model.fp8_te import apply_te_fp8  # transformer_engine itself is imported only when used
 from mmtrain.utils.log import get_logger
 
 FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
@@ -45,8 +47,6 @@ def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
     if (major, minor) < (8, 9):
         raise ConfigError(f"train.precision=fp8 needs compute capability 8.9 or newer; "
                           f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: use train.precision=bf16")
-    from mmtrain.config.validate import NATIVE_FP8_RECIPES, TE_FP8_RECIPES
-
     backend = f.backend
     if backend == "auto":
         backend = "te" if te_importable() and f.recipe in TE_FP8_RECIPES else "native"
@@ -81,36 +81,43 @@ def fp8_layer_indices(cfg: GPTRunConfig) -> set[int]:
     return set(range(f.bf16_first_layers, n - f.bf16_last_layers))
 
 
-def _get(block: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module | None]:
-    parent_path, _, name = path.rpartition(".")
-    parent = block.get_submodule(parent_path)
-    return parent, name, getattr(parent, name, None)
-
-
-def apply_native_fp8(model: nn.Module, cfg: GPTRunConfig) -> list[Fp8Matmul]:
-    """Swap the FP8 blocks' linears of a ``GPTModel`` (stage) for native FP8 ones, in place; returns the matmuls.
-    Single-device ``nn.Linear`` become ``Fp8Linear`` (same parameter names); TP linears get an FP8 ``matmul``."""
-    f = cfg.fp8
+def fp8_linears(model: nn.Module, cfg: GPTRunConfig) -> list[tuple[nn.Module, str, nn.Module]]:
+    """``(parent, attribute, linear)`` of every linear of a ``GPTModel`` (stage) that computes in FP8: the
+    ``FP8_LINEARS`` of the blocks in ``fp8_layer_indices`` (an MoE block has no mlp.up/down: its experts stay
+    BF16). Both backends swap exactly these."""
     chosen = fp8_layer_indices(cfg)
-    matmuls = []
+    found = []
     for index, block in model.layers.items():
         if int(index) not in chosen:
             continue
         for path in FP8_LINEARS:
-            parent, name, lin = _get(block, path)
-            if lin is None:  # an MoE block has no mlp.up/down: its experts stay BF16
-                continue
-            if isinstance(lin, nn.Linear):
-                lin = Fp8Linear(lin, f.recipe, f.format, f.fast_accum_backward)
-                setattr(parent, name, lin)
-            elif hasattr(lin, "matmul"):  # ColumnParallelLinear / RowParallelLinear
-                lin.matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward)
-            else:
-                continue
-            object.__setattr__(lin.matmul, "weight_ref", lin.weight)  # a plain reference, not a submodule param
-            matmuls.append(lin.matmul)
+            parent_path, _, name = path.rpartition(".")
+            parent = block.get_submodule(parent_path)
+            lin = getattr(parent, name, None)
+            if lin is not None:
+                found.append((parent, name, lin))
+    return found
+
+
+def apply_native_fp8(model: nn.Module, cfg: GPTRunConfig) -> list[Fp8Matmul]:
+    """Swap the FP8 blocks' linears of a ``GPTModel`` (stage) for native FP8 ones, in place; returns the matmuls.
+    Single-device ``nn.Linear`` become ``Fp8Linear`` (same parameter names); TP linears get an FP8 ``matmul``.
+    All of them share one ``Fp8Casts`` (the model's compiled weight casts)."""
+    f = cfg.fp8
+    casts = Fp8Casts()
+    matmuls = []
+    for parent, name, lin in fp8_linears(model, cfg):
+        if isinstance(lin, nn.Linear):
+            lin = Fp8Linear(lin, f.recipe, f.format, f.fast_accum_backward, casts)
+            setattr(parent, name, lin)
+        elif hasattr(lin, "matmul"):  # ColumnParallelLinear / RowParallelLinear
+            lin.matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward, casts)
+        else:
+            continue
+        object.__setattr__(lin.matmul, "weight_ref", lin.weight)  # a plain reference, not a submodule param
+        matmuls.append(lin.matmul)
     if f.output_layer and model.post_process:  # the LM head (this rank's vocabulary shard under TP; tied or not)
-        model.head_matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward)
+        model.head_matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward, casts)
         object.__setattr__(model.head_matmul, "weight_ref", model.output_weight())
         matmuls.append(model.head_matmul)
     return matmuls
@@ -241,8 +248,6 @@ def apply_fp8(model: nn.Module, cfg: GPTRunConfig, mesh, backend: str) -> None:
     """Make one model chunk FP8 with ``backend`` (from ``resolve_fp8_backend``): after the TP/CP/EP plans, before
     compile. Then ``Fp8Runtime(backend, cfg, chunks)`` is the step loop's handle."""
     if backend == "te":
-        from mmtrain.model.fp8_te import apply_te_fp8  # imports transformer_engine
-
-        apply_te_fp8(model, cfg, mesh, fp8_layer_indices(cfg))
+        apply_te_fp8(model, cfg, mesh, fp8_linears(model, cfg))
     else:
         apply_native_fp8(model, cfg)

@@ -126,37 +126,36 @@ def _cast_weight_pair(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     return a, a.t().contiguous(), scale.reciprocal().reshape(1)
 
 
-_compiled_cast = None
-
-
-def _cast_weight_pair_fast(w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
-    """``_cast_weight_pair``, compiled on the GPU (64 linears x 4 eager kernels would cost ~ms per step)."""
-    global _compiled_cast
-    if not w.is_cuda:
-        return _cast_weight_pair(w, amax, dtype)
-    if _compiled_cast is None:
-        _compiled_cast = torch.compile(_cast_weight_pair, dynamic=False)
-    return _compiled_cast(w, amax, dtype)
-
-
 def _weight_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     scales = scale_from_amax(amax.float(), FP8_MAX[dtype])
     return scales, scales.reciprocal()
 
 
-_compiled_scales = None
+class Fp8Casts:
+    """The per-step FP8 weight casts, each compiled on the GPU at its first use (eager on the CPU): 64 linears x a
+    few eager kernels would cost ~ms per step. One object per model: ``apply_native_fp8`` makes it and gives it to
+    every matmul it makes; ``refresh_weights_in_place`` and the FP8 parameter gather use the matmuls' object. So
+    the compiled graphs belong to their model (no module-global cache), and every cast of its weights goes
+    through the same compiled function: the same bits (a compiled division need not round like an eager one)."""
 
+    def __init__(self) -> None:
+        self._compiled: dict = {}
 
-def weight_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scales, inverse scales) of weights with amaxes ``amax`` (one per weight). One function for every per-step
-    weight cast (``refresh_weights_in_place`` and the FP8 parameter gather, ``fp8_param_gather``), so that both
-    give the same bits: compiled on the GPU, where a compiled division need not round like an eager one."""
-    global _compiled_scales
-    if not amax.is_cuda:
-        return _weight_scales(amax, dtype)
-    if _compiled_scales is None:
-        _compiled_scales = torch.compile(_weight_scales, dynamic=False)
-    return _compiled_scales(amax, dtype)
+    def run(self, fn, on_gpu: bool, *args):
+        """``fn(*args)``: compiled on the GPU (once per function), eager on the CPU."""
+        if not on_gpu:
+            return fn(*args)
+        if fn not in self._compiled:
+            self._compiled[fn] = torch.compile(fn, dynamic=False)
+        return self._compiled[fn](*args)
+
+    def weight_pair(self, w: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
+        """FP8 W, W^T (contiguous) with one scale from ``amax``, and the inverse scale."""
+        return self.run(_cast_weight_pair, w.is_cuda, w, amax, dtype)
+
+    def weight_scales(self, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, inverse scales) of weights with amaxes ``amax`` (one per weight)."""
+        return self.run(_weight_scales, amax.is_cuda, amax, dtype)
 
 
 def _cast_weights_into(weights: list, scales: torch.Tensor, inv: torch.Tensor, a_bufs: list, b_bufs: list,
@@ -169,16 +168,13 @@ def _cast_weights_into(weights: list, scales: torch.Tensor, inv: torch.Tensor, a
         inv_bufs[i].copy_(inv[i].reshape(1))
 
 
-_compiled_cast_into = None
-
-
 @torch.no_grad()
 def refresh_weights_in_place(matmuls: list, amax: torch.Tensor) -> bool:
     """Re-cast the FP8 weight copies of many per-tensor matmuls at once (``amax``: one per matmul) into the
     buffers they already have: on the GPU one compiled graph for all of them (one call instead of a call and
-    four copies per weight, whose launches would otherwise leave the GPU waiting at the start of each step).
-    False, doing nothing, when a buffer is not sized yet (the first refresh) or the matmuls mix FP8 formats."""
-    global _compiled_cast_into
+    four copies per weight, whose launches would otherwise leave the GPU waiting at the start of each step),
+    from the first matmul's ``casts``. False, doing nothing, when a buffer is not sized yet (the first refresh)
+    or the matmuls mix FP8 formats."""
     if not matmuls or len({m.fwd_dtype for m in matmuls}) > 1:
         return False
     weights = [m.weight_ref.detach() for m in matmuls]
@@ -186,14 +182,9 @@ def refresh_weights_in_place(matmuls: list, amax: torch.Tensor) -> bool:
         if (m.w_a.shape != w.shape or m.w_b.shape != w.t().shape or m.w_a.device != w.device
                 or m.w_a_inv.numel() != 1):
             return False
-    fn = _cast_weights_into
-    if weights[0].is_cuda:
-        if _compiled_cast_into is None:
-            _compiled_cast_into = torch.compile(_cast_weights_into, dynamic=False)
-        fn = _compiled_cast_into
-    dtype = matmuls[0].fwd_dtype
-    fn(weights, *weight_scales(amax, dtype), [m.w_a for m in matmuls], [m.w_b for m in matmuls],
-       [m.w_a_inv for m in matmuls], dtype)
+    casts, dtype = matmuls[0].casts, matmuls[0].fwd_dtype
+    casts.run(_cast_weights_into, weights[0].is_cuda, weights, *casts.weight_scales(amax, dtype),
+              [m.w_a for m in matmuls], [m.w_b for m in matmuls], [m.w_a_inv for m in matmuls], dtype)
     torch._foreach_copy_([m.w_b_inv for m in matmuls], [m.w_a_inv for m in matmuls])
     for m in matmuls:
         m.weight_stale = False
@@ -203,10 +194,13 @@ def refresh_weights_in_place(matmuls: list, amax: torch.Tensor) -> bool:
 class Fp8Matmul(nn.Module):
     """``F.linear`` in FP8 for one weight: the weight's cached FP8 copies and, for delayed scaling, the
     scale/amax buffers (all non-persistent: the state dict is the same as in BF16; checkpoints store delayed
-    scaling's state by name through ``Fp8Runtime.delayed_state``)."""
+    scaling's state by name through ``Fp8Runtime.delayed_state``). ``casts``: the model's ``Fp8Casts`` (its own
+    when not given)."""
 
-    def __init__(self, recipe: str = "tensorwise", fmt: str = "hybrid", fast_accum_backward: bool = False) -> None:
+    def __init__(self, recipe: str = "tensorwise", fmt: str = "hybrid", fast_accum_backward: bool = False,
+                 casts: Fp8Casts | None = None) -> None:
         super().__init__()
+        self.casts = casts if casts is not None else Fp8Casts()
         if recipe not in ("tensorwise", "delayed", "rowwise"):
             raise ValueError(f"native fp8 recipe must be tensorwise, delayed or rowwise, got {recipe!r}")
         self.recipe = recipe
@@ -236,7 +230,7 @@ class Fp8Matmul(nn.Module):
             b_inv = b_inv.t()  # (1, K)
             b = b.contiguous()
         else:
-            a, b, a_inv = _cast_weight_pair_fast(w, tensor_amax(w) if amax is None else amax.float(), self.fwd_dtype)
+            a, b, a_inv = self.casts.weight_pair(w, tensor_amax(w) if amax is None else amax.float(), self.fwd_dtype)
             b_inv = a_inv
         for name, value in (("w_a", a), ("w_a_inv", a_inv), ("w_b", b), ("w_b_inv", b_inv)):
             buf = getattr(self, name)
@@ -281,14 +275,15 @@ class Fp8Matmul(nn.Module):
 class Fp8Linear(nn.Module):
     """Drop-in for a single-device ``nn.Linear`` (same ``weight``/``bias`` parameters and names)."""
 
-    def __init__(self, linear: nn.Linear, recipe: str, fmt: str, fast_accum_backward: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, recipe: str, fmt: str, fast_accum_backward: bool = False,
+                 casts: Fp8Casts | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         if hasattr(linear, "part_sizes"):
             self.part_sizes = linear.part_sizes
-        self.matmul = Fp8Matmul(recipe, fmt, fast_accum_backward).to(linear.weight.device)  # its amax/scale buffers beside the weight
+        self.matmul = Fp8Matmul(recipe, fmt, fast_accum_backward, casts).to(linear.weight.device)  # its amax/scale buffers beside the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mmtrain.model.fp8_native import Fp8Matmul, weight_scales
+from mmtrain.model.fp8_native import Fp8Casts, Fp8Matmul
 from mmtrain.model.fp8_scaling import quantize
 
 
@@ -41,26 +41,15 @@ def _transpose_into(flat: torch.Tensor, plan: tuple, b_bufs: list) -> None:
         b.copy_(flat[lo:lo + rows * cols].view(rows, cols).t())
 
 
-_compiled: dict = {}
-
-
-def _maybe_compiled(fn, on_gpu: bool):
-    """``fn`` compiled on the GPU (one graph instead of a few kernels per weight), eager on the CPU. Every output
-    is a whole tensor of its own: Inductor turns writes into slices of one buffer into one kernel over the whole
-    buffer that evaluates every slice's expression at every element."""
-    if not on_gpu:
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False)
-    return _compiled[fn]
-
-
 def cast_pieces(src: torch.Tensor, scales: torch.Tensor, outs: list[torch.Tensor], plan: tuple,
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, casts: Fp8Casts) -> None:
     """For each ``(lo, hi, k)`` of ``plan`` and its ``out``: ``out = fp8(src[lo:hi] * scales[k])``, clamped like
-    every weight cast (the FP8 bytes of a rank's pieces of the weights; ``src`` is the flat BF16 buffer)."""
+    every weight cast (the FP8 bytes of a rank's pieces of the weights; ``src`` is the flat BF16 buffer).
+    Compiled on the GPU through ``casts`` (one graph instead of a few kernels per weight). Every output is a
+    whole tensor of its own: Inductor turns writes into slices of one buffer into one kernel over the whole
+    buffer that evaluates every slice's expression at every element."""
     if plan:
-        _maybe_compiled(_cast_pieces_into, src.is_cuda)(src, scales, outs, plan, dtype)
+        casts.run(_cast_pieces_into, src.is_cuda, src, scales, outs, plan, dtype)
 
 
 def gather_weights(runtime, cfg, group_size: int) -> list[torch.nn.Parameter]:
@@ -99,6 +88,7 @@ class Fp8ParamGather:
         if len(dtypes) != 1 or any(m.recipe == "rowwise" for m in self.matmuls):
             raise ValueError("fp8.param_gather needs per-tensor FP8 matmuls of one format")
         self.dtype = dtypes.pop()
+        self.casts = self.matmuls[0].casts  # the model's compiled casts: the same bits as its per-step re-cast
         device = buckets.param_buffer.device
         total = sum(b.end - b.start for b in self.buckets)
         self.fp8_buffer = torch.zeros(total, dtype=torch.uint8, device=device)  # the buckets' layout, 1 byte each
@@ -158,8 +148,8 @@ class Fp8ParamGather:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
-        scales, inv = weight_scales(amax, self.dtype)
-        cast_pieces(self.owner.param_buffer, scales, self.piece_outs, self.cast_plan, self.dtype)
+        scales, inv = self.casts.weight_scales(amax, self.dtype)
+        cast_pieces(self.owner.param_buffer, scales, self.piece_outs, self.cast_plan, self.dtype, self.casts)
         for parts, shard_part in self.joins:
             torch.cat(parts, out=shard_part)
         for full, shard in self.views:
@@ -170,8 +160,8 @@ class Fp8ParamGather:
             for name in ("w_a_inv", "w_b_inv"):
                 if getattr(m, name).shape != (1,):
                     setattr(m, name, torch.empty(1, device=amax.device))
-        _maybe_compiled(_transpose_into, amax.is_cuda)(self.fp8_buffer.view(self.dtype), self.w_plan,
-                                                       [m.w_b for m in self.matmuls])
+        self.casts.run(_transpose_into, amax.is_cuda, self.fp8_buffer.view(self.dtype), self.w_plan,
+                       [m.w_b for m in self.matmuls])
         inv_list = list(inv.reshape(-1, 1).unbind(0))
         torch._foreach_copy_([m.w_a_inv for m in self.matmuls], inv_list)
         torch._foreach_copy_([m.w_b_inv for m in self.matmuls], inv_list)

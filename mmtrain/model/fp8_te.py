@@ -1,5 +1,5 @@
 """Transformer Engine backend of FP8 training: the FP8 blocks' linears become ``te.Linear`` modules inside TE's
-fp8 autocast. Imported only when TE is used (``mmtrain.model.fp8.apply_fp8``); CPU CI never imports it.
+fp8 autocast. Transformer Engine itself is imported only when this backend runs; CPU CI never imports it.
 
 Names and checkpoints: each ``te.Linear`` replaces one of our linears *in place* and holds the same
 ``weight``/``bias`` parameters (this rank's shard, copied from ours), so parameter names, checkpoints, resharding
@@ -113,19 +113,12 @@ def _make_te_linear(lin: nn.Module) -> nn.Module:
     return new
 
 
-def apply_te_fp8(model: nn.Module, cfg: GPTRunConfig, mesh, layers: set[int]) -> None:
-    """Swap the chosen blocks' linears for TE ones and run the chunk's forward inside TE's FP8 autocast."""
-    from mmtrain.model.fp8 import FP8_LINEARS
-
-    for index, block in model.layers.items():
-        if int(index) not in layers:
-            continue
-        for path in FP8_LINEARS:
-            parent_path, _, name = path.rpartition(".")
-            parent = block.get_submodule(parent_path)
-            lin = getattr(parent, name, None)
-            if lin is not None:  # MoE blocks have no mlp.up/down
-                setattr(parent, name, _make_te_linear(lin))
+def apply_te_fp8(model: nn.Module, cfg: GPTRunConfig, mesh, linears: list[tuple[nn.Module, str, nn.Module]]
+                 ) -> None:
+    """Swap ``linears`` (``(parent, attribute, linear)`` of this chunk: ``fp8.fp8_linears``) for TE ones and run
+    the chunk's forward inside TE's FP8 autocast."""
+    for parent, name, lin in linears:
+        setattr(parent, name, _make_te_linear(lin))
     group = mesh.tp_group if dist.get_world_size(mesh.tp_group) > 1 else None
     recipe = te_recipe(cfg)
     inner = model.forward

@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.model.mlp import MLP
+from mmtrain.model.moe import MoELayer
 
 
 class RMSNorm(nn.Module):
@@ -121,33 +123,6 @@ class Attention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gated = cfg.activation == "swiglu"
-        width = cfg.ffn_hidden_size * (2 if self.gated else 1)
-        self.up = nn.Linear(cfg.hidden_size, width, bias=cfg.add_bias)
-        if self.gated:
-            self.up.part_sizes = (cfg.ffn_hidden_size, cfg.ffn_hidden_size)  # [gate | up]
-        self.down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias)
-
-        self.recompute_activation = False  # selective recomputation: keep `up`'s output, not the activation's
-
-    def _activation(self, h: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h, approximate="tanh")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        if self.recompute_activation and torch.is_grad_enabled():
-            h = checkpoint(self._activation, h, use_reentrant=False)
-        else:
-            h = self._activation(h)
-        return self.down(h)
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block. ``causal=False`` builds an encoder block (bidirectional attention) with the same
     parameter layout, so the TP plan shards it the same way."""
@@ -157,12 +132,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, causal)
         self.mlp_norm = make_norm(cfg)
-        if cfg.num_experts:
-            from mmtrain.model.moe import MoELayer  # moe.py builds on MLP from this module
-
-            self.mlp = MoELayer(cfg)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = MoELayer(cfg) if cfg.num_experts else MLP(cfg)
         self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.model.mlp import MLP, swiglu_or_gelu
 from mmtrain.parallel.expert import permute_by_expert, unpermute_and_combine
 
 
@@ -74,13 +75,6 @@ class _Router(nn.Module):
         return weights, ids, aux, load
 
 
-def _swiglu_or_gelu(h: torch.Tensor, gated: bool) -> torch.Tensor:
-    if gated:
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(h, approximate="tanh")
-
-
 class Experts(nn.Module):
     """``num_local`` expert MLPs stored stacked: w_up (E, D, 2F|F), w_down (E, F, D)."""
 
@@ -98,11 +92,11 @@ class Experts(nn.Module):
                        and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x_MD.device)[0] >= 9)
         if use_grouped:
             offs = torch.tensor(counts, device=x_MD.device).cumsum(0).to(torch.int32)
-            h = _swiglu_or_gelu(torch._grouped_mm(x_MD, self.w_up, offs=offs), self.gated)
+            h = swiglu_or_gelu(torch._grouped_mm(x_MD, self.w_up, offs=offs), self.gated)
             return torch._grouped_mm(h, self.w_down, offs=offs)
         outs = []
         for e, part in enumerate(x_MD.split(counts)):
-            outs.append(_swiglu_or_gelu(part @ self.w_up[e], self.gated) @ self.w_down[e])
+            outs.append(swiglu_or_gelu(part @ self.w_up[e], self.gated) @ self.w_down[e])
         return torch.cat(outs) if outs else x_MD.new_zeros(0, self.w_down.shape[-1])
 
 
@@ -136,8 +130,6 @@ class MoELayer(nn.Module):
         self.experts = Experts(cfg, cfg.num_experts)
         self.shared = None
         if cfg.moe_shared_ffn_hidden_size:
-            from mmtrain.model.layers import MLP  # a dense MLP of the shared width
-
             shared_cfg = type(cfg)(**{**cfg.__dict__, "ffn_hidden_size": cfg.moe_shared_ffn_hidden_size})
             self.shared = MLP(shared_cfg)
         self.dispatch = _local_dispatch  # replaced by the expert-parallel plan

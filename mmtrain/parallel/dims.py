@@ -147,12 +147,15 @@ class ParallelDims:
 
     # ------------------------------------------------------------------------------------------- processes
     def build(self, rank: int | None = None, backend: str | None = None,
-              timeout_s: float | None = None) -> "ParallelMesh":
+              timeout_s: float | None = None, node_local_rank: int | None = None) -> "ParallelMesh":
         """Create every process group (collective over all ranks: call once, on every rank, in the same order).
-        ``timeout_s``: how long a collective on these groups may wait (torch's default otherwise: 30 min)."""
+        ``timeout_s``: how long a collective on these groups may wait (torch's default otherwise: 30 min).
+        ``node_local_rank``: this process's index on its node (default: the launcher's, ``launch.node_local_rank``)."""
         import datetime
 
         import torch.distributed as dist
+
+        from mmtrain.parallel.launch import node_local_rank as launched_local_rank  # imports torch
 
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
 
@@ -173,7 +176,8 @@ class ParallelDims:
             group = dist.new_group(ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 mine["embd"] = (group, ranks)
-        return ParallelMesh(dims=self, rank=rank, coord=self.coord(rank), _groups=mine)
+        local = launched_local_rank() if node_local_rank is None else node_local_rank
+        return ParallelMesh(dims=self, rank=rank, coord=self.coord(rank), _groups=mine, node_local_rank=local)
 
     def embedding_group_ranks(self) -> list[list[int]]:
         """[first stage, last stage] of every pipeline (empty when pp == 1); middle stages belong to none."""
@@ -190,6 +194,7 @@ class ParallelMesh:
     rank: int
     coord: RankCoord
     _groups: dict[str, tuple[Any, list[int]]] = field(repr=False)
+    node_local_rank: int = 0  # index among this node's processes: local rank 0 builds the node's data indices
 
     def group(self, name: str) -> Any:
         """The group of kind ``name`` holding this rank; ``embd`` is None on middle pipeline stages."""

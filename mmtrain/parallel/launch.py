@@ -13,13 +13,19 @@ import torch
 import torch.distributed as dist
 
 
+def node_local_rank() -> int:
+    """This process's index among the processes of its node (torchrun's LOCAL_RANK; 0 without torchrun). Read
+    here, at start-up, and handed on (``ParallelMesh.node_local_rank``), never read deeper down."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def pick_device(kind: str = "auto") -> torch.device:
     """``auto`` -> this rank's GPU when CUDA is available, else the CPU."""
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = node_local_rank()
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

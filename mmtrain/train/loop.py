@@ -36,15 +36,15 @@ from mmtrain.train.resume_inputs import LrSchedule, resolve_resume, resume_recor
 from mmtrain.utils.log import get_logger
 
 
-def _build_samples(cfg: GPTRunConfig, split: str, dp_size: int):
+def _build_samples(cfg: GPTRunConfig, split: str, dp_size: int, index_builder: bool):
     if cfg.data.mock:
         from mmtrain.data.mock import MockGPTSamples
 
         seed = cfg.data.seed + {"train": 0, "valid": 1, "test": 2}[split]
         return MockGPTSamples(cfg.model.vocab_size, cfg.data.seq_length, seed)
-    from mmtrain.data.gpt_dataset import build_gpt_samples_from_config
+    from mmtrain.data.blend import build_gpt_samples_from_config
 
-    return build_gpt_samples_from_config(cfg, split=split, dp_size=dp_size)
+    return build_gpt_samples_from_config(cfg, split, dp_size, index_builder=index_builder)
 
 
 def _param_dtype_for(precision: str) -> torch.dtype:
@@ -202,12 +202,13 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         load_model_weights(found, mesh, stage, run_model_cfg=cfg.model)
         get_logger("train").info(f"initialized from weights-only checkpoint {found}; training starts at step 0")
     lr_schedule = resolve_resume(found, cfg, dims.dp)  # before the data is built: a changed order is an error
-    train_samples = _build_samples(cfg, "train", dims.dp)
+    index_builder = mesh.node_local_rank == 0  # one process per node builds the data indices
+    train_samples = _build_samples(cfg, "train", dims.dp, index_builder)
     eod_id = getattr(train_samples, "eod_id", None)
     batches = MicroBatches(train_samples, cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
     val_batches = None
     if cfg.train.eval_every:
-        val_batches = MicroBatches(_build_samples(cfg, "valid", dims.dp), cfg.train.micro_batch_size,
+        val_batches = MicroBatches(_build_samples(cfg, "valid", dims.dp, index_builder), cfg.train.micro_batch_size,
                                    mesh.coord.dp, dims.dp)
     return train_model(cfg, mesh, device, stage, batches, val_batches, _gpt_task(cfg, mesh, device, stage, eod_id),
                        found, model_name=cfg.model.name, lr_schedule=lr_schedule)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmtrain.data.gpt_dataset import build_gpt_samples_from_config
+from mmtrain.data.blend import build_gpt_samples_from_config
 from mmtrain.data.loader import MicroBatches
+from mmtrain.parallel.launch import node_local_rank
 from mmtrain.testing import run_distributed
 from tests.data_helpers import run_config, write_text_dataset
 
@@ -50,7 +51,8 @@ def two_ranks(tmp_path_factory):
 
 
 def _gpt_rank_steps(rank: int, world_size: int, tmp: str):
-    samples = build_gpt_samples_from_config(_config(tmp), split="train", dp_size=world_size)
+    # the launcher's local rank, read here at the top as a training script does: local rank 0 builds the indices
+    samples = build_gpt_samples_from_config(_config(tmp), "train", world_size, index_builder=node_local_rank() == 0)
     batches = MicroBatches(samples, MBS, rank, world_size)
     # gbs = mbs * dp: one micro-batch per step. Returned as numpy: torch tensors would travel as shared memory
     # whose sender may exit before the parent reads it.
@@ -63,11 +65,11 @@ def test_resume_after_dp_change_continues_the_single_run_order(two_ranks):
     tmp_path, results = two_ranks
     tmp = str(tmp_path)
     r0, r1 = (r["gpt"] for r in results)
-    assert r0["built"] and not r1["built"]  # LOCAL_RANK 0 built, LOCAL_RANK 1 waited and loaded
+    assert r0["built"] and not r1["built"]  # local rank 0 built, local rank 1 waited and loaded
     assert r0["digest"] == r1["digest"] and r0["state"] == r1["state"] == {"consumed_samples": 4 * STEPS_BEFORE}
 
     # continue on one rank: same global batch as 2 micro-batches per step
-    samples = build_gpt_samples_from_config(_config(tmp), split="train", dp_size=1)
+    samples = build_gpt_samples_from_config(_config(tmp), "train", 1)
     assert _digest(samples) == r0["digest"] and not samples.built
     resumed = MicroBatches(samples, MBS, 0, 1)
     resumed.load_state_dict(r0["state"])

@@ -9,7 +9,7 @@ from torch import nn
 
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.model.fp8 import te_importable
-from mmtrain.model.fp8_native import Fp8Linear, refresh_weights_in_place
+from mmtrain.model.fp8_native import Fp8Casts, Fp8Linear, refresh_weights_in_place
 from mmtrain.parallel import ParallelDims, init_distributed
 from mmtrain.train.loop import train_gpt
 
@@ -50,7 +50,9 @@ def test_native_linear_on_the_gpu(recipe, fmt, fast_bwd, compiled):
 def _cast_linears() -> tuple[list[Fp8Linear], list]:
     """Four tensorwise FP8 linears of different shapes on the GPU, their FP8 weight copies made once."""
     torch.manual_seed(0)
-    lins = [Fp8Linear(nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16), "tensorwise", "hybrid")
+    casts = Fp8Casts()  # one model's compiled casts, as apply_native_fp8 shares them
+    lins = [Fp8Linear(nn.Linear(i, o, bias=False, device="cuda", dtype=torch.bfloat16), "tensorwise", "hybrid",
+                      casts=casts)
             for i, o in ((256, 768), (256, 256), (256, 1024), (512, 256))]
     for lin in lins:
         object.__setattr__(lin.matmul, "weight_ref", lin.weight)
@@ -76,13 +78,13 @@ def test_weights_recast_in_place_on_the_gpu_equal_the_per_weight_cast():
 def test_fp8_param_gather_cast_of_pieces_equals_the_in_place_cast_on_the_gpu():
     """fp8.param_gather casts each rank's pieces of a weight (compiled) with the scale of the whole weight: the
     bytes must be those of the per-step cast of whole weights (refresh_weights_in_place), bit for bit."""
-    from mmtrain.model.fp8_native import weight_scales
     from mmtrain.model.fp8_param_gather import cast_pieces
 
     lins, matmuls = _cast_linears()
     amax = torch.stack([lin.weight.detach().abs().amax().float() for lin in lins])
     assert refresh_weights_in_place(matmuls, amax)
-    scales, inv = weight_scales(amax, torch.float8_e4m3fn)
+    casts = matmuls[0].casts
+    scales, inv = casts.weight_scales(amax, torch.float8_e4m3fn)
     flat = torch.cat([lin.weight.detach().reshape(-1) for lin in lins])  # like the parameter buffer
     plan, offset = [], 0
     for i, lin in enumerate(lins):  # two pieces per weight, cut where no row ends (like a shard boundary)
@@ -91,7 +93,7 @@ def test_fp8_param_gather_cast_of_pieces_equals_the_in_place_cast_on_the_gpu():
         plan += [(offset, cut, i), (cut, offset + n, i)]
         offset += n
     outs = [torch.empty(hi - lo, dtype=torch.float8_e4m3fn, device="cuda") for lo, hi, _ in plan]
-    cast_pieces(flat, scales, outs, tuple(plan), torch.float8_e4m3fn)
+    cast_pieces(flat, scales, outs, tuple(plan), torch.float8_e4m3fn, casts)
     for i, m in enumerate(matmuls):
         got = torch.cat([outs[2 * i].view(torch.uint8), outs[2 * i + 1].view(torch.uint8)])
         assert torch.equal(got.view(m.w_a.shape), m.w_a.view(torch.uint8)), i

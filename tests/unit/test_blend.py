@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmtrain.data.blend import BlendedSamples, build_blended_samples
+from mmtrain.data.blend import BlendedSamples, build_gpt_samples_from_config
 from mmtrain.data.blend_spec import BlendSpecError, blend_from_prefixes, load_blend_spec
-from mmtrain.data.gpt_dataset import build_gpt_samples_from_config
 from mmtrain.data.gpt_indices import build_blend_index
 from tests.data_helpers import run_config, write_text_dataset
 
@@ -122,46 +121,46 @@ def test_checks_before_training_tokenizer_vocab_energon_and_empty_split(tmp_path
     for text, message in cases:
         cfg = run_config(tmp_path, blend=str(_spec(tmp_path, text)), reset_position_ids=True)
         with pytest.raises(BlendSpecError, match=message):
-            build_gpt_samples_from_config(cfg, split="valid" if "valid" in message else "train")
+            build_gpt_samples_from_config(cfg, "valid" if "valid" in message else "train", 1)
     (tmp_path / "data" / "c.bin").write_bytes(b"")
     (tmp_path / "data" / "c.idx").write_bytes(b"garbage")
     cfg = run_config(tmp_path, blend=str(_spec(tmp_path, "datasets: '1 ../data/c'")))
     with pytest.raises(BlendSpecError, match=r"datasets\[1\].*c.idx"):
-        build_gpt_samples_from_config(cfg)
+        build_gpt_samples_from_config(cfg, "train", 1)
     with pytest.raises(BlendSpecError, match="data.weights has 1 values for 2"):
-        build_gpt_samples_from_config(run_config(tmp_path, prefixes=[str(p) for p in two], weights=[1.0]))
+        build_gpt_samples_from_config(run_config(tmp_path, prefixes=[str(p) for p in two], weights=[1.0]), "train", 1)
 
 
 def test_blended_samples_follow_the_weights_and_log_the_mix(tmp_path, two, caplog):
     cfg = run_config(tmp_path, blend=str(_spec(tmp_path, "datasets: '0.25 ../data/a 0.75 ../data/b'")))
     cfg.train.steps, cfg.train.global_batch_size = 25, 8
     with caplog.at_level(logging.INFO, logger="mmtrain"):
-        samples = build_gpt_samples_from_config(cfg)
+        samples = build_gpt_samples_from_config(cfg, "train", 1)
     assert isinstance(samples, BlendedSamples) and len(samples) == 200 and samples.eod_id == 0
     from_b = [bool((samples[n] >= 200).any()) for n in range(len(samples))]
     for n in (1, 7, 50, 200):
         assert abs(sum(from_b[:n]) - 0.75 * n) <= 1
     text = caplog.text
     assert "a: weight 0.2500 -> 0.2500 of samples" in text and "b: weight 0.7500" in text and "epochs" in text
-    again = build_gpt_samples_from_config(cfg)
+    again = build_gpt_samples_from_config(cfg, "train", 1)
     assert not again.built and all(not d.built for d in again.datasets)
     assert np.array_equal(again[123], samples[123])
 
 
 def test_prefixes_without_weights_are_weighed_by_tokens(tmp_path, two):
-    from mmtrain.data.indexed import IndexedDataset
+    from mmtrain.core.indexed import IndexedDataset
 
     cfg = run_config(tmp_path, prefixes=[str(p) for p in two], split="1")
-    samples = build_blended_samples(cfg)
+    samples = build_gpt_samples_from_config(cfg, "train", 1)
     tokens = np.array([IndexedDataset(p).num_tokens for p in two], np.float64)
     assert np.allclose(samples.weights, tokens / tokens.sum())
     cfg = run_config(tmp_path, prefixes=[str(p) for p in two], weights=[1.0, 3.0])
-    assert build_gpt_samples_from_config(cfg).weights == [0.25, 0.75]
+    assert build_gpt_samples_from_config(cfg, "train", 1).weights == [0.25, 0.75]
 
 
 def test_per_split_blends_use_each_dataset_whole(tmp_path, two):
     spec = _spec(tmp_path, "train: '1 ../data/a'\nvalid: '1 ../data/b'\n")
     cfg = run_config(tmp_path, blend=str(spec))
-    train, valid = build_gpt_samples_from_config(cfg, "train"), build_gpt_samples_from_config(cfg, "valid")
+    train, valid = build_gpt_samples_from_config(cfg, "train", 1), build_gpt_samples_from_config(cfg, "valid", 1)
     assert train.documents == (0, 120) and valid.documents == (0, 60)
     assert (valid[0] >= 200).sum() >= 1

@@ -477,3 +477,15 @@ def test_fp8_on_the_cpu_is_a_config_error_at_start_up():
 def test_native_matmul_rejects_te_only_recipes():
     with pytest.raises(ValueError, match="native fp8 recipe"):
         Fp8Matmul("mxfp8")
+
+
+def test_compiled_weight_casts_belong_to_their_model_not_to_a_module_global():
+    import mmtrain.model.fp8_native as native
+    import mmtrain.model.fp8_param_gather as gather
+
+    cfg = _cfg("model.vocab_size=64", "fp8.output_layer=true")
+    first, second = (apply_native_fp8(GPTModel(cfg.model), cfg) for _ in range(2))
+    assert len({id(m.casts) for m in first}) == 1 and len({id(m.casts) for m in second}) == 1
+    assert first[0].casts is not second[0].casts  # each model owns its compiled casts
+    for module in (native, gather):  # and no module keeps compiled functions of its own
+        assert not [name for name, value in vars(module).items() if name.startswith("_compiled")], module.__name__

@@ -95,8 +95,8 @@ class _Mesh:
 def test_te_backend_swaps_linears_in_place_and_runs_in_autocast(fake_te, monkeypatch):
     import torch.distributed as dist
 
-    from mmtrain.model.fp8 import te_importable
-    from mmtrain.model.fp8_te import apply_te_fp8, te_recipe
+    from mmtrain.model.fp8 import apply_fp8, te_importable
+    from mmtrain.model.fp8_te import te_recipe
 
     assert te_importable()
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
@@ -109,7 +109,7 @@ def test_te_backend_swaps_linears_in_place_and_runs_in_autocast(fake_te, monkeyp
     ids = torch.randint(0, 64, (2, 8))
     want = model(ids)
     names, keys = [n for n, _ in model.named_parameters()], list(model.state_dict())
-    apply_te_fp8(model, cfg, _Mesh(), {0, 1})
+    apply_fp8(model, cfg, _Mesh(), "te")  # blocks 0 and 1 (bf16_last_layers=1)
     assert type(model.layers["0"].attn.qkv).__name__ == "TeLinear"
     assert isinstance(model.layers["2"].attn.qkv, nn.Linear)  # bf16_last_layers=1
     assert model.layers["1"].attn.qkv.part_sizes == (32, 32, 32)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data import gpt_indices
-from mmtrain.data.gpt_dataset import (GPTSamples, SplitError, build_gpt_samples_from_config, packed_document_inputs,
-                                      samples_needed, split_document_ranges)
+from mmtrain.data.blend import build_gpt_samples_from_config
+from mmtrain.data.gpt_dataset import GPTSamples, SplitError, packed_document_inputs, samples_needed, split_document_ranges
 from mmtrain.data.index_cache import IndexCacheTimeout
-from mmtrain.data.indexed import IndexedDataset
 from mmtrain.data.loader import MicroBatches
 from tests.data_helpers import EOD, run_config, write_text_dataset
 
@@ -78,7 +78,7 @@ def test_samples_are_the_document_stream_cut_into_overlapping_windows(tmp_path, 
 
 
 def test_empty_documents_are_skipped_like_megatron_does(tmp_path):
-    from mmtrain.data.indexed import IndexedDatasetWriter
+    from mmtrain.core.indexed import IndexedDatasetWriter
 
     lengths = np.array([5, 0, 7, 0, 0, 9, 3, 0, 11] * 5, np.int32)
     with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
@@ -140,16 +140,19 @@ def test_default_cache_folder_is_next_to_the_dataset(tmp_path):
     assert list((tmp_path / "ds.cache").glob("gpt-ds-train-*.json"))
 
 
-def test_non_builder_rank_waits_then_fails_clearly(tmp_path, monkeypatch):
+def test_non_builder_rank_waits_then_fails_clearly(tmp_path):
     prefix = write_text_dataset(tmp_path / "ds", num_docs=20)
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(IndexCacheTimeout, match="LOCAL_RANK 0.*index_build_timeout_s"):
-        GPTSamples(prefix, 8, 1, 10, cache_dir=tmp_path / "c", build_timeout_s=0.3)
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(IndexCacheTimeout, match="local rank 0.*index_build_timeout_s"):
+        GPTSamples(prefix, 8, 1, 10, cache_dir=tmp_path / "c", build_timeout_s=0.3, index_builder=False)
     built = GPTSamples(prefix, 8, 1, 10, cache_dir=tmp_path / "c")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    loaded = GPTSamples(prefix, 8, 1, 10, cache_dir=tmp_path / "c", build_timeout_s=0.3)
+    loaded = GPTSamples(prefix, 8, 1, 10, cache_dir=tmp_path / "c", build_timeout_s=0.3, index_builder=False)
     assert built.built and not loaded.built
+
+
+def test_who_builds_the_indices_is_an_argument_not_the_environment(tmp_path, monkeypatch):
+    prefix = write_text_dataset(tmp_path / "ds", num_docs=20)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # what torchrun sets on a node's second process: not read here
+    assert GPTSamples(prefix, 8, 1, 10, cache_dir=tmp_path / "c", build_timeout_s=0.3).built
 
 
 def test_packed_document_inputs():
@@ -170,13 +173,13 @@ def test_build_from_config_sizes_the_run_and_names_the_eod(tmp_path):
     prefix = write_text_dataset(tmp_path / "ds", num_docs=100)
     cfg = run_config(tmp_path, prefixes=[str(prefix)])
     cfg.train.global_batch_size = 8
-    samples = build_gpt_samples_from_config(cfg)
+    samples = build_gpt_samples_from_config(cfg, "train", 1)
     assert samples_needed(cfg, "train") == 80 and len(samples) >= 80 and samples.eod_id == EOD
-    assert build_gpt_samples_from_config(cfg, split="train", dp_size=4)[0].shape == (17,)
+    assert build_gpt_samples_from_config(cfg, "train", 4)[0].shape == (17,)
     cfg.train.global_batch_size, cfg.train.eval_every, cfg.train.eval_steps = 0, 5, 2
     assert samples_needed(cfg, "train", dp_size=2) == 10 * 2 * 2
     assert samples_needed(cfg, "valid", dp_size=2) == 3 * 2 * 2 * 2
-    assert len(build_gpt_samples_from_config(cfg, split="valid")) >= 12
+    assert len(build_gpt_samples_from_config(cfg, "valid", 1)) >= 12
 
 
 def test_resume_mid_epoch_continues_identically(tmp_path):

@@ -1,4 +1,4 @@
-"""mmtrain.data.indexed: MMIDIDX writer/reader, byte-compatible with Megatron-Core's IndexedDataset."""
+"""mmtrain.core.indexed: MMIDIDX writer/reader, byte-compatible with Megatron-Core's IndexedDataset."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from mmtrain.data.indexed import (MAGIC, IndexedDataset, IndexedDatasetWriter, IndexedFormatError,
+from mmtrain.core.indexed import (MAGIC, IndexedDataset, IndexedDatasetWriter, IndexedFormatError,
                                   read_index_header, token_dtype_for)
 
 

@@ -81,7 +81,7 @@ def same(a, b) -> bool:
 
 
 def test_batches_have_fixed_shapes_and_captions_decode_back(data):
-    from dataprep.tokenizer import load_tokenizer
+    from mmtrain.core.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data["tokenizer"])
     loader = MultimodalLoader(data["root"] / "a", settings(data), opts(micro_batch_size=3))
@@ -124,7 +124,7 @@ def test_crude_audio_and_video_are_cooked(data):
 
 
 def test_conversation_prompt_is_masked(data):
-    from dataprep.tokenizer import load_tokenizer
+    from mmtrain.core.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data["tokenizer"])
     loader = MultimodalLoader(data["root"] / "mixed", settings(data), opts(micro_batch_size=1, shuffle_buffer_size=0,

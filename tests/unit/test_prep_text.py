@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dataprep.cli import main as prep
-from mmtrain.data.indexed import IndexedDataset
+from mmtrain.core.indexed import IndexedDataset
 from tests.unit.test_tokenizer import (
     TRICKY_DOCS,
     build_gpt2_files,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dataprep.cli import main as prep
-from mmtrain.data.indexed import IndexedDataset
+from mmtrain.core.indexed import IndexedDataset
 from tests.unit.test_tokenizer import build_sentencepiece
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,15 +135,16 @@ def test_killed_run_leaves_nothing_complete_looking(tmp_path, sp_model):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     prefix = tmp_path / "out" / "corpus"
-    cmd = [sys.executable, "-m", "dataprep", "text", "--input", str(data), "--output-prefix", str(prefix),
-           "--tokenizer", str(sp_model), "--append-eod", "--workers", "2", "--block-mb", "0.02"]
+    args = ["--input", str(data), "--output-prefix", str(prefix), "--tokenizer", str(sp_model), "--append-eod",
+            "--workers", "2", "--block-mb", "0.02"]
+    cmd = [sys.executable, "-m", "dataprep", "text", *args]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # a complete earlier run: the killed run must leave it exactly as it was (written beside, switched at the end)
     subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=REPO)
     assert len(_outputs(prefix)) == 3
     earlier = {p.name: p.read_bytes() for p in _outputs(prefix)}
-    proc = subprocess.Popen(cmd, env={**env, "MMTRAIN_PREP_TEXT_PAUSE_AFTER_BLOCKS": "3:600"}, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    paused = [sys.executable, "-m", "tests.prep_text_paused", "3", "600", *args]  # sleeps after 3 blocks
+    proc = subprocess.Popen(paused, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120  # generous bound for a loaded machine; not a timing assertion
         while time.monotonic() < deadline:

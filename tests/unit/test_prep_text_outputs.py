@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dataprep.cli import main as prep
-from mmtrain.data.indexed import IndexedDataset
+from mmtrain.core.indexed import IndexedDataset
 from tests.unit.test_tokenizer import build_sentencepiece
 
 

@@ -23,7 +23,7 @@ def test_import_mmtrain_does_not_import_torch():
 def test_every_subpackage_lists_documented_public_names():
     import importlib
 
-    for sub in ("config", "parallel", "model", "data", "train", "convert"):
+    for sub in ("core", "config", "parallel", "model", "data", "train", "convert"):
         pkg = importlib.import_module(f"mmtrain.{sub}")
         assert (pkg.__doc__ or "").strip() and pkg.__all__, f"mmtrain.{sub} has no docstring or __all__"
         for name in pkg.__all__:
@@ -33,6 +33,6 @@ def test_every_subpackage_lists_documented_public_names():
 
 
 def test_importing_the_data_model_and_train_packages_does_not_import_torch():
-    code = "import sys, mmtrain.data, mmtrain.model, mmtrain.train; print('torch' in sys.modules)"
+    code = "import sys, mmtrain.core, mmtrain.data, mmtrain.model, mmtrain.train; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"

@@ -1,4 +1,4 @@
-"""dataprep.tokenizer: one interface over SentencePiece and Hugging Face tokenizers, built locally (no hub)."""
+"""mmtrain.core.tokenizer: one interface over SentencePiece and Hugging Face tokenizers, built locally (no hub)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from dataprep.errors import PrepError
-from dataprep.tokenizer import (
+from mmtrain.core.tokenizer import (
     GPT2BPETokenizer,
     HuggingFaceTokenizer,
     SentencePieceTokenizer,
+    TokenizerError,
     load_tokenizer,
 )
 
@@ -168,18 +168,18 @@ def test_hf_eos_without_config_and_override(tmp_path):
     path = build_hf_bpe(tmp_path / "noconf", with_config=False)
     assert load_tokenizer(path).eod_id == load_tokenizer(path).token_id("</s>")  # known eos names are tried
     assert load_tokenizer(path, eod_token="<|extra|>").eod_id == load_tokenizer(path).token_id("<|extra|>")
-    with pytest.raises(PrepError, match="not a token"):
+    with pytest.raises(TokenizerError, match="not a token"):
         load_tokenizer(path, eod_token="<nope>")
 
 
 def test_type_override_and_errors(tmp_path, sp_model):
-    with pytest.raises(PrepError, match="not found"):
+    with pytest.raises(TokenizerError, match="not found"):
         load_tokenizer(tmp_path / "missing.model")
     junk = tmp_path / "junk.model"
     junk.write_bytes(b"not a model")
-    with pytest.raises(PrepError, match="not a SentencePiece model"):
+    with pytest.raises(TokenizerError, match="not a SentencePiece model"):
         load_tokenizer(junk)
-    with pytest.raises(PrepError, match="not a Hugging Face"):
+    with pytest.raises(TokenizerError, match="not a Hugging Face"):
         load_tokenizer(sp_model, "huggingface")
 
 
@@ -233,8 +233,8 @@ def test_gpt2_file_names_and_errors(tmp_path):
     lone = tmp_path / "lone"
     lone.mkdir()
     (lone / "vocab.json").write_text(named.read_text())
-    with pytest.raises(PrepError, match="needs vocab.json and merges.txt"):
+    with pytest.raises(TokenizerError, match="needs vocab.json and merges.txt"):
         load_tokenizer(lone / "vocab.json", "gpt2-bpe")
     (lone / "merges.txt").write_text("#version: 0.2\nzz qq\n")  # merges of tokens the vocabulary lacks
-    with pytest.raises(PrepError, match="not a GPT-2 vocab/merges pair"):
+    with pytest.raises(TokenizerError, match="not a GPT-2 vocab/merges pair"):
         load_tokenizer(lone)

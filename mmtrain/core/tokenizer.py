@@ -16,7 +16,10 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence
 
-from dataprep.errors import PrepError
+class TokenizerError(ValueError):
+    """A tokenizer file is missing, unreadable or of another kind than asked for; the message names the file and
+    the fix (``mmtrain-prep`` prints it as one line and exits 2, like its own ``PrepError``)."""
+
 
 TOKENIZER_TYPES = ("sentencepiece", "huggingface", "gpt2-bpe")
 # GPT-2 files: Megatron-LM hard-codes this token as the end of document of its GPT2BPETokenizer.
@@ -82,7 +85,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as exc:  # noqa: BLE001 - the library raises bare RuntimeError/OSError
-            raise PrepError(f"{path}: not a SentencePiece model ({exc}); pass --tokenizer-type if it is "
+            raise TokenizerError(f"{path}: not a SentencePiece model ({exc}); pass --tokenizer-type if it is "
                             "a Hugging Face tokenizer") from None
         eos = self._sp.eos_id()
         self.eod_id = eos if eos >= 0 else None
@@ -119,11 +122,11 @@ class HuggingFaceTokenizer(Tokenizer):
         folder = path if path.is_dir() else path.parent
         self.path = path / "tokenizer.json" if path.is_dir() else path
         if not self.path.is_file():
-            raise PrepError(f"{path}: no tokenizer.json there; pass a tokenizer.json file or a folder holding one")
+            raise TokenizerError(f"{path}: no tokenizer.json there; pass a tokenizer.json file or a folder holding one")
         try:
             self._tk = HFTokenizer.from_file(str(self.path))
         except Exception as exc:  # noqa: BLE001
-            raise PrepError(f"{self.path}: not a Hugging Face tokenizer.json ({exc})") from None
+            raise TokenizerError(f"{self.path}: not a Hugging Face tokenizer.json ({exc})") from None
         self._add_special = add_special_tokens
         self._vocab = self._tk.get_vocab(with_added_tokens=True)
         self.eod_id = self._find_eos(folder)
@@ -135,7 +138,7 @@ class HuggingFaceTokenizer(Tokenizer):
             try:
                 eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
             except (OSError, ValueError) as exc:
-                raise PrepError(f"{config}: unreadable ({exc})") from None
+                raise TokenizerError(f"{config}: unreadable ({exc})") from None
             if isinstance(eos, dict):
                 eos = eos.get("content")
             if isinstance(eos, str) and eos in self._vocab:
@@ -192,12 +195,12 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         self.path = vocab / "vocab.json" if vocab.is_dir() else vocab
         self.merges_path = merges or gpt2_merges_for(vocab)
         if not self.path.is_file() or self.merges_path is None or not self.merges_path.is_file():
-            raise PrepError(f"{vocab}: a GPT-2 tokenizer needs vocab.json and merges.txt; pass a folder holding "
+            raise TokenizerError(f"{vocab}: a GPT-2 tokenizer needs vocab.json and merges.txt; pass a folder holding "
                             "both, or the vocab file and --merge-file")
         try:
             model = models.BPE.from_file(str(self.path), str(self.merges_path))
         except Exception as exc:  # noqa: BLE001 - the library raises bare Exception
-            raise PrepError(f"{self.path} + {self.merges_path}: not a GPT-2 vocab/merges pair ({exc})") from None
+            raise TokenizerError(f"{self.path} + {self.merges_path}: not a GPT-2 vocab/merges pair ({exc})") from None
         self._tk = HFTokenizer(model)
         self._tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self._tk.decoder = decoders.ByteLevel()
@@ -250,22 +253,22 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_type: str | None = None, *
     """
     path = Path(path)
     if not path.exists():
-        raise PrepError(f"tokenizer {path} not found; pass a SentencePiece .model, a tokenizer.json or its folder, "
+        raise TokenizerError(f"tokenizer {path} not found; pass a SentencePiece .model, a tokenizer.json or its folder, "
                         "or a GPT-2 vocab.json (with --merge-file)")
     kind = tokenizer_type or ("gpt2-bpe" if merge_file is not None else detect_tokenizer_type(path))
     if kind == "sentencepiece":
         if path.is_dir():
-            raise PrepError(f"{path} is a folder; a SentencePiece tokenizer is one .model file")
+            raise TokenizerError(f"{path} is a folder; a SentencePiece tokenizer is one .model file")
         tok: Tokenizer = SentencePieceTokenizer(path)
     elif kind == "huggingface":
         tok = HuggingFaceTokenizer(path, add_special_tokens=add_special_tokens)
     elif kind == "gpt2-bpe":
         tok = GPT2BPETokenizer(path, Path(merge_file) if merge_file is not None else None)
     else:
-        raise PrepError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
+        raise TokenizerError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
     if eod_token is not None:
         token_id = tok.token_id(eod_token)
         if token_id is None:
-            raise PrepError(f"--eod-token {eod_token!r} is not a token of {path}")
+            raise TokenizerError(f"--eod-token {eod_token!r} is not a token of {path}")
         tok.eod_id = token_id
     return tok
