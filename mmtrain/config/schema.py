@@ -178,6 +178,8 @@ class CheckpointConfig:
     async_save: bool = doc(False, "Write checkpoints in a background thread; the step waits only for a copy to "
                                   "pinned host memory.")
     load: str = doc("", "Checkpoint folder to resume from; empty resumes from run_dir/checkpoints/latest if present.")
+    verify: bool = doc(True, "Check every checkpoint file against the CRC-32 recorded when it was written "
+                             "(checksums.json) before reading it; a damaged file stops the run. false reads unchecked.")
 
 
 @dataclass

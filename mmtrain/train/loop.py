@@ -199,7 +199,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         # converted weights, any layout: loaded before the optimizer copies its fp32 masters
         from mmtrain.convert.checkpoint_io import load_model_weights
 
-        load_model_weights(found, mesh, stage, run_model_cfg=cfg.model)
+        load_model_weights(found, mesh, stage, run_model_cfg=cfg.model, verify=cfg.checkpoint.verify)
         get_logger("train").info(f"initialized from weights-only checkpoint {found}; training starts at step 0")
     train_samples = _build_samples(cfg, "train", dims.dp)
     eod_id = getattr(train_samples, "eod_id", None)
@@ -244,7 +244,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     start_step = 0
     ckpt_root = Path(cfg.logging.run_dir) / "checkpoints"
     if found is not None and not weights_only:
-        restored = load_checkpoint(found, mesh, stage, optimizer, device)
+        restored = load_checkpoint(found, mesh, stage, optimizer, device, verify=cfg.checkpoint.verify)
         start_step = restored["step"]
         batches.load_state_dict(restored["loader"])
     metrics = MetricsLogger(cfg.logging.run_dir, mesh.rank, cfg.train.steps, cfg.logging.log_every,
