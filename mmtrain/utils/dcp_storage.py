@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import io
 import pickle
 import threading
@@ -209,12 +210,24 @@ class VerifyingFileSystemReader(dcp.FileSystemReader):
         return metadata
 
     def read_data(self, plan, planner):
-        for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name in sorted(per_file):
             if Path(name).name != name or name in (".", ".."):
                 raise CheckpointFormatError(f"{self.path}/{METADATA_NAME}: data file name {name!r} is not a "
                                             "plain file name in the checkpoint folder")
             check_file(Path(self.path), name, self.checksums)
-        return super().read_data(plan, planner)
+        for name, items in sorted(per_file.items()):  # file by file, so that a failure names its file
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as exc:  # noqa: BLE001 - unchecked (no record, or verify off) and unreadable
+                first = (str(exc).splitlines() or [""])[0]
+                raise CheckpointFormatError(f"{Path(self.path) / name}: could not be read ({type(exc).__name__}: "
+                                            f"{first}); the file is damaged") from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
 
 def earlier_complete_checkpoint(folder: Path) -> Path | None:
