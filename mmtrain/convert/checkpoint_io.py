@@ -210,7 +210,8 @@ def _checked_read(folder: Path, option: str, verify: bool, read):
         raise ConvertError(str(exc)) from None
 
 
-def read_full_state(path: str | Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
+def read_full_state(path: str | Path,
+                    verify: bool = True) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """Full tensors, ModelConfig and complete.json of a checkpoint (weights-only or from training, any layout).
     ``verify``: check its files against ``checksums.json``, as a resume does."""
     folder = _resolve_checkpoint_folder(path)

@@ -270,8 +270,8 @@ def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, op
     except DamagedFileError as exc:
         raise CheckpointError(exc.with_earlier_checkpoint()) from None
     except (CheckpointFormatError, ValueError) as exc:  # a shape or tensor this model does not have
-        raise CheckpointError(f"cannot resume: {exc}; resume with the model config it was saved "
-                              "with (its complete.json 'config'), or start a new run (another logging.run_dir)") from None
+        raise CheckpointError(f"cannot resume: {exc}; resume with the model config it was saved with (its "
+                              "complete.json 'config'), or start a new run (another logging.run_dir)") from None
     how = "" if same else f", resharded from layout {meta['layout']} to {_layout(mesh)}"
     get_logger("checkpoint").info(f"resumed from {folder} (step {extra['step']}){how}")
     return {"step": extra["step"], "loader": extra["loader"]}

@@ -11,7 +11,6 @@ files the caller names) right after ``.metadata``, so before the checkpoint is m
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -58,9 +57,8 @@ class DamagedFileError(CheckpointFormatError):
 class _HashingFileSystem(FileSystem):
     """DCP's local file system whose write streams record the CRC-32 of what goes through them, by file name."""
 
-    def __init__(self, pool: concurrent.futures.Executor | None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.pool = pool
         self.sums: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
 
@@ -71,7 +69,7 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as stream:
-            hashing = HashingFile(stream, self.pool)
+            hashing = HashingFile(stream, background=True)
             yield hashing
         with self.lock:
             self.sums[Path(path).name] = hashing.entry()
@@ -91,9 +89,7 @@ class ChecksummingFileSystemWriter(dcp.FileSystemWriter):
 
     def __init__(self, path, *args: Any, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, self.thread_count),
-                                                           thread_name_prefix="mmtrain-crc")
-        self.fs = _HashingFileSystem(self._pool)
+        self.fs = _HashingFileSystem()
         self.extra_checksums: dict[str, dict[str, Any]] = {}
 
     def write_data(self, plan, planner) -> Future:

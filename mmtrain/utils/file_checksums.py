@@ -4,8 +4,7 @@ A checksum record is ``{"algorithm": "crc32", "files": {name: {"crc32": "0x1234a
 names relative to the folder holding the files. CRC-32 (``zlib.crc32``) because it is the fastest checksum the
 standard library has (~2 GB/s a core here, against ~1.5 for SHA-256 and ~0.6 for BLAKE2b) and it catches every
 burst of flipped bits shorter than 32; it guards against corruption, not against someone who also rewrites the
-record. ``HashingFile`` hashes a large buffer in a helper thread while the caller's thread writes it (both release
-the GIL), so the hash costs next to nothing next to the write and the fsync.
+record. ``HashingFile`` can hash in a thread of its own while the writer goes on writing and syncing.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 ALGORITHM = "crc32"
-_PARALLEL_MIN = 1 << 20  # smaller writes (headers, pickles) are hashed in place: a thread hop costs more
+_BORROW_MIN = 1 << 20
 _READ_BLOCK = 16 << 20
 
 
@@ -31,26 +30,42 @@ def entry_of_bytes(data: bytes | memoryview) -> dict[str, Any]:
 
 class HashingFile:
     """A binary file object that passes writes to ``raw`` and keeps the CRC-32 and size of what went through.
-    ``pool``: where large buffers are hashed while this thread writes them (None: hash in this thread)."""
 
-    def __init__(self, raw, pool: concurrent.futures.Executor | None = None) -> None:
-        self.raw, self.pool = raw, pool
+    ``background``: hash in a thread of this file's own, in write order, so that hashing overlaps the writes
+    and the final fsync instead of adding to them (zlib releases the GIL). A buffer of at least
+    ``_BORROW_MIN`` bytes is hashed in place after ``write`` returned: DCP's writer hands over tensor storage
+    that it keeps alive until the file is closed (``entry()`` waits for the hashes). Were that ever not so,
+    the record would not match and loading would stop on the file; it could not let damage through. Smaller
+    buffers (zip headers written from short-lived memory) are copied first."""
+
+    def __init__(self, raw, background: bool = False) -> None:
+        self.raw = raw
         self.crc = 0
         self.size = 0
+        self._hasher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mmtrain-crc") if background
+                        else None)
+        self._pending: list[concurrent.futures.Future] = []
+
+    def _update(self, view) -> None:
+        self.crc = zlib.crc32(view, self.crc)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        if self.pool is not None and view.nbytes >= _PARALLEL_MIN:
-            crc = self.pool.submit(zlib.crc32, view, self.crc)
-            written = self.raw.write(view)
-            self.crc = crc.result()  # before returning: the caller may reuse the buffer after write()
+        if self._hasher is None:
+            self._update(view)
         else:
-            self.crc = zlib.crc32(view, self.crc)
-            written = self.raw.write(view)
+            self._pending.append(self._hasher.submit(self._update, view if view.nbytes >= _BORROW_MIN else bytes(view)))
+        written = self.raw.write(view)
         self.size += view.nbytes
         return view.nbytes if written is None else written
 
     def entry(self) -> dict[str, Any]:
+        """The record of everything written (waits for the hashes still running)."""
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            for f in self._pending:
+                f.result()  # re-raise a failed hash
+            self._hasher, self._pending = None, []
         return crc_entry(self.crc, self.size)
 
     def tell(self) -> int:
@@ -106,5 +121,6 @@ def read_record(path: Path) -> dict[str, dict[str, Any]] | None:
                 for e in files.values()):
             raise ValueError(f"algorithm {record.get('algorithm')!r} or its entries are not what this version writes")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable checksum record ({exc}); it is damaged or from another tool") from None
+        raise ValueError(f"{path}: not a readable checksum record ({exc}); it is damaged or from another "
+                         "tool") from None
     return files
