@@ -14,9 +14,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _pretrain(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """Every run has train.steps=2 (a resume keeps the schedule): the first saves steps 1 and 2."""
     return subprocess.Popen([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
                              str(REPO / "configs/gpt/tiny_cpu.yaml"), f"logging.run_dir={run_dir}",
-                             "checkpoint.save_every=1", "checkpoint.keep_last=0", *overrides],
+                             "train.steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=0", *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -26,7 +27,7 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 
 def test_damaged_missing_and_mismatched_checkpoints_are_one_line_errors(tmp_path):
-    code, out, err = _finish(_pretrain(tmp_path / "run", "train.steps=2"))
+    code, out, err = _finish(_pretrain(tmp_path / "run"))
     assert code == 0, out + err
     cases = ("flipped", "no_metadata", "other_shape")
     for case in cases:
@@ -37,10 +38,10 @@ def test_damaged_missing_and_mismatched_checkpoints_are_one_line_errors(tmp_path
     raw[len(raw) // 2] ^= 0x01  # one bit of one weight: DCP alone would resume with other values, exit 0
     data.write_bytes(bytes(raw))
     (step2["no_metadata"] / ".metadata").unlink()
-    procs = {"flipped": _pretrain(tmp_path / "flipped", "train.steps=3"),
-             "no_metadata": _pretrain(tmp_path / "no_metadata", "train.steps=3")}
+    procs = {"flipped": _pretrain(tmp_path / "flipped"),
+             "no_metadata": _pretrain(tmp_path / "no_metadata")}
     results = {case: _finish(p) for case, p in procs.items()}  # two at a time: two cores
-    results["other_shape"] = _finish(_pretrain(tmp_path / "other_shape", "train.steps=3", "model.hidden_size=128"))
+    results["other_shape"] = _finish(_pretrain(tmp_path / "other_shape", "model.hidden_size=128"))
     for case, (code, out, err) in results.items():
         assert code == 2, (case, out, err)
         assert err.count("\n") == 1 and "Traceback" not in err, (case, err)
@@ -53,6 +54,6 @@ def test_damaged_missing_and_mismatched_checkpoints_are_one_line_errors(tmp_path
     assert "'model.embed.weight' has shape (512, 64) in the checkpoint, (512, 128) here" in results["other_shape"][2]
     assert "resume with the model config it was saved with" in results["other_shape"][2]
 
-    code, out, err = _finish(_pretrain(tmp_path / "flipped", "train.steps=3", f"checkpoint.load={earlier}"))
+    code, out, err = _finish(_pretrain(tmp_path / "flipped", f"checkpoint.load={earlier}"))
     assert code == 0, out + err
-    assert "(step 1)" in out and "step 3/3" in out  # the named checkpoint resumes
+    assert "(step 1)" in out and "step 2/2" in out  # the named checkpoint resumes
