@@ -67,16 +67,20 @@ def run_entry(prog: str, cls: type, validate: Callable[..., None], train: Callab
         if rank == 0:
             save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
         log.info(f"layout: {mesh.dims.describe()} on {device}; resolved config in {cfg.logging.run_dir}/config.yaml")
+        from mmtrain.convert.checkpoint_io import ConvertError
         from mmtrain.data.blend_spec import BlendSpecError
         from mmtrain.data.index_cache import IndexCacheTimeout
         from mmtrain.data.splits import SplitError
         from mmtrain.train.checkpoint import CheckpointError
         from mmtrain.train.faults import CollectiveTimeout, NonFiniteError
+        from mmtrain.utils.dcp_storage import CheckpointFormatError
 
         try:
             train()(cfg, mesh, device)
-        except (CheckpointError, ConfigError, BlendSpecError, SplitError, IndexCacheTimeout, NonFiniteError) as exc:
-            log.error(f"error: {exc}")
+        except (CheckpointError, CheckpointFormatError, ConvertError, ConfigError, BlendSpecError, SplitError,
+                IndexCacheTimeout, NonFiniteError) as exc:
+            # stderr, like the config errors: one line per failing rank (a damaged file may fail one rank only)
+            print(f"{'' if rank == 0 else f'[rank {rank}] '}{prog}: error: {exc}", file=sys.stderr, flush=True)
             return 2
         except CollectiveTimeout as exc:
             log.error(f"error: {exc}")

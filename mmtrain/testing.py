@@ -75,6 +75,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _result_globals() -> list:
+    """What numpy values need beyond torch's weights-only set: the array and scalar constructors (which build
+    values from bytes, calling nothing else) and ``numpy.dtype``, found from numpy itself (numpy 1 and 2 keep
+    them in different modules)."""
+    import numpy as np
+
+    dtype_classes = sorted({type(np.dtype(code)) for code in np.typecodes["All"]}, key=str)  # numpy 2: per dtype
+    return [np.ndarray, np.dtype, *dtype_classes, np.arange(1).__reduce__()[0], np.int64(0).__reduce__()[0]]
+
+
+def load_result(payload: bytes) -> Any:
+    """A rank's return value from its ``torch.save`` bytes: ``weights_only`` (tensors, numbers, strings, None,
+    lists/tuples/dicts/sets of them) plus numpy arrays and scalars; anything else is refused."""
+    with torch.serialization.safe_globals(_result_globals()):
+        try:
+            return torch.load(io.BytesIO(payload), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - one line, not torch's page of advice
+            why = [line for line in str(exc).splitlines() if line.startswith(("Trying", "Unsupported", "Can only"))]
+            raise TypeError("a run_distributed function must return tensors, numbers, strings, None, numpy arrays "
+                            f"and lists/tuples/dicts of them ({why[0] if why else type(exc).__name__})") from None
+
+
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, backend: str, results: Any,
             env: dict[str, str], pg_timeout_s: float) -> None:
     import torch
@@ -96,6 +118,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, ba
         # vanish when this process exits before the parent has read them.
         buffer = io.BytesIO()
         torch.save(value, buffer)
+        load_result(buffer.getvalue())  # fails here, in the rank, on a value the parent would refuse
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -148,7 +171,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
                     grace_deadline = time.monotonic() + 10.0
                 continue
             if status == "ok":
-                values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                values[rank] = load_result(payload)
             else:
                 errors.append((rank, payload))
                 if grace_deadline is None:

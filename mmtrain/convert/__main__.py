@@ -7,7 +7,11 @@ import sys
 
 import torch
 
+from mmtrain.convert.checkpoint_io import ConvertError
 from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
+from mmtrain.convert.hf_files import HFFolderError
+from mmtrain.convert.hf_llama import UnsupportedHFConfig
+from mmtrain.utils.dcp_storage import CheckpointFormatError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -32,7 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 a bad input (one line on stderr naming the file: missing, damaged, unsupported)."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ConvertError, UnsupportedHFConfig, HFFolderError, CheckpointFormatError, FileNotFoundError) as exc:
+        print(f"python -m mmtrain.convert {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "hf-to-mmtrain":
         folder = hf_to_mmtrain(args.hf, args.out, args.tp, args.pp, args.pipeline_layers)
         print(f"wrote weights-only checkpoint {folder} (tp={args.tp}, pp={args.pp}); model config in "

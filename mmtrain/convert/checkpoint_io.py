@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import tp_partition, tp_shard_of
 from mmtrain.utils.atomic import atomic_write_text
 from mmtrain.utils.dcp_io import Chunk, load_chunks, save_chunks, saved_tensors
+from mmtrain.utils.dcp_storage import CheckpointFormatError, DamagedFileError, read_checksums
 
 # ModelConfig fields that change what the weights compute; a run loading weights must agree on all of them.
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -181,8 +183,12 @@ def _resolve_checkpoint_folder(path: str | Path) -> Path:
 
 def _read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[int]]:
     """(complete.json, its ModelConfig, its parallel.pipeline_layers)."""
-    meta = json.loads((folder / "complete.json").read_text(encoding="utf-8"))
-    run = meta.get("config") or {}
+    try:
+        meta = json.loads((folder / "complete.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConvertError(f"{folder}/complete.json: not valid JSON ({exc}); the file is damaged") from None
+    run = meta.get("config") if isinstance(meta, dict) else None
+    run = run if isinstance(run, dict) else {}
     if "model" not in run:
         raise ConvertError(f"{folder}/complete.json records no model config; cannot interpret its tensors")
     cfg = ModelConfig()
@@ -190,23 +196,44 @@ def _read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, li
     return meta, cfg, list(run.get("parallel", {}).get("pipeline_layers") or [])
 
 
-def read_full_state(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
-    """Full tensors, ModelConfig and complete.json of a checkpoint (weights-only or from training, any layout)."""
+def _checked_read(folder: Path, option: str, verify: bool, read):
+    """``read()`` (which reads the checkpoint in ``folder``) with its problems as one-line ``ConvertError``s; a
+    damaged file's names the checkpoint to use instead, through ``option``."""
+    try:
+        if verify and read_checksums(folder) is None:
+            warnings.warn(f"{folder} has no checksums.json (written before checkpoints had checksums): reading it "
+                          "without checking its files", stacklevel=3)
+        return read()
+    except DamagedFileError as exc:
+        raise ConvertError(exc.with_earlier_checkpoint(option)) from None
+    except CheckpointFormatError as exc:
+        raise ConvertError(str(exc)) from None
+
+
+def read_full_state(path: str | Path,
+                    verify: bool = True) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
+    """Full tensors, ModelConfig and complete.json of a checkpoint (weights-only or from training, any layout).
+    ``verify``: check its files against ``checksums.json``, as a resume does."""
     folder = _resolve_checkpoint_folder(path)
     meta, cfg, _ = _read_checkpoint_meta(folder)
-    full = {key.removeprefix("model."): torch.empty(shape, dtype=dtype)
-            for key, (shape, dtype) in saved_tensors(folder).items() if key.startswith("model.")}
-    load_chunks(folder, [Chunk(f"model.{name}", tuple(t.shape), (0,) * t.ndim, t) for name, t in full.items()])
-    return full, cfg, meta
+
+    def read():
+        full = {key.removeprefix("model."): torch.empty(shape, dtype=dtype)
+                for key, (shape, dtype) in saved_tensors(folder, verify).items() if key.startswith("model.")}
+        load_chunks(folder, [Chunk(f"model.{name}", tuple(t.shape), (0,) * t.ndim, t) for name, t in full.items()],
+                    verify)
+        return full
+    return _checked_read(folder, "--ckpt", verify, read), cfg, meta
 
 
 @torch.no_grad()
 def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
-                       run_model_cfg: ModelConfig | None = None) -> dict[str, Any]:
+                       run_model_cfg: ModelConfig | None = None, verify: bool = True) -> dict[str, Any]:
     """Copy this rank's part of a checkpoint's weights (any layout) into ``model`` (a stage of this run,
     TP/EP plans applied). Returns complete.json. Optimizer, loader and RNG are left as the fresh run made them:
     training starts at step 0 from these weights, so call it before the optimizer copies its fp32 masters.
-    ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's."""
+    ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's. ``verify``:
+    check the files read against ``checksums.json`` (``checkpoint.verify``)."""
     folder = _resolve_checkpoint_folder(path)
     meta, cfg, _ = _read_checkpoint_meta(folder)
     if run_model_cfg is not None:
@@ -215,7 +242,7 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
         if differ:
             raise ConvertError(f"{path} does not fit this run's model config (include its model.yaml): "
                                + "; ".join(differ))
-    saved = saved_tensors(folder)
+    saved = _checked_read(folder, "checkpoint.load", verify, lambda: saved_tensors(folder, verify))
     own = model.state_dict()
     shard = shard_of(mesh)
     for name, t in own.items():
@@ -226,5 +253,5 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     chunks, missing = model_load_chunks(own, cfg, shard, saved)
     if missing:
         raise ConvertError(f"{path}: parameter(s) {', '.join(missing[:5])} missing from the checkpoint")
-    load_chunks(folder, chunks)
+    _checked_read(folder, "checkpoint.load", False, lambda: load_chunks(folder, chunks, verify))
     return meta

@@ -8,8 +8,8 @@ import torch
 
 from mmtrain.convert.checkpoint_io import read_full_state, write_weights_checkpoint
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder
-from mmtrain.convert.hf_llama import (hf_config_from_model_config, hf_state_from_mmtrain, mmtrain_state_from_hf,
-                                      model_config_from_hf)
+from mmtrain.convert.hf_llama import (UnsupportedHFConfig, hf_config_from_model_config, hf_state_from_mmtrain,
+                                      mmtrain_state_from_hf, model_config_from_hf)
 
 
 def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
@@ -17,8 +17,13 @@ def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
     """Convert a Hugging Face folder into a weights-only mmtrain checkpoint root ``out``; returns the step
     folder. Tensors keep their stored dtype."""
     hf_config = read_hf_config(hf_dir)
-    cfg = model_config_from_hf(hf_config)
-    full = mmtrain_state_from_hf(read_hf_tensors(hf_dir), cfg)
+    hf_tensors = read_hf_tensors(hf_dir)  # every file read (and checked) before its values are interpreted
+    try:
+        cfg = model_config_from_hf(hf_config)
+    except KeyError as exc:
+        raise UnsupportedHFConfig(f"{Path(hf_dir) / 'config.json'}: no {exc.args[0]!r} (not a complete "
+                                  "Llama/Qwen2/Mixtral config)") from None
+    full = mmtrain_state_from_hf(hf_tensors, cfg)
     return write_weights_checkpoint(out, full, cfg, tp, pp, pipeline_layers,
                                     extra_meta={"hf_config": hf_config, "converted_from": str(hf_dir)})
 

@@ -4,13 +4,16 @@ Folder layout under ``<run_dir>/checkpoints/``::
 
     step_00000100/.metadata, __0_0.distcp ...  DCP: global tensors by global name (``mmtrain.train.checkpoint_state``)
     step_00000100/rank_00000.json ...         per rank: step, layout, data loaders' states, AdamW step count
+    step_00000100/checksums.json              CRC-32 of every file above, written after .metadata (``utils/dcp_storage.py``)
     step_00000100/complete.json               written by rank 0 after every rank finished: the checkpoint counts only
                                               then; the run config, its schedule and data-order records
     latest                                    name of the newest complete checkpoint, replaced atomically, last
 
 A crash during a save never damages an earlier checkpoint: nothing counts before ``complete.json``, and
 ``latest`` moves only after it. Loading reads tensors with ``torch.load(weights_only=True)`` (DCP) and DCP's
-metadata through an unpickler that accepts only DCP's metadata classes; everything else is JSON. At another
+metadata through an unpickler that accepts only DCP's metadata classes; everything else is JSON. Every file
+is checked against ``checksums.json`` before it is read (``checkpoint.verify``); a missing or damaged file stops
+the run with one line naming it and the previous complete checkpoint. At another
 layout, each rank reads the boxes of the global tensors it now holds (weights, fp32 masters, AdamW moments);
 the loader resumes from the global sample count; RNG streams are per rank and restart only at the same layout.
 With ``checkpoint.async_save`` the step waits only for a copy of this rank's tensors to (pinned) host memory;
@@ -28,13 +31,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 import mmtrain
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.train.checkpoint_state import load_state, save_chunks_of
 from mmtrain.utils.atomic import atomic_write_text
 from mmtrain.utils.dcp_io import Chunk, async_save_chunks, save_chunks
+from mmtrain.utils.dcp_storage import (
+    CheckpointFormatError,
+    ChecksummingFileSystemWriter,
+    DamagedFileError,
+    check_file,
+    read_checksums,
+)
+from mmtrain.utils.file_checksums import entry_of_bytes
 from mmtrain.utils.log import get_logger
 
 
@@ -126,15 +136,17 @@ class CheckpointWriter:
                                 "trainable": _trainable_names(model), "valid_loader": valid_loader_state})
         except TypeError as exc:
             raise CheckpointError(f"the data loader state must be plain JSON values (dict/list/str/number): {exc}") from exc
-        atomic_write_text(folder / f"rank_{self.mesh.rank:05d}.json", extra)
+        rank_file = f"rank_{self.mesh.rank:05d}.json"
+        atomic_write_text(folder / rank_file, extra)
+        own_sums = {rank_file: entry_of_bytes(extra.encode("utf-8"))}  # into checksums.json with the DCP files
         future = None
         if via_dcp:  # DCP copies the values to (cached, pinned) host memory before it returns
             if self._dcp_writer is None:
-                self._dcp_writer = dcp.FileSystemWriter(folder, thread_count=self.thread_count,
-                                                        cache_staged_state_dict=staged_by_dcp)
-            future = async_save_chunks(folder, chunks, self._dcp_writer, self.group)
+                self._dcp_writer = ChecksummingFileSystemWriter(folder, thread_count=self.thread_count,
+                                                                cache_staged_state_dict=staged_by_dcp)
+            future = async_save_chunks(folder, chunks, self._dcp_writer, self.group, own_sums)
         blocked = time.perf_counter() - start
-        args = (folder, chunks, step, layout, keep_last, config, start, blocked, future, records)
+        args = (folder, chunks, step, layout, keep_last, config, start, blocked, future, records, own_sums)
         if not self.async_save or force_sync:
             self._write(*args)
             self.wait()
@@ -146,13 +158,14 @@ class CheckpointWriter:
         return folder
 
     def _write(self, folder: Path, chunks: list[Chunk], step: int, layout: dict, keep_last: int,
-               config: dict | None, start: float, blocked: float, future=None, records: dict | None = None) -> None:
+               config: dict | None, start: float, blocked: float, future=None, records: dict | None = None,
+               own_sums=None) -> None:
         try:
             if future is not None:
                 future.result()
             else:
                 save_chunks(folder, chunks, group=self.group, no_dist=self.group is None,
-                            thread_count=self.thread_count)
+                            thread_count=self.thread_count, extra_checksums=own_sums)
             self.last_timing = {"blocked_s": blocked, "total_s": time.perf_counter() - start,
                                 "bytes": sum(c.tensor.numel() * c.tensor.element_size() for c in chunks)}
             if self.mesh.rank != 0:
@@ -195,9 +208,34 @@ def _complete_in(root: Path) -> Path | None:
     return None
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}); the file is damaged") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a JSON object; the file is damaged")
+    return value
+
+
 def is_weights_only(folder: Path) -> bool:
     """A converted (e.g. Hugging Face) checkpoint: weights at any layout, no optimizer/loader/RNG state."""
-    return bool(json.loads((folder / "complete.json").read_text()).get("weights_only", False))
+    return bool(_read_json(Path(folder) / "complete.json").get("weights_only", False))
+
+
+def _checksums_of(folder: Path, verify: bool) -> dict | None:
+    if not verify:
+        return None
+    try:
+        checksums = read_checksums(folder)
+    except CheckpointFormatError as exc:
+        raise CheckpointError(f"{exc}; set checkpoint.verify=false to load it unchecked") from None
+    if checksums is None:
+        get_logger("checkpoint").warning(f"{folder} has no checksums.json (written before checkpoints had "
+                                         "checksums): loading it without checking its files")
+    return checksums
 
 
 def find_checkpoint(load: str, run_dir: str) -> Path | None:
@@ -217,20 +255,29 @@ def find_checkpoint(load: str, run_dir: str) -> Path | None:
 
 @torch.no_grad()
 def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any,
-                    device: torch.device) -> dict:
-    """Restore this rank's state; returns {"step", "loader", "valid_loader"} (the last None when not saved). At the saving run's layout everything is restored
-    bit for bit (RNG included); at another layout weights and optimizer state are resharded by DCP."""
+                    device: torch.device, verify: bool = True) -> dict:
+    """Restore this rank's state; returns {"step", "loader", "valid_loader"} (the last None when not saved). At
+    the saving run's layout everything is restored bit for bit (RNG included); at another layout weights and
+    optimizer state are resharded by DCP. ``verify``: check every file read against the checkpoint's
+    ``checksums.json`` (``checkpoint.verify``). Any problem with the checkpoint is a ``CheckpointError`` of one line
+    naming the file."""
     folder = Path(folder)
-    meta = json.loads((folder / "complete.json").read_text())
-    same = meta["layout"] == _layout(mesh)
+    checksums = _checksums_of(folder, verify)
+    meta = _read_json(folder / "complete.json")
+    same = meta.get("layout") == _layout(mesh)
     rank_file = folder / f"rank_{mesh.rank if same else 0:05d}.json"
-    if not rank_file.is_file():
-        raise CheckpointError(f"{folder}: {rank_file.name} is missing (a checkpoint written before the DCP format?)")
-    extra = json.loads(rank_file.read_text())
-    if same and "trainable" in extra and extra["trainable"] != _trainable_names(model):
-        raise CheckpointError(f"{folder}: its optimizer holds other parameters than this run trains (another "
-                              "freeze list or model); to start from its weights only, use init_from (VLM runs)")
-    load_state(folder, mesh, model, optimizer, device, extra.get("adam_step"), restore_rng=same)
+    try:
+        check_file(folder, rank_file.name, checksums)
+        extra = _read_json(rank_file)
+        if same and "trainable" in extra and extra["trainable"] != _trainable_names(model):
+            raise CheckpointError(f"{folder}: its optimizer holds other parameters than this run trains (another "
+                                  "freeze list or model); to start from its weights only, use init_from (VLM runs)")
+        load_state(folder, mesh, model, optimizer, device, extra.get("adam_step"), restore_rng=same, verify=verify)
+    except DamagedFileError as exc:
+        raise CheckpointError(exc.with_earlier_checkpoint()) from None
+    except (CheckpointFormatError, ValueError) as exc:  # a shape or tensor this model does not have
+        raise CheckpointError(f"cannot resume: {exc}; resume with the model config it was saved with (its "
+                              "complete.json 'config'), or start a new run (another logging.run_dir)") from None
     how = "" if same else f", resharded from layout {meta['layout']} to {_layout(mesh)}"
     get_logger("checkpoint").info(f"resumed from {folder} (step {extra['step']}){how}")
     return {"step": extra["step"], "loader": extra["loader"], "valid_loader": extra.get("valid_loader")}

@@ -88,11 +88,11 @@ def save_chunks_of(mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any, d
 
 @torch.no_grad()
 def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any, device: torch.device,
-               adam_step: float | None, restore_rng: bool) -> None:
+               adam_step: float | None, restore_rng: bool, verify: bool = True) -> None:
     """Fill this rank's weights, fp32 masters and AdamW moments (and RNG, at the saving layout) from ``folder``,
-    a checkpoint of any layout."""
+    a checkpoint of any layout (``verify``: check its files against their checksums)."""
     cfg, shard = model.cfg, shard_of(mesh)
-    saved = saved_tensors(folder)
+    saved = saved_tensors(folder, verify)
     chunks, missing = model_load_chunks(model.state_dict(), cfg, shard, saved)
     if missing:
         raise ValueError(f"{folder}: no stored value for {', '.join(missing[:5])}"
@@ -127,7 +127,7 @@ def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimiz
             if key in saved:
                 rng[kind] = torch.zeros(saved[key][0], dtype=saved[key][1])
                 chunks.append(Chunk(key, saved[key][0], (0,), rng[kind]))
-    load_chunks(folder, chunks)
+    load_chunks(folder, chunks, verify)
     for pc in masters_missing:  # saved without fp32 masters: start them from the weights
         pc.master.copy_(pc.owner.param_buffer[pc.start:pc.end])
     fused = bool(optimizer.optimizer.defaults.get("fused"))
@@ -143,13 +143,14 @@ def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimiz
         torch.cuda.set_rng_state(rng["cuda"], device)
 
 
-def load_model_weights_only(folder: Path, mesh: ParallelMesh | None, model: torch.nn.Module) -> None:
+def load_model_weights_only(folder: Path, mesh: ParallelMesh | None, model: torch.nn.Module,
+                            verify: bool = True) -> None:
     """Fill only the weights of ``model`` (this rank's shard; ``mesh=None``: one process, the whole model) from
     ``folder``, a checkpoint of any layout: e.g. a VLM's stage 2 starting from stage 1, or the demo's caption."""
     shard = shard_of(mesh) if mesh is not None else Shard()
-    saved = saved_tensors(folder)
+    saved = saved_tensors(folder, verify)
     chunks, missing = model_load_chunks(model.state_dict(), model.cfg, shard, saved)
     if missing:
         raise ValueError(f"{folder}: no stored value for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
                          " (the model shape must be the same as the checkpoint's)")
-    load_chunks(folder, chunks)
+    load_chunks(folder, chunks, verify)

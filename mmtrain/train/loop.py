@@ -199,7 +199,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         # converted weights, any layout: loaded before the optimizer copies its fp32 masters
         from mmtrain.convert.checkpoint_io import load_model_weights
 
-        load_model_weights(found, mesh, stage, run_model_cfg=cfg.model)
+        load_model_weights(found, mesh, stage, run_model_cfg=cfg.model, verify=cfg.checkpoint.verify)
         get_logger("train").info(f"initialized from weights-only checkpoint {found}; training starts at step 0")
     lr_schedule = resolve_resume(found, cfg, dims.dp)  # before the data is built: a changed order is an error
     index_builder = mesh.node_local_rank == 0  # one process per node builds the data indices
@@ -250,7 +250,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     start_step = 0
     ckpt_root = Path(cfg.logging.run_dir) / "checkpoints"
     if found is not None and not weights_only:
-        restored = load_checkpoint(found, mesh, stage, optimizer, device)
+        restored = load_checkpoint(found, mesh, stage, optimizer, device, verify=cfg.checkpoint.verify)
         start_step = restored["step"]
         batches.load_state_dict(restored["loader"])
         if val_batches is not None and restored["valid_loader"] is not None:  # evaluations continue their order

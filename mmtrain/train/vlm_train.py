@@ -44,9 +44,10 @@ def vision_flops_per_image(m: VLMModelConfig) -> float:
     return 6.0 * (P * (per_patch + attention) + projector)
 
 
-def _load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Module) -> None:
+def _load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Module, verify: bool = True) -> None:
     """The model weights of an earlier run's checkpoint (e.g. stage 1 for stage 2), saved at any layout."""
     from mmtrain.train.checkpoint import CheckpointError, _complete_in
+    from mmtrain.utils.dcp_storage import DamagedFileError
 
     folder = _complete_in(Path(init_from))
     if folder is None:
@@ -54,7 +55,9 @@ def _load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Modu
     from mmtrain.train.checkpoint_state import load_model_weights_only
 
     try:  # any saved layout: DCP reads each rank's boxes of the global tensors
-        load_model_weights_only(folder, mesh, model)
+        load_model_weights_only(folder, mesh, model, verify)
+    except DamagedFileError as exc:
+        raise CheckpointError(f"init_from={init_from}: {exc.with_earlier_checkpoint('init_from')}") from None
     except ValueError as exc:
         raise CheckpointError(f"init_from={init_from}: {exc}") from exc
     get_logger("train").info(f"initialized the weights from {folder}; training starts at step 0")
@@ -137,7 +140,7 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
                               "layout (start from its weights with init_from at the same tp/pp/cp instead)")
     lr_schedule = resolve_resume(found, cfg, mesh.dims.dp)  # before the data is built: a changed order is an error
     if found is None and cfg.init_from:
-        _load_stage_weights(cfg.init_from, mesh, model)
+        _load_stage_weights(cfg.init_from, mesh, model, cfg.checkpoint.verify)
     batches = build_vlm_batches(cfg, mesh, "train")
     val_batches = build_vlm_batches(cfg, mesh, "valid") if cfg.train.eval_every else None
     return train_model(cfg, mesh, device, model, batches, val_batches, _vlm_task(cfg, mesh, device, model), found,

@@ -8,13 +8,12 @@ because our tensor-parallel shards of fused weights (q|k|v, gate|up) and the dis
 ranges are several boxes per rank, which placements cannot describe.
 
 Loading unpickles nothing but DCP's own metadata classes (``read_metadata``), and DCP reads tensors with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``. Every file is checksummed as it is written and checked before it is read
+(``mmtrain.utils.dcp_storage``).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +26,6 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
@@ -40,13 +38,18 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-
-class CheckpointFormatError(ValueError):
-    """A checkpoint folder that is not what the reader needs; the message names the folder and key."""
+from mmtrain.utils.dcp_storage import (  # noqa: F401 - CheckpointFormatError, read_metadata: re-exported
+    ChecksummingFileSystemWriter,
+    CheckpointFormatError,
+    VerifyingFileSystemReader,
+    read_checksums,
+    read_metadata,
+)
 
 
 @dataclass
@@ -125,69 +128,44 @@ def _volume(sizes) -> int:
     return n
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata file is a pickle: accept only DCP's metadata dataclasses and plain torch/builtin types."""
-
-    ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                       "torch.distributed.checkpoint._extension", "torch.distributed.checkpoint.planner")
-    ALLOWED = frozenset({("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"), ("builtins", "set"),
-               ("builtins", "frozenset"), ("builtins", "slice"), ("pathlib", "PosixPath"), ("pathlib", "Path"),
-               ("torch.serialization", "_get_layout"), ("torch", "layout"), ("torch", "memory_format")})
-
-    def find_class(self, module: str, name: str):
-        if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED or (
-                module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                              torch.memory_format))):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-class _SafeFileSystemReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose metadata load refuses anything but DCP's metadata classes."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_metadata(Path(self.path))
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def read_metadata(folder: Path) -> Metadata:
-    path = Path(folder) / ".metadata"
-    if not path.is_file():
-        raise CheckpointFormatError(f"{folder}: no DCP metadata file (.metadata); not a torch.distributed.checkpoint "
-                                    "folder (checkpoints written before the DCP format cannot be read)")
-    return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-
-
-def saved_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def saved_tensors(folder: Path, verify: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{global name: (shape, dtype)} of every tensor in the checkpoint."""
-    return {k: (tuple(v.size), v.properties.dtype) for k, v in read_metadata(folder).state_dict_metadata.items()
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in read_metadata(folder, verify).state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)}
 
 
-def save_chunks(folder: Path, chunks: list[Chunk], group=None, no_dist: bool = False, thread_count: int = 1) -> None:
+def save_chunks(folder: Path, chunks: list[Chunk], group=None, no_dist: bool = False, thread_count: int = 1,
+                checksums: bool = True, extra_checksums: dict | None = None) -> None:
     """Collective over ``group`` (every rank calls it; none with ``no_dist``): write the chunks of every rank as
-    one DCP checkpoint in ``folder``. Returns after the coordinator wrote the metadata, i.e. after every rank's
-    data is on disk."""
-    writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+    one DCP checkpoint in ``folder``. Returns after the coordinator wrote the metadata (and ``checksums.json``:
+    a record of every file, with ``extra_checksums`` of this rank's own files), i.e. after every rank's data is
+    on disk. ``checksums=False`` only for measuring what they cost (``bench/checkpoint.py``)."""
+    kind = ChecksummingFileSystemWriter if checksums else dcp.FileSystemWriter
+    writer = kind(folder, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+    if checksums:
+        writer.extra_checksums = dict(extra_checksums or {})
     state, planner = _save_plan_of(chunks)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=no_dist)
 
 
-def async_save_chunks(folder: Path, chunks: list[Chunk], writer: dcp.FileSystemWriter, group=None):
+def async_save_chunks(folder: Path, chunks: list[Chunk], writer: ChecksummingFileSystemWriter, group=None,
+                      extra_checksums: dict | None = None):
     """``dcp.async_save`` of ``chunks`` (collective like ``save_chunks``): returns once DCP copied the values to
     host memory (the writer's staging); the returned future completes when the checkpoint is written."""
+    writer.extra_checksums = dict(extra_checksums or {})
     state, planner = _save_plan_of(chunks)
     return dcp.async_save(state, checkpoint_id=folder, storage_writer=writer, planner=planner, process_group=group,
                           no_dist=group is None)
 
 
-def load_chunks(folder: Path, chunks: list[Chunk]) -> None:
-    """Fill each chunk's tensor with its box of the saved global tensor (this rank alone: no collectives)."""
-    saved = read_metadata(folder).state_dict_metadata
+def load_chunks(folder: Path, chunks: list[Chunk], verify: bool = True) -> None:
+    """Fill each chunk's tensor with its box of the saved global tensor (this rank alone: no collectives).
+    ``verify``: check ``.metadata`` and every file read against ``checksums.json`` (when the checkpoint has
+    one); a missing or damaged file raises ``DamagedFileError``."""
+    checksums = read_checksums(folder) if verify else None
+    saved = read_metadata(folder, verify).state_dict_metadata
     for c in chunks:  # checked here: DCP would wrap these errors into a generic exception
         md = saved.get(c.key)
         if not isinstance(md, TensorStorageMetadata):
@@ -195,8 +173,15 @@ def load_chunks(folder: Path, chunks: list[Chunk]) -> None:
         if tuple(md.size) != tuple(c.shape):
             raise CheckpointFormatError(f"{folder}: '{c.key}' has shape {tuple(md.size)} in the checkpoint, "
                                         f"{tuple(c.shape)} here (does the model config match?)")
-    if chunks:
+    if not chunks:
+        return
+    try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({}, storage_reader=_SafeFileSystemReader(folder), planner=_LoadPlanner(chunks, Path(folder)),
-                     no_dist=True)
+            dcp.load({}, storage_reader=VerifyingFileSystemReader(folder, checksums),
+                     planner=_LoadPlanner(chunks, Path(folder)), no_dist=True)
+    except CheckpointException as exc:  # DCP wraps what the planner or reader raised: raise our one-line error
+        for error, _ in exc.failures.values():
+            if isinstance(error, CheckpointFormatError):
+                raise error from None
+        raise

@@ -1,0 +1,126 @@
+"""Checksums of written files: CRC-32 of every byte, computed while the bytes are written, and their check.
+
+A checksum record is ``{"algorithm": "crc32", "files": {name: {"crc32": "0x1234abcd", "bytes": N}}}`` (JSON),
+names relative to the folder holding the files. CRC-32 (``zlib.crc32``) because it is the fastest checksum the
+standard library has (~2 GB/s a core here, against ~1.5 for SHA-256 and ~0.6 for BLAKE2b) and it catches every
+burst of flipped bits shorter than 32; it guards against corruption, not against someone who also rewrites the
+record. ``HashingFile`` can hash in a thread of its own while the writer goes on writing and syncing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+ALGORITHM = "crc32"
+_BORROW_MIN = 1 << 20
+_READ_BLOCK = 16 << 20
+
+
+def crc_entry(crc: int, size: int) -> dict[str, Any]:
+    return {ALGORITHM: f"0x{crc:08x}", "bytes": size}
+
+
+def entry_of_bytes(data: bytes | memoryview) -> dict[str, Any]:
+    return crc_entry(zlib.crc32(data), memoryview(data).nbytes)
+
+
+class HashingFile:
+    """A binary file object that passes writes to ``raw`` and keeps the CRC-32 and size of what went through.
+
+    ``background``: hash in a thread of this file's own, in write order, so that hashing overlaps the writes
+    and the final fsync instead of adding to them (zlib releases the GIL). A buffer of at least
+    ``_BORROW_MIN`` bytes is hashed in place after ``write`` returned: DCP's writer hands over tensor storage
+    that it keeps alive until the file is closed (``entry()`` waits for the hashes). Were that ever not so,
+    the record would not match and loading would stop on the file; it could not let damage through. Smaller
+    buffers (zip headers written from short-lived memory) are copied first."""
+
+    def __init__(self, raw, background: bool = False) -> None:
+        self.raw = raw
+        self.crc = 0
+        self.size = 0
+        self._hasher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mmtrain-crc") if background
+                        else None)
+        self._pending: list[concurrent.futures.Future] = []
+
+    def _update(self, view) -> None:
+        self.crc = zlib.crc32(view, self.crc)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self._hasher is None:
+            self._update(view)
+        else:
+            self._pending.append(self._hasher.submit(self._update, view if view.nbytes >= _BORROW_MIN else bytes(view)))
+        written = self.raw.write(view)
+        self.size += view.nbytes
+        return view.nbytes if written is None else written
+
+    def entry(self) -> dict[str, Any]:
+        """The record of everything written (waits for the hashes still running)."""
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            for f in self._pending:
+                f.result()  # re-raise a failed hash
+            self._hasher, self._pending = None, []
+        return crc_entry(self.crc, self.size)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+    def writable(self) -> bool:
+        return True
+
+
+def file_problem(path: Path, expected: dict[str, Any]) -> str | None:
+    """Why ``path`` does not match its record ``expected`` (``crc_entry``), or None when it does."""
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != expected.get("bytes"):
+        return f"is {size} bytes, {expected.get('bytes')} when it was written (truncated or replaced?)"
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            crc = zlib.crc32(block, crc)
+    if f"0x{crc:08x}" != expected.get(ALGORITHM):
+        return "does not match its checksum (corrupt?)"
+    return None
+
+
+def record_text(files: dict[str, dict[str, Any]]) -> str:
+    return json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1) + "\n"
+
+
+def read_record(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The ``files`` of the checksum record at ``path``; None when there is none. ValueError (naming the file)
+    when it is not a record this code wrote."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        files = record["files"]
+        if record.get("algorithm") != ALGORITHM or not isinstance(files, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get(ALGORITHM), str) and isinstance(e.get("bytes"), int)
+                for e in files.values()):
+            raise ValueError(f"algorithm {record.get('algorithm')!r} or its entries are not what this version writes")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable checksum record ({exc}); it is damaged or from another "
+                         "tool") from None
+    return files

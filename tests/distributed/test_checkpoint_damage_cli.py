@@ -1,0 +1,59 @@
+"""A damaged, incomplete or mismatched checkpoint stops ``pretrain_gpt`` with exit 2 and one line on stderr
+naming the file and what to do (no traceback); the checkpoint it names resumes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _pretrain(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """Every run has train.steps=2 (a resume keeps the schedule): the first saves steps 1 and 2."""
+    return subprocess.Popen([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
+                             str(REPO / "configs/gpt/tiny_cpu.yaml"), f"logging.run_dir={run_dir}",
+                             "train.steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=0", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=240)
+    return proc.returncode, out, err
+
+
+def test_damaged_missing_and_mismatched_checkpoints_are_one_line_errors(tmp_path):
+    code, out, err = _finish(_pretrain(tmp_path / "run"))
+    assert code == 0, out + err
+    cases = ("flipped", "no_metadata", "other_shape")
+    for case in cases:
+        shutil.copytree(tmp_path / "run", tmp_path / case)
+    step2 = {case: tmp_path / case / "checkpoints" / "step_00000002" for case in cases}
+    data = step2["flipped"] / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # one bit of one weight: DCP alone would resume with other values, exit 0
+    data.write_bytes(bytes(raw))
+    (step2["no_metadata"] / ".metadata").unlink()
+    procs = {"flipped": _pretrain(tmp_path / "flipped"),
+             "no_metadata": _pretrain(tmp_path / "no_metadata")}
+    results = {case: _finish(p) for case, p in procs.items()}  # two at a time: two cores
+    results["other_shape"] = _finish(_pretrain(tmp_path / "other_shape", "model.hidden_size=128"))
+    for case, (code, out, err) in results.items():
+        assert code == 2, (case, out, err)
+        assert err.count("\n") == 1 and "Traceback" not in err, (case, err)
+    earlier = tmp_path / "flipped" / "checkpoints" / "step_00000001"
+    assert results["flipped"][2].strip() == (
+        f"mmtrain.pretrain_gpt: error: {data} does not match its checksum (corrupt?); the previous complete "
+        f"checkpoint is {earlier} (checkpoint.load={earlier})")
+    assert f"{step2['no_metadata'] / '.metadata'} is missing" in results["no_metadata"][2]
+    assert "checkpoint.load=" in results["no_metadata"][2]
+    assert "'model.embed.weight' has shape (512, 64) in the checkpoint, (512, 128) here" in results["other_shape"][2]
+    assert "resume with the model config it was saved with" in results["other_shape"][2]
+
+    code, out, err = _finish(_pretrain(tmp_path / "flipped", f"checkpoint.load={earlier}"))
+    assert code == 0, out + err
+    assert "(step 1)" in out and "step 2/2" in out  # the named checkpoint resumes
