@@ -10,6 +10,7 @@
    save, the median time of the steps that ran while a write was in flight, and the run's extra wall time per
    save compared with the baseline run (the whole cost the training loop sees).
 Prints one JSON line. Needs about 2x the checkpoint size (~17 GB with fp32 masters and Adam) of free disk.
+With ``--checksums-real`` it first prints the checksum table below for the trained state's own boxes.
 
     python bench/checkpoint.py --checksums-mb 400 [--repeats 5] [--threads 1]
 
@@ -91,31 +92,37 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def checksum_overhead(root: Path, mb: int, repeats: int, threads: int) -> None:
-    """Save/load time of ``mb`` MB of boxes with and without checksums (``checkpoint.verify``); prints a table."""
+def checksum_overhead(root: Path, chunks, repeats: int, threads: int, label: str) -> None:
+    """Save/load time of ``chunks`` with and without checksums (``checkpoint.verify``); prints a table."""
     from mmtrain.utils.dcp_io import Chunk, load_chunks, save_chunks
 
-    rows, cols = 4096, 1024  # 16 MiB fp32 boxes, as a rank holds many medium tensors
-    n = max(1, mb * 2**20 // (rows * cols * 4))
-    chunks = [Chunk(f"w{i}", (rows, cols), (0, 0), torch.randn(rows, cols)) for i in range(n)]
     targets = [Chunk(c.key, c.shape, c.offsets, torch.empty_like(c.tensor)) for c in chunks]
-    times: dict[str, list[float]] = {"save": [], "save+crc": [], "load": [], "load+verify": []}
+    times: dict[str, list[float]] = {"save": [], "save+hash": [], "load": [], "load+verify": []}
     for i in range(repeats):  # alternating, so drifts of the machine hit both alike
         for checksums in ((False, True) if i % 2 == 0 else (True, False)):
-            folder = root / f"crc_{checksums}"
+            folder = root / f"sums_{checksums}"
             shutil.rmtree(folder, ignore_errors=True)
-            times["save+crc" if checksums else "save"].append(_median_s(
+            times["save+hash" if checksums else "save"].append(_median_s(
                 lambda: save_chunks(folder, chunks, no_dist=True, thread_count=threads, checksums=checksums), 1))
         for verify in ((False, True) if i % 2 == 0 else (True, False)):
             times["load+verify" if verify else "load"].append(_median_s(
-                lambda: load_chunks(root / "crc_True", targets, verify=verify), 1))
+                lambda: load_chunks(root / "sums_True", targets, verify=verify), 1))
     med = {k: statistics.median(v) for k, v in times.items()}
-    gb = n * rows * cols * 4 / 1e9
-    print(f"checkpoint checksums: {gb:.2f} GB in {n} boxes, {threads} writer thread(s), median of {repeats}")
+    gb = sum(c.tensor.numel() * c.tensor.element_size() for c in chunks) / 1e9
+    print(f"checkpoint checksums ({label}): {gb:.2f} GB in {len(chunks)} boxes, {threads} writer thread(s), "
+          f"median of {repeats}")
     print(f"{'':14}{'without':>10}{'with':>10}{'overhead':>10}")
-    for what, base, with_ in (("save (s)", "save", "save+crc"), ("load (s)", "load", "load+verify")):
+    for what, base, with_ in (("save (s)", "save", "save+hash"), ("load (s)", "load", "load+verify")):
         print(f"{what:14}{med[base]:10.3f}{med[with_]:10.3f}{100 * (med[with_] / med[base] - 1):9.1f}%")
     shutil.rmtree(root, ignore_errors=True)
+
+
+def _random_chunks(mb: int):
+    from mmtrain.utils.dcp_io import Chunk
+
+    rows, cols = 4096, 1024  # 16 MiB fp32 boxes, as a rank holds many medium tensors
+    n = max(1, mb * 2**20 // (rows * cols * 4))
+    return [Chunk(f"w{i}", (rows, cols), (0, 0), torch.randn(rows, cols)) for i in range(n)]
 
 
 def main() -> None:
@@ -125,13 +132,15 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="DCP writer threads per rank")
     ap.add_argument("--checksums-mb", type=int, default=0, help="only measure checksums on this many MB")
-    ap.add_argument("--repeats", type=int, default=5, help="--checksums-mb: saves and loads of each kind")
+    ap.add_argument("--repeats", type=int, default=5, help="checksum tables: saves and loads of each kind")
+    ap.add_argument("--checksums-real", action="store_true",
+                    help="after training, also measure checksums on the trained state's own boxes (the real save)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     root = Path(a.dir)
     shutil.rmtree(root, ignore_errors=True)
     if a.checksums_mb:
-        checksum_overhead(root, a.checksums_mb, a.repeats, a.threads)
+        checksum_overhead(root, _random_chunks(a.checksums_mb), a.repeats, a.threads, "random fp32 boxes")
         return
     base = ["data.mock=true", "data.seq_length=1024", "train.micro_batch_size=1", "train.precision=bf16",
             "checkpoint.save_final=false", "checkpoint.keep_last=1", f"train.steps={a.steps}", *a.overrides]
@@ -145,6 +154,13 @@ def main() -> None:
     model = baseline.model
     out["train_step_ms"] = round(1000 * statistics.median(baseline.step_times[2:]), 1)
     loader = {"consumed_samples": a.steps}
+
+    if a.checksums_real:  # the boxes a real save writes (weights, fp32 masters, Adam moments), host copies
+        from mmtrain.train.checkpoint_state import save_chunks_of
+
+        chunks, _ = save_chunks_of(mesh, model, opt, device, lambda v: v.detach().to("cpu", copy=True))
+        checksum_overhead(root / "sums", chunks, a.repeats, a.threads, "trained Llama-3.2-1B state")
+        del chunks
 
     # 2. one save / load of the trained state
     t = time.perf_counter()

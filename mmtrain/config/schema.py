@@ -198,7 +198,7 @@ class CheckpointConfig:
                  "indices; for a VLM the data.mm_* order keys): error names each changed key; use_config builds "
                  "this run's order and continues at the checkpoint's consumed-sample count in it (samples may "
                  "repeat or be skipped).")
-    verify: bool = doc(True, "Check every checkpoint file against the CRC-32 recorded when it was written "
+    verify: bool = doc(True, "Check every checkpoint file against the XXH3 hash recorded when it was written "
                              "(checksums.json) before reading it; a damaged file stops the run. false reads unchecked.")
 
 

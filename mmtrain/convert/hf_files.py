@@ -1,7 +1,7 @@
 """Reading and writing a Hugging Face model folder: ``config.json`` plus safetensors weights, either one
 ``model.safetensors`` or shards listed by ``model.safetensors.index.json``.
 
-safetensors files carry no checksum, so an export writes ``mmtrain-checksums.json`` (CRC-32 and size of every
+safetensors files carry no checksum, so an export writes ``mmtrain-checksums.json`` (XXH3 hash and size of every
 file, ``mmtrain.utils.file_checksums``) and a read checks the files against it when it is there. A file that is
 not what the folder says (bad JSON, a shard name outside the folder, a safetensors header that does not fit the
 file) is an ``HFFolderError`` naming it."""

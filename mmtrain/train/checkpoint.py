@@ -4,7 +4,7 @@ Folder layout under ``<run_dir>/checkpoints/``::
 
     step_00000100/.metadata, __0_0.distcp ...  DCP: global tensors by global name (``mmtrain.train.checkpoint_state``)
     step_00000100/rank_00000.json ...         per rank: step, layout, data loaders' states, AdamW step count
-    step_00000100/checksums.json              CRC-32 of every file above, written after .metadata (``utils/dcp_storage.py``)
+    step_00000100/checksums.json              XXH3 hash of every file above, written after .metadata (``utils/dcp_storage.py``)
     step_00000100/complete.json               written by rank 0 after every rank finished: the checkpoint counts only
                                               then; the run config, its schedule and data-order records
     latest                                    name of the newest complete checkpoint, replaced atomically, last

@@ -55,7 +55,7 @@ class DamagedFileError(CheckpointFormatError):
 
 # ------------------------------------------------------------------------------------------------- writing
 class _HashingFileSystem(FileSystem):
-    """DCP's local file system whose write streams record the CRC-32 of what goes through them, by file name."""
+    """DCP's local file system whose write streams record the XXH3 hash of what goes through them, by file name."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -84,7 +84,7 @@ class _HashingFileSystem(FileSystem):
 class ChecksummingFileSystemWriter(dcp.FileSystemWriter):
     """``dcp.FileSystemWriter`` that records a checksum of every file it writes in ``checksums.json``.
 
-    ``extra_checksums``: records (``file_checksums.crc_entry``) of files this rank wrote beside DCP's (its
+    ``extra_checksums``: records (``file_checksums.hash_entry``) of files this rank wrote beside DCP's (its
     ``rank_XXXXX.json``), added to the record; set it before each save."""
 
     def __init__(self, path, *args: Any, **kwargs: Any) -> None:

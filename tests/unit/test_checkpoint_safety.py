@@ -83,7 +83,7 @@ def test_real_metadata_still_loads(tmp_path):
 def _saved(folder: Path) -> torch.Tensor:
     values = torch.arange(4096.0).reshape(64, 64)
     save_chunks(folder, [Chunk("w", (64, 64), (0, 0), values[:32]), Chunk("w", (64, 64), (32, 0), values[32:])],
-                no_dist=True, extra_checksums={"rank_00000.json": {"crc32": "0x00000000", "bytes": 0}})
+                no_dist=True, extra_checksums={"rank_00000.json": {"xxh3_64": "0x0000000000000000", "bytes": 0}})
     return values
 
 
@@ -105,16 +105,16 @@ def _data_file(folder: Path) -> Path:
 
 
 def test_every_file_is_recorded_when_written(tmp_path):
-    import zlib
+    import xxhash
 
     _saved(tmp_path)
     record = json.loads((tmp_path / "checksums.json").read_text())
-    assert record["algorithm"] == "crc32"
+    assert record["algorithm"] == "xxh3_64"
     names = {p.name for p in tmp_path.iterdir() if p.name != "checksums.json"}
     assert names <= set(record["files"]) and "rank_00000.json" in record["files"]  # + the caller's own files
     for name in names:
         data = (tmp_path / name).read_bytes()
-        assert record["files"][name] == {"crc32": f"0x{zlib.crc32(data):08x}", "bytes": len(data)}
+        assert record["files"][name] == {"xxh3_64": f"0x{xxhash.xxh3_64_intdigest(data):016x}", "bytes": len(data)}
 
 
 def test_a_flipped_byte_is_found_by_default_and_loads_only_unchecked(tmp_path):
