@@ -88,10 +88,10 @@ def _ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *
     return unpermute_and_combine(y_sorted, order, weights_NK, x_ND)
 
 
-def apply_expert_parallel(model: nn.Module, group, sequence_parallel_tp: bool = False,
-                          token_groups: list = ()) -> nn.Module:
-    """Keep this rank's slice of every MoE layer's experts and route tokens over ``group`` (all-to-all).
-    Marks expert parameters ``expert=True`` (reduced over the expert-data-parallel group). ``token_groups``:
+def apply_expert_parallel(model: nn.Module, group, token_groups: list = ()) -> nn.Module:
+    """Keep this rank's slice of every MoE layer's experts and route tokens over ``group`` (all-to-all). Which
+    group reduces the expert gradients (``edp``), and that they are partial over TP under sequence parallelism,
+    is the model's sharding spec's business (``mmtrain.train.grads``). ``token_groups``:
     the groups a micro-batch's tokens are split over (TP under sequence parallelism, CP) for the balance loss."""
     ep = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if ep > 1 else 0
@@ -104,13 +104,8 @@ def apply_expert_parallel(model: nn.Module, group, sequence_parallel_tp: bool = 
         experts = module.experts
         for name in ("w_up", "w_down"):
             full = getattr(experts, name)
-            sliced = nn.Parameter(full.data[rank * local:(rank + 1) * local].clone())
-            sliced.expert = True
-            setattr(experts, name, sliced)
+            setattr(experts, name, nn.Parameter(full.data[rank * local:(rank + 1) * local].clone()))
         module.token_groups = [g for g in token_groups if g is not None and dist.get_world_size(g) > 1]
-        if sequence_parallel_tp:  # each TP rank routes different tokens: expert/router grads are partial sums
-            for p in module.parameters():
-                p.tp_partial_grad = True
         if ep > 1:
             module.dispatch = partial(_ep_dispatch, group=group)
     return model

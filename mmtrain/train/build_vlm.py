@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from mmtrain.config.loader import ConfigError
-from mmtrain.model.gpt import token_cross_entropy
+from mmtrain.models.llama.model import token_cross_entropy
 from mmtrain.model.vlm import VLMModel
 from mmtrain.parallel.comm import split_seq
 from mmtrain.parallel.context import apply_context_parallel, shard_sequence
@@ -43,7 +43,7 @@ def _apply_vlm_parallel(model: VLMModel, mesh: ParallelMesh, sequence_parallel: 
     apply_tensor_parallel(lm, mesh.tp_group, sp)
     apply_context_parallel(lm, mesh.cp_group)
     if lm.cfg.num_experts:
-        apply_expert_parallel(lm, mesh.ep_group, sp, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
+        apply_expert_parallel(lm, mesh.ep_group, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
     for encoder in (model.vision, model.audio):
         if encoder is not None:
             apply_tensor_parallel(encoder, mesh.tp_group, False)

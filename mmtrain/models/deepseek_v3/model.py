@@ -14,7 +14,7 @@ are ranked by the sum of their two best biased scores and only the best ``topk_g
 chosen experts' *unbiased* scores (optionally normalized) times ``routed_scaling_factor`` weight their outputs.
 Shared experts are one dense SwiGLU MLP added to every token. The first ``first_k_dense_replace`` layers are dense.
 
-Parameter names follow ``mmtrain.model.gpt`` where the piece is the same (``embed``, ``layers.<global i>``,
+Parameter names follow ``mmtrain.models.llama.model`` where the piece is the same (``embed``, ``layers.<global i>``,
 ``attn_norm``, ``attn.proj``, ``mlp.up`` [gate | up], ``mlp.down``, ``mlp.router``, ``mlp.experts.w_up/w_down``,
 ``mlp.shared``, ``norm``, ``output``), so the existing TP/EP/checkpoint pieces can be pointed at them; how each
 one would be sharded is ``spec.py``. Sizes are read off the weights in ``forward``, so sharded linears drop in.
@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
-from mmtrain.model.gpt import document_causal_mask, token_cross_entropy
+from mmtrain.models.llama.model import document_causal_mask, token_cross_entropy
 from mmtrain.model.layers import MLP, RMSNorm
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config

@@ -16,6 +16,8 @@ from torch import nn
 
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
+from mmtrain.models.llama.spec import llama_sharding_spec
+from mmtrain.models.spec import ShardingSpec
 
 
 def document_causal_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -56,9 +58,14 @@ class GPTModel(nn.Module):
         self.logits_gather_fn = None
         self.head_matmul: nn.Module | None = None  # F.linear's stand-in for the output layer (an FP8 matmul)
         self.build_attention_mask = document_causal_mask  # context parallelism builds per-chunk masks instead
+        self.sequence_parallel = False  # the layout the TP plan applied (resolves the spec's partial gradients)
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
                              persistent=False)
+
+    def sharding_spec(self) -> ShardingSpec:
+        """How every tensor of the whole model is sharded (``mmtrain.models.llama.spec``), for this layout."""
+        return llama_sharding_spec(self.cfg).for_layout(self.sequence_parallel)
 
     # ------------------------------------------------------------------------------------------ init
     @torch.no_grad()
