@@ -95,16 +95,20 @@ def apply_expert_parallel(model: nn.Module, group, token_groups: list = ()) -> n
     the groups a micro-batch's tokens are split over (TP under sequence parallelism, CP) for the balance loss."""
     ep = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if ep > 1 else 0
+    spec = model.sharding_spec()
+    for name, full in list(model.named_parameters()):  # every tensor the spec slices over EP
+        dim = spec[name].expert_dim
+        if dim is None:
+            continue
+        if full.shape[dim] % ep:
+            raise ValueError(f"{name}: {full.shape[dim]} experts cannot be split over parallel.ep={ep} "
+                             "(model.num_experts must be divisible by parallel.ep)")
+        local = full.shape[dim] // ep
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, nn.Parameter(full.data.narrow(dim, rank * local, local).clone()))
     for module in model.modules():
         if not getattr(module, "is_moe_layer", False):
             continue
-        if module.cfg.num_experts % ep:
-            raise ValueError(f"model.num_experts ({module.cfg.num_experts}) must be divisible by parallel.ep ({ep})")
-        local = module.cfg.num_experts // ep
-        experts = module.experts
-        for name in ("w_up", "w_down"):
-            full = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(full.data[rank * local:(rank + 1) * local].clone()))
         module.token_groups = [g for g in token_groups if g is not None and dist.get_world_size(g) > 1]
         if ep > 1:
             module.dispatch = partial(_ep_dispatch, group=group)
