@@ -10,7 +10,6 @@ which replicated ones have gradients partial over TP; no parameter carries attri
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -124,6 +123,32 @@ def _vocab_parallel_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Ten
     return loss.view_as(labels_BS)
 
 
+class VocabParallelHead(nn.Module):
+    """The output head of a vocab-sharded model (the methods of ``mmtrain.model.head.LossHead``): its input is
+    copied over TP (gathered along the sequence under SP), the loss is the vocab-parallel cross-entropy (full
+    logits are never gathered for it), ``full_logits`` gathers the vocabulary shards."""
+
+    def __init__(self, group, sequence_parallel: bool, vocab_start: int, matmul: nn.Module | None = None) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel, self.vocab_start = group, sequence_parallel, vocab_start
+        self.matmul = matmul
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight) if self.matmul is None else self.matmul(x, weight)
+
+    def loss(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        return _vocab_parallel_cross_entropy(logits, labels_BS, self.group, self.vocab_start)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_seq_no_reduce(logits, self.group, dim=-1)
+
+    def compile_loss(self) -> None:
+        """Nothing to compile: the vocab-parallel cross-entropy is its own autograd function."""
+
+
 def _sharded_module(module: nn.Module, spec, group, sp: bool) -> nn.Module | None:
     """The TP replacement of ``module`` per its weight's spec entry, or None when it stays whole."""
     if isinstance(module, nn.Embedding) and spec.tp == "vocab":
@@ -163,12 +188,8 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     for name, new in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-    if getattr(model, "post_process", False):
-        r = dist.get_rank(group)
-        vocab = model.cfg.vocab_size
-        model.head_input_fn = partial(gather_seq, group=group) if sp else partial(copy_to_group, group=group)
-        model.loss_fn = partial(_vocab_parallel_cross_entropy, group=group, vocab_start=r * vocab // n)
-        model.logits_gather_fn = partial(gather_seq_no_reduce, group=group, dim=-1)
+    if getattr(model, "head", None) is not None:  # the output head's strategy: vocab-parallel loss
+        model.head = VocabParallelHead(group, sp, dist.get_rank(group) * model.cfg.vocab_size // n, model.head.matmul)
     return model
 
 

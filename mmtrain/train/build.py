@@ -8,7 +8,7 @@ from torch import nn
 
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.model.fp8 import Fp8Runtime, apply_fp8, resolve_fp8_backend
-from mmtrain.models.llama.model import GPTModel, token_cross_entropy
+from mmtrain.models.llama.model import GPTModel
 from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import apply_expert_parallel
@@ -65,7 +65,7 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
         if model.head_matmul is not None:  # FP8 head: its casts of the (huge) logits gradient fuse with the loss
             model.head_loss = torch.compile(model.head_loss)
         else:
-            model.loss_fn = torch.compile(token_cross_entropy)
+            model.head.compile_loss()
     return model
 
 

@@ -20,7 +20,6 @@ from functools import partial
 import torch
 
 from mmtrain.config.loader import ConfigError
-from mmtrain.models.llama.model import token_cross_entropy
 from mmtrain.model.vlm import VLMModel
 from mmtrain.parallel.comm import split_seq
 from mmtrain.parallel.context import apply_context_parallel, shard_sequence
@@ -77,7 +76,7 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
         if t.compile and not model.cfg.language.num_experts:
             block.compile()
     if t.compile and mesh.dims.tp == 1:
-        model.language.loss_fn = torch.compile(token_cross_entropy)
+        model.language.head.compile_loss()
     if device.type == "cuda" and t.attention_backend != "auto":
         chosen = t.attention_backend
         torch.backends.cuda.enable_flash_sdp(chosen == "flash")

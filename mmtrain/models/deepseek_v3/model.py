@@ -32,7 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
-from mmtrain.models.llama.model import document_causal_mask, token_cross_entropy
+from mmtrain.model.head import token_cross_entropy
+from mmtrain.models.llama.model import document_causal_mask
 from mmtrain.model.layers import MLP, RMSNorm
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
