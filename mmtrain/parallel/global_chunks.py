@@ -5,8 +5,8 @@ contributes the boxes (offsets + sizes in the global tensor) it holds. Any other
 needs, whatever layout wrote them — the storage (``torch.distributed.checkpoint``) finds the overlaps.
 
 What a rank holds of parameter ``name``:
-- tensor parallelism (the model's sharding spec, ``mmtrain.models.spec``): along one dim, either one even split, or a concatenation of parts
-  (fused q|k|v, gate|up) each split evenly — rank r holds part i's r-th slice for every i, so its shard is
+- tensor parallelism (the model's sharding spec, ``mmtrain.models.spec``): along one dim, either one even
+  split, or a concatenation of parts (fused q|k|v, gate|up) each split evenly — rank r holds part i's r-th slice for every i, so its shard is
   several boxes of the global tensor;
 - expert parallelism: experts ``[ep_rank * local, (ep_rank + 1) * local)`` of the spec's ``expert_dim``;
 - distributed optimizer: a flat range [lo, hi) of the rank's (TP/EP) shard, which is a few boxes: a partial

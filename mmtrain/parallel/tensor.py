@@ -19,7 +19,8 @@ from torch import nn
 from mmtrain.parallel.comm import copy_to_group, gather_seq, gather_seq_no_reduce, reduce_from_group, reduce_scatter_seq
 
 
-def _shard_parts(t: torch.Tensor, parts: tuple[int, ...], rank: int, n: int, dim: int = 0, unit: int = 1) -> torch.Tensor:
+def _shard_parts(t: torch.Tensor, parts: tuple[int, ...], rank: int, n: int, dim: int = 0,
+                 unit: int = 1) -> torch.Tensor:
     """This rank's rows of a tensor made of concatenated ``parts`` along ``dim`` (each part split n ways, in
     whole blocks of ``unit`` rows)."""
     pieces = t.split(list(parts), dim=dim)
@@ -178,11 +179,11 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     if hasattr(model, "sequence_parallel"):
         model.sequence_parallel = sp  # the layout its spec resolves partial gradients for
     spec = model.sharding_spec()
+    param_names = {id(p): n for n, p in model.named_parameters()}
     swaps = []
     for name, module in model.named_modules():
-        key = f"{name}.weight"
-        if key in spec:
-            new = _sharded_module(module, spec[key], group, sp)
+        if isinstance(module, (nn.Linear, nn.Embedding)):  # placed by its weight's entry
+            new = _sharded_module(module, spec[param_names[id(module.weight)]], group, sp)
             if new is not None:
                 swaps.append((name, new))
     for name, new in swaps:

@@ -226,7 +226,14 @@ class DeepseekV3Model(nn.Module):
         own_output = post_process and not (cfg.tie_word_embeddings and pre_process)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
         self.loss_fn = token_cross_entropy  # a TP plan swaps in the vocab-parallel cross-entropy
+        self.sequence_parallel = False  # the layout a TP plan applied (resolves the spec's partial gradients)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def sharding_spec(self):
+        """How every tensor of the whole model is sharded (``mmtrain.models.deepseek_v3.spec``)."""
+        from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec  # spec.py builds this model
+
+        return deepseek_v3_sharding_spec(self.cfg).for_layout(self.sequence_parallel)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
