@@ -61,7 +61,7 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
                 block.mlp_norm.compile()
             else:
                 block.compile()
-    if cfg.train.compile and mesh.dims.tp == 1:  # fuses the fp32 upcast, log-softmax and its backward
+    if cfg.train.compile and mesh.dims.tp == 1 and model.head is not None:  # fuses fp32 upcast, log-softmax, backward
         if model.head_matmul is not None:  # FP8 head: its casts of the (huge) logits gradient fuse with the loss
             model.head_loss = torch.compile(model.head_loss)
         else:

@@ -75,7 +75,7 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
             block.mlp.recompute_activation = mode == "selective"
         if t.compile and not model.cfg.language.num_experts:
             block.compile()
-    if t.compile and mesh.dims.tp == 1:
+    if t.compile and mesh.dims.tp == 1 and model.language.head is not None:  # the last stage's head
         model.language.head.compile_loss()
     if device.type == "cuda" and t.attention_backend != "auto":
         chosen = t.attention_backend
