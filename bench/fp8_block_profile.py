@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.model.fp8 import apply_native_fp8
 from mmtrain.model.fp8_scaling import AmaxHistory, fp8_dtypes
-from mmtrain.model.gpt import GPTModel
+from mmtrain.models.llama.model import GPTModel
 from mmtrain.model.layers import rope_cos_sin
 
 VARIANTS = {"bf16": [], "tensorwise": ["fp8.recipe=tensorwise"], "delayed": ["fp8.recipe=delayed"],

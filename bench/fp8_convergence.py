@@ -119,7 +119,7 @@ def main() -> None:
     import torch
 
     from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config
-    from mmtrain.model.gpt import count_parameters
+    from mmtrain.models.llama.model import count_parameters
     from mmtrain.parallel import ParallelDims, init_distributed, pick_device
     from mmtrain.train.loop import train_gpt
     from mmtrain.utils.log import setup_logging

@@ -21,7 +21,7 @@ from torch._inductor.utils import run_and_get_code
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.model.fp8 import apply_native_fp8
 from mmtrain.model.fp8_native import Fp8Matmul
-from mmtrain.model.gpt import GPTModel
+from mmtrain.models.llama.model import GPTModel
 from mmtrain.model.layers import rope_cos_sin, rope_frequencies
 
 SHAPE = ["data.mock=true", "train.device=cuda", "model.num_layers=1", "model.hidden_size=64",

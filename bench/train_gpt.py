@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config  # noqa: E402
-from mmtrain.model.gpt import flops_per_token  # noqa: E402
+from mmtrain.models.llama.model import flops_per_token  # noqa: E402
 from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed  # noqa: E402
 from mmtrain.train.loop import train_gpt  # noqa: E402
 from mmtrain.utils.log import setup_logging  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from mmtrain.config import load_config  # noqa: E402
 from mmtrain.config.vlm_run_schema import VLMRunConfig  # noqa: E402
 from mmtrain.config.vlm_validate import validate_vlm_config  # noqa: E402
-from mmtrain.model.gpt import flops_per_token  # noqa: E402
+from mmtrain.models.llama.model import flops_per_token  # noqa: E402
 from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed  # noqa: E402
 from mmtrain.train.vlm_train import train_vlm, vision_flops_per_image  # noqa: E402
 from mmtrain.utils.log import setup_logging  # noqa: E402

@@ -41,7 +41,7 @@ _PUBLIC = {
     "GPTRunConfig": "mmtrain.config.schema", "ModelConfig": "mmtrain.config.schema",
     "load_config": "mmtrain.config.loader", "save_config": "mmtrain.config.loader",
     "ConfigError": "mmtrain.config.loader", "validate_gpt_config": "mmtrain.config.validate",
-    "GPTModel": "mmtrain.model.gpt", "build_gpt_stage": "mmtrain.train.build",
+    "GPTModel": "mmtrain.models.llama.model", "build_gpt_stage": "mmtrain.train.build",
     "apply_tensor_parallel": "mmtrain.parallel.tensor", "apply_context_parallel": "mmtrain.parallel.context",
     "apply_expert_parallel": "mmtrain.parallel.expert",
     "run_micro_batches": "mmtrain.train.loop", "reduce_loss_stats": "mmtrain.train.loop",

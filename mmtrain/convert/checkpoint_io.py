@@ -2,7 +2,7 @@
 
 A checkpoint stores each weight as ``model.<global name>`` with its global shape (``mmtrain.train.checkpoint_state``),
 so reading full tensors is one DCP load of whole tensors, whatever layout wrote it. Writing lays the tensors
-out as the ranks of a TP x PP run would (the same boxes, from ``_stage_parameter_names`` built on the meta
+out as the ranks of a TP x PP run would (the same boxes, from ``_stage_state`` built on the meta
 device and ``mmtrain.parallel.global_chunks``): a checkpoint written here is what such a run would have saved,
 minus optimizer, loader and RNG state. Such a *weights-only* checkpoint says so with ``"weights_only": true``
 in ``complete.json``; ``load_model_weights`` starts a run from it (or from any training checkpoint) at any
@@ -25,7 +25,9 @@ import yaml
 import mmtrain
 from mmtrain.config.loader import apply_mapping
 from mmtrain.config.schema import GPTRunConfig, ModelConfig, ParallelConfig
-from mmtrain.model.gpt import GPTModel
+from mmtrain.models.llama.model import GPTModel
+from mmtrain.models.llama.spec import llama_sharding_spec
+from mmtrain.models.spec import ShardingSpec
 from mmtrain.parallel.global_chunks import (
     Shard,
     chunks_from_global,
@@ -62,19 +64,22 @@ def _rank_of(tp_rank: int, pp_rank: int, tp: int, cp: int = 1, dp: int = 1) -> i
     return tp_rank + tp * cp * dp * pp_rank
 
 
-def _stage_parameter_names(cfg: ModelConfig, pp: int, stage: int, pipeline_layers: list[int] | None = None) -> list[str]:
-    """The state-dict names of pipeline stage ``stage`` (built on the meta device: no memory, exact names)."""
+def _stage_state(cfg: ModelConfig, pp: int, stage: int,
+                 pipeline_layers: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """The state dict (meta tensors: no memory, exact names and shapes) of pipeline stage ``stage``."""
     ranges = stage_layer_ranges(cfg.num_layers, pp, pipeline_layers)
     with torch.device("meta"):
         model = GPTModel(cfg, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
-    return list(model.state_dict().keys())
+    return model.state_dict()
 
 
-def _full_tensor_for(name: str, full: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    if name == "output.weight" and cfg.tie_embeddings:
-        return full["embed.weight"]  # the last stage's copy of a tied embedding
-    if name.endswith("mlp.router.expert_bias") and name not in full:
-        return torch.zeros(cfg.num_experts)  # sigmoid-router balancing state; HF models have none
+def _full_tensor_for(name: str, full: dict[str, torch.Tensor], spec: ShardingSpec,
+                     like: torch.Tensor | None = None) -> torch.Tensor:
+    """The full tensor of ``name``: a tied copy is the tensor it copies; a buffer the weights lack (a sigmoid
+    router's balancing state: HF models have none) starts at zero (``like``: its meta tensor, for the shape)."""
+    name = spec.stored_name(name)
+    if spec[name].buffer and name not in full and like is not None:
+        return torch.zeros(like.shape, dtype=like.dtype)
     if name not in full:
         raise ConvertError(f"parameter {name} is missing from the converted weights")
     return full[name]
@@ -87,11 +92,12 @@ def _iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, 
                      pipeline_layers: list[int] | None = None) -> RankStates:
     """((tp_rank, pp_rank), that rank's model state dict) for a TP x PP layout, one rank at a time (so writing
     a large model holds one rank's shards besides the full tensors)."""
+    spec = llama_sharding_spec(cfg)
     for stage in range(pp):
-        names = _stage_parameter_names(cfg, pp, stage, pipeline_layers)
+        state = _stage_state(cfg, pp, stage, pipeline_layers)
         for r in range(tp):
-            yield (r, stage), {name: tp_shard_of(name, _full_tensor_for(name, full, cfg), cfg, r, tp)
-                               for name in names}
+            yield (r, stage), {name: tp_shard_of(name, _full_tensor_for(name, full, spec, t), spec, r, tp)
+                               for name, t in state.items()}
 
 
 def split_full_state(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp: int,
@@ -100,12 +106,12 @@ def split_full_state(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, p
     return dict(_iter_rank_states(full, cfg, tp, pp, pipeline_layers))
 
 
-def _merge_tp_shards(name: str, pieces: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+def _merge_tp_shards(name: str, pieces: list[torch.Tensor], spec: ShardingSpec) -> torch.Tensor:
     """The full tensor of ``name`` from its TP shards in rank order (the inverse of ``tp_shard_of``)."""
-    spec = tp_partition(name, cfg)
-    if spec is None or len(pieces) == 1:
+    split = tp_partition(name, spec)
+    if split is None or len(pieces) == 1:
         return pieces[0]
-    dim, parts = spec
+    dim, parts = split
     n = len(pieces)
     if parts is None:
         return torch.cat(pieces, dim=dim)
@@ -119,12 +125,13 @@ def merge_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], cfg: Mo
     """Full tensors from {(tp_rank, pp_rank): state dict}. A tied model's last-stage output copy is dropped."""
     tp = 1 + max(r for r, _ in shards)
     pp = 1 + max(s for _, s in shards)
+    spec = llama_sharding_spec(cfg)
     full: dict[str, torch.Tensor] = {}
     for stage in range(pp):
         for name in shards[(0, stage)]:
-            if name == "output.weight" and cfg.tie_embeddings:
+            if spec.stored_name(name) != name:
                 continue
-            full[name] = _merge_tp_shards(name, [shards[(r, stage)][name] for r in range(tp)], cfg)
+            full[name] = _merge_tp_shards(name, [shards[(r, stage)][name] for r in range(tp)], spec)
     return full
 
 
@@ -139,12 +146,13 @@ def _layout_chunks(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp:
     """The chunks (views of ``full``) that the ranks of a TP x PP run hold, as a training checkpoint stores them
     (replicated values once)."""
     chunks: dict[tuple, Chunk] = {}
+    spec = llama_sharding_spec(cfg)
     for stage in range(pp):
-        for name in _stage_parameter_names(cfg, pp, stage, pipeline_layers):
-            if stored_name(name, cfg) != name:
-                continue  # a tied embedding's last-stage copy: stored once, as embed.weight
+        for name, t in _stage_state(cfg, pp, stage, pipeline_layers).items():
+            if stored_name(name, spec) != name:
+                continue  # a tied copy (the last stage's tied embedding): stored once, as the tensor it copies
             for r in range(tp):
-                for c in chunks_from_global(f"model.{name}", name, _full_tensor_for(name, full, cfg), cfg,
+                for c in chunks_from_global(f"model.{name}", name, _full_tensor_for(name, full, spec, t), spec,
                                             Shard(tp_rank=r, tp=tp)):
                     chunks.setdefault((c.key, c.offsets), c)
     return list(chunks.values())
@@ -244,13 +252,14 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
                                + "; ".join(differ))
     saved = _checked_read(folder, "checkpoint.load", verify, lambda: saved_tensors(folder, verify))
     own = model.state_dict()
+    spec = llama_sharding_spec(cfg)  # the checkpoint's model (its config says what it holds)
     shard = shard_of(mesh)
     for name, t in own.items():
-        key = f"model.{stored_name(name, cfg)}"
-        if isinstance(t, torch.Tensor) and key in saved and saved[key][0] != global_shape(name, tuple(t.shape), cfg, shard):
+        key = f"model.{stored_name(name, spec)}"
+        if isinstance(t, torch.Tensor) and key in saved and saved[key][0] != global_shape(name, tuple(t.shape), spec, shard):
             raise ConvertError(f"{name}: checkpoint has global shape {saved[key][0]}, this rank's shard "
                                f"{tuple(t.shape)} does not fit it (does the run's model config match {path}?)")
-    chunks, missing = model_load_chunks(own, cfg, shard, saved)
+    chunks, missing = model_load_chunks(own, spec, shard, saved)
     if missing:
         raise ConvertError(f"{path}: parameter(s) {', '.join(missing[:5])} missing from the checkpoint")
     _checked_read(folder, "checkpoint.load", False, lambda: load_chunks(folder, chunks, verify))

@@ -8,8 +8,8 @@ import torch
 
 from mmtrain.convert.checkpoint_io import read_full_state, write_weights_checkpoint
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder
-from mmtrain.convert.hf_llama import (UnsupportedHFConfig, hf_config_from_model_config, hf_state_from_mmtrain,
-                                      mmtrain_state_from_hf, model_config_from_hf)
+from mmtrain.models.llama.hf_adapter import (UnsupportedHFConfig, hf_config_from_model_config, hf_state_from_mmtrain,
+                                             mmtrain_state_from_hf, model_config_from_hf)
 
 
 def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,

@@ -9,7 +9,9 @@ Everything else in this package is internal and may change.
 from mmtrain.utils.lazy import lazy_exports
 
 _PUBLIC = {
-    "GPTModel": "mmtrain.model.gpt", "count_parameters": "mmtrain.model.gpt", "flops_per_token": "mmtrain.model.gpt",
+    # the Llama-family GPT lives in its family folder (mmtrain/models/llama/); these names stay public here
+    "GPTModel": "mmtrain.models.llama.model", "count_parameters": "mmtrain.models.llama.model",
+    "flops_per_token": "mmtrain.models.llama.model",
     "VLMModel": "mmtrain.model.vlm", "VisionEncoder": "mmtrain.model.vision", "AudioEncoder": "mmtrain.model.audio",
     "Projector": "mmtrain.model.projector",
 }

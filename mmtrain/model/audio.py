@@ -19,6 +19,7 @@ from torch import nn
 from mmtrain.config.vlm_schema import AudioConfig
 from mmtrain.model.layers import TransformerBlock
 from mmtrain.model.vision import init_by_name
+from mmtrain.models.llama.spec import encoder_sharding_spec
 
 
 def _sinusoids(length: int, dim: int) -> torch.Tensor:
@@ -63,6 +64,11 @@ class AudioEncoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
                                      for i in range(cfg.num_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+    def sharding_spec(self):
+        """Blocks sharded as the LM's, everything else replicated (``encoder_sharding_spec``); never sequence-
+        parallel (the encoder runs on whole media sequences)."""
+        return encoder_sharding_spec(self, self.cfg.block_config(), "audio").for_layout(False)
 
     @torch.no_grad()
     def init_weights(self, seed: int, prefix: str = "audio.") -> None:

@@ -8,7 +8,7 @@ step, not per micro-batch) and ``after_backward(groups)`` (delayed scaling: redu
 checkpoints save ``delayed_state()`` and restore it by matmul name (``load_delayed_state``).
 
 Blocks ``bf16_first_layers`` / ``bf16_last_layers`` (global layer indices), embeddings, norms, attention and MoE
-experts stay BF16; so does the output layer unless ``fp8.output_layer`` (native backend: ``model.head_matmul``).
+experts stay BF16; so does the output layer unless ``fp8.output_layer`` (native backend: ``model.head.matmul``).
 """
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def apply_native_fp8(model: nn.Module, cfg: GPTRunConfig) -> list[Fp8Matmul]:
         object.__setattr__(lin.matmul, "weight_ref", lin.weight)  # a plain reference, not a submodule param
         matmuls.append(lin.matmul)
     if f.output_layer and model.post_process:  # the LM head (this rank's vocabulary shard under TP; tied or not)
-        model.head_matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward, casts)
-        object.__setattr__(model.head_matmul, "weight_ref", model.output_weight())
-        matmuls.append(model.head_matmul)
+        model.head.matmul = Fp8Matmul(f.recipe, f.format, f.fast_accum_backward, casts)
+        object.__setattr__(model.head.matmul, "weight_ref", model.output_weight())
+        matmuls.append(model.head.matmul)
     return matmuls
 
 
@@ -238,8 +238,8 @@ class Fp8Runtime:
 
 def _matmul_name(module_path: str) -> str:
     """An FP8 matmul's checkpoint name from its module path in a model chunk: the linear it computes
-    (``layers.3.attn.qkv``; ``head`` for the output layer's ``head_matmul``)."""
-    if module_path == "head_matmul":
+    (``layers.3.attn.qkv``; ``head`` for the output layer's, ``head.matmul``)."""
+    if module_path == "head.matmul":
         return "head"
     return module_path.removesuffix(".matmul")
 

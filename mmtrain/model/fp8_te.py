@@ -92,7 +92,7 @@ def _tp_role(lin: nn.Module) -> str | None:
 
 @torch.no_grad()
 def _make_te_linear(lin: nn.Module) -> nn.Module:
-    """A TE linear holding the same values (and parameter attributes) as ``lin`` (nn.Linear or a TP linear)."""
+    """A TE linear holding the same values as ``lin`` (nn.Linear or a TP linear)."""
     role = _tp_role(lin)
     out_f, in_f = lin.weight.shape
     has_bias = lin.bias is not None
@@ -100,11 +100,6 @@ def _make_te_linear(lin: nn.Module) -> nn.Module:
     new.weight.copy_(lin.weight)
     if has_bias:
         new.bias.copy_(lin.bias)
-    for old_p, new_p in ((lin.weight, new.weight), (lin.bias, new.bias if has_bias else None)):
-        if old_p is not None:
-            for flag in ("tp_sharded", "tp_partial_grad"):
-                if hasattr(old_p, flag):
-                    setattr(new_p, flag, getattr(old_p, flag))
     if hasattr(lin, "part_sizes"):
         new.part_sizes = lin.part_sizes
     new.mm_tp_role = role

@@ -22,6 +22,7 @@ from torch import nn
 
 from mmtrain.config.vlm_schema import VisionConfig
 from mmtrain.model.layers import TransformerBlock, make_norm
+from mmtrain.models.llama.spec import encoder_sharding_spec
 
 
 def _sincos_2d(grid: int, dim: int) -> torch.Tensor:
@@ -84,6 +85,11 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
                                      for i in range(cfg.num_layers)})
         self.norm = make_norm(block_cfg) if cfg.post_norm else None
+
+    def sharding_spec(self):
+        """Blocks sharded as the LM's, everything else replicated (``encoder_sharding_spec``); never sequence-
+        parallel (the encoder runs on whole media sequences)."""
+        return encoder_sharding_spec(self, self.cfg.block_config(), "vision").for_layout(False)
 
     @torch.no_grad()
     def init_weights(self, seed: int, prefix: str = "vision.") -> None:

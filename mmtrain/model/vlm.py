@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from mmtrain.config.vlm_schema import VLMModelConfig
-from mmtrain.model.gpt import GPTModel
+from mmtrain.models.llama.model import GPTModel
 from mmtrain.model.projector import Projector
 from mmtrain.model.vision import VisionEncoder, init_by_name
+from mmtrain.models.spec import REPLICATED, ShardingSpec, merge_specs
 
 IGNORE_INDEX = -100  # the task encoder's label of non-target positions
 COMPONENTS = ("vision", "audio", "projector", "language")
@@ -97,6 +98,18 @@ class VLMModel(nn.Module):
         self.language = GPTModel(cfg.language, layer_range, pre_process=pre_process, post_process=post_process)
         # Set by the parallel plan (mmtrain.train.build_vlm): spliced full-sequence embeddings -> this rank's part.
         self.sequence_shard_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def sharding_spec(self):
+        """The language model's spec under ``language.``, the encoders' under ``vision.``/``audio.``, the
+        projectors replicated (the components this stage holds)."""
+        parts = [self.language.sharding_spec().prefixed("language.")]
+        for name in ("vision", "audio"):
+            if getattr(self, name) is not None:
+                parts.append(getattr(self, name).sharding_spec().prefixed(f"{name}."))
+        if self.projector is not None:
+            parts.append(ShardingSpec({f"projector.{n}": REPLICATED for n, _ in
+                                       [*self.projector.named_parameters(), *self.projector.named_buffers()]}))
+        return merge_specs(*parts, family="vlm")
 
     # ------------------------------------------------------------------------------------------ setup
     @torch.no_grad()

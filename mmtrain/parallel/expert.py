@@ -88,29 +88,28 @@ def _ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *
     return unpermute_and_combine(y_sorted, order, weights_NK, x_ND)
 
 
-def apply_expert_parallel(model: nn.Module, group, sequence_parallel_tp: bool = False,
-                          token_groups: list = ()) -> nn.Module:
-    """Keep this rank's slice of every MoE layer's experts and route tokens over ``group`` (all-to-all).
-    Marks expert parameters ``expert=True`` (reduced over the expert-data-parallel group). ``token_groups``:
+def apply_expert_parallel(model: nn.Module, group, token_groups: list = ()) -> nn.Module:
+    """Keep this rank's slice of every MoE layer's experts and route tokens over ``group`` (all-to-all). Which
+    group reduces the expert gradients (``edp``), and that they are partial over TP under sequence parallelism,
+    is the model's sharding spec's business (``mmtrain.train.grads``). ``token_groups``:
     the groups a micro-batch's tokens are split over (TP under sequence parallelism, CP) for the balance loss."""
     ep = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if ep > 1 else 0
+    spec = model.sharding_spec()
+    for name, full in list(model.named_parameters()):  # every tensor the spec slices over EP
+        dim = spec[name].expert_dim
+        if dim is None:
+            continue
+        if full.shape[dim] % ep:
+            raise ValueError(f"{name}: {full.shape[dim]} experts cannot be split over parallel.ep={ep} "
+                             "(model.num_experts must be divisible by parallel.ep)")
+        local = full.shape[dim] // ep
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, nn.Parameter(full.data.narrow(dim, rank * local, local).clone()))
     for module in model.modules():
         if not getattr(module, "is_moe_layer", False):
             continue
-        if module.cfg.num_experts % ep:
-            raise ValueError(f"model.num_experts ({module.cfg.num_experts}) must be divisible by parallel.ep ({ep})")
-        local = module.cfg.num_experts // ep
-        experts = module.experts
-        for name in ("w_up", "w_down"):
-            full = getattr(experts, name)
-            sliced = nn.Parameter(full.data[rank * local:(rank + 1) * local].clone())
-            sliced.expert = True
-            setattr(experts, name, sliced)
         module.token_groups = [g for g in token_groups if g is not None and dist.get_world_size(g) > 1]
-        if sequence_parallel_tp:  # each TP rank routes different tokens: expert/router grads are partial sums
-            for p in module.parameters():
-                p.tp_partial_grad = True
         if ep > 1:
             module.dispatch = partial(_ep_dispatch, group=group)
     return model

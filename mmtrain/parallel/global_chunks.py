@@ -5,10 +5,10 @@ contributes the boxes (offsets + sizes in the global tensor) it holds. Any other
 needs, whatever layout wrote them — the storage (``torch.distributed.checkpoint``) finds the overlaps.
 
 What a rank holds of parameter ``name``:
-- tensor parallelism (``tp_partition``): along one dim, either one even split, or a concatenation of parts
-  (fused q|k|v, gate|up) each split evenly — rank r holds part i's r-th slice for every i, so its shard is
+- tensor parallelism (the model's sharding spec, ``mmtrain.models.spec``): along one dim, either one even
+  split, or a concatenation of parts (fused q|k|v, gate|up) each split evenly — rank r holds part i's r-th slice for every i, so its shard is
   several boxes of the global tensor;
-- expert parallelism: experts ``[ep_rank * local, (ep_rank + 1) * local)`` of dim 0 of the expert weights;
+- expert parallelism: experts ``[ep_rank * local, (ep_rank + 1) * local)`` of the spec's ``expert_dim``;
 - distributed optimizer: a flat range [lo, hi) of the rank's (TP/EP) shard, which is a few boxes: a partial
   first row, a block of whole rows, a partial last row (recursively in more dims).
 Data/context-parallel replicas produce identical boxes; the storage keeps one copy.
@@ -21,10 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmtrain.parallel.tensor import tp_partition
 from mmtrain.utils.dcp_io import Chunk
-
-EXPERT_PARAMS = ("experts.w_up", "experts.w_down")
 
 
 @dataclass(frozen=True)
@@ -61,12 +58,12 @@ def shard_of(mesh) -> Shard:
     return Shard(mesh.coord.tp, mesh.dims.tp, mesh.coord.ep, mesh.dims.ep)
 
 
-def _tp_parts(name: str, local_shape: tuple[int, ...], cfg, tp: int) -> tuple[int, list[int]] | None:
+def _tp_parts(name: str, local_shape: tuple[int, ...], spec, tp: int) -> tuple[int, list[int]] | None:
     """(dim, local part sizes along it) when ``name`` is TP-sharded, else None."""
-    spec = tp_partition(name, cfg) if tp > 1 else None
-    if spec is None:
+    split = spec[name].tp_split() if tp > 1 else None
+    if split is None:
         return None
-    dim, parts = spec
+    dim, parts = split
     if parts is None:
         return dim, [local_shape[dim]]
     if any(p % tp for p in parts) or sum(parts) // tp != local_shape[dim]:
@@ -74,11 +71,13 @@ def _tp_parts(name: str, local_shape: tuple[int, ...], cfg, tp: int) -> tuple[in
     return dim, [p // tp for p in parts]
 
 
-def global_shape(name: str, local_shape: tuple[int, ...], cfg, shard: Shard) -> tuple[int, ...]:
+def global_shape(name: str, local_shape: tuple[int, ...], spec, shard: Shard) -> tuple[int, ...]:
+    """The global shape of parameter ``name`` from this rank's shard of it (``spec``: the model's spec)."""
     shape = list(local_shape)
-    if name.endswith(EXPERT_PARAMS):
-        shape[0] *= shard.ep
-    tp = _tp_parts(name, tuple(local_shape), cfg, shard.tp)
+    expert_dim = spec[name].expert_dim
+    if expert_dim is not None:
+        shape[expert_dim] *= shard.ep
+    tp = _tp_parts(name, tuple(local_shape), spec, shard.tp)
     if tp is not None:
         shape[tp[0]] *= shard.tp
     return tuple(shape)
@@ -109,18 +108,18 @@ def _leaves(shape: tuple[int, ...], lo: int, hi: int, prefix: tuple[int, ...] = 
         yield from _leaves(shape[1:], 0, hi - row * m, (*prefix, row), base + row * m)
 
 
-def boxes(name: str, local_shape: tuple[int, ...], cfg, shard: Shard, lo: int = 0, hi: int | None = None) -> list[_Box]:
+def boxes(name: str, local_shape: tuple[int, ...], spec, shard: Shard, lo: int = 0, hi: int | None = None) -> list[_Box]:
     """The global boxes of the flat range [lo, hi) (default: all) of this rank's shard of parameter ``name``;
     ``_Box.flat`` is relative to ``lo``."""
     local_shape = tuple(local_shape)
     hi = math.prod(local_shape) if hi is None else hi
-    tp = _tp_parts(name, local_shape, cfg, shard.tp)
-    expert = name.endswith(EXPERT_PARAMS) and shard.ep > 1
+    tp = _tp_parts(name, local_shape, spec, shard.tp)
+    expert_dim = spec[name].expert_dim if shard.ep > 1 else None
     out = []
     for f0, f1, off, sizes in _leaves(local_shape, lo, hi):
         g = list(off)
-        if expert:
-            g[0] += shard.ep_rank * local_shape[0]
+        if expert_dim is not None:
+            g[expert_dim] += shard.ep_rank * local_shape[expert_dim]
         if tp is None:
             out.append(_Box(tuple(g), sizes, (f0 - lo, f1 - lo), sizes, None))
             continue
@@ -139,49 +138,52 @@ def boxes(name: str, local_shape: tuple[int, ...], cfg, shard: Shard, lo: int = 
     return out
 
 
-def stored_name(name: str, cfg) -> str:
-    """The global name a parameter is stored under: the last stage's copy of a tied embedding is the embedding."""
-    return "embed.weight" if name == "output.weight" and cfg.tie_embeddings else name
+def stored_name(name: str, spec) -> str:
+    """The global name a parameter is stored under: a tied copy (the last stage's copy of a tied embedding) is
+    stored as the tensor it copies."""
+    return spec.stored_name(name)
 
 
-def chunks_of(key: str, name: str, local_shape: tuple[int, ...], flat: torch.Tensor, cfg, shard: Shard, lo: int = 0,
+def chunks_of(key: str, name: str, local_shape: tuple[int, ...], flat: torch.Tensor, spec, shard: Shard, lo: int = 0,
               copy=None) -> list[Chunk]:
     """``Chunk``s (stored as ``key``) of the flat range [lo, lo + flat.numel()) of this rank's shard of parameter
     ``name`` (shape ``local_shape``), whose values are ``flat``. ``copy`` maps each box's view to what is saved
     (e.g. a host copy); without it the chunks are views of ``flat`` (what a load fills)."""
-    shape = global_shape(name, tuple(local_shape), cfg, shard)
+    shape = global_shape(name, tuple(local_shape), spec, shard)
     out = []
-    for b in boxes(name, tuple(local_shape), cfg, shard, lo, lo + flat.numel()):
+    for b in boxes(name, tuple(local_shape), spec, shard, lo, lo + flat.numel()):
         view = b.of_flat(flat)
         out.append(Chunk(key, shape, b.offsets, copy(view) if copy is not None else view))
     return out
 
 
-def chunks_from_global(key: str, name: str, full: torch.Tensor, cfg, shard: Shard) -> list[Chunk]:
+def chunks_from_global(key: str, name: str, full: torch.Tensor, spec, shard: Shard) -> list[Chunk]:
     """The chunks of parameter ``name`` that a rank of ``shard``'s coordinates holds, as views of the whole
     global tensor ``full`` (for writing a checkpoint of some layout from full tensors)."""
     local = list(full.shape)
-    if name.endswith(EXPERT_PARAMS):
-        local[0] //= shard.ep
-    spec = tp_partition(name, cfg) if shard.tp > 1 else None
-    if spec is not None:
-        local[spec[0]] //= shard.tp
-    return [Chunk(key, tuple(full.shape), b.offsets, b.of_global(full)) for b in boxes(name, tuple(local), cfg, shard)]
+    expert_dim = spec[name].expert_dim
+    if expert_dim is not None:
+        local[expert_dim] //= shard.ep
+    split = spec[name].tp_split() if shard.tp > 1 else None
+    if split is not None:
+        local[split[0]] //= shard.tp
+    return [Chunk(key, tuple(full.shape), b.offsets, b.of_global(full)) for b in boxes(name, tuple(local), spec, shard)]
 
 
-def model_load_chunks(model_state: dict[str, torch.Tensor], cfg, shard, saved: dict) -> tuple[list[Chunk], list[str]]:
+def model_load_chunks(model_state: dict[str, torch.Tensor], spec, shard, saved: dict) -> tuple[list[Chunk], list[str]]:
     """Chunks filling ``model_state`` (views of it) from a checkpoint holding ``saved`` (``saved_tensors``), and
-    the names it has no value for: a sigmoid router's balancing bias (Hugging Face models have none) stays zero."""
+    the names it has no value for. A buffer the checkpoint lacks (a sigmoid router's balancing bias: Hugging
+    Face models have none) is zeroed, its state before any step."""
     chunks, missing = [], []
     for name, t in model_state.items():
         if not isinstance(t, torch.Tensor):
             continue  # a module's non-tensor extra state: not stored
-        key = f"model.{stored_name(name, cfg)}"
-        if key not in saved and name.endswith("mlp.router.expert_bias"):
+        key = f"model.{stored_name(name, spec)}"
+        if key not in saved and spec[name].buffer:
             t.zero_()
             continue
         if key not in saved:
             missing.append(name)
             continue
-        chunks += chunks_of(key, name, tuple(t.shape), t.view(-1), cfg, shard)
+        chunks += chunks_of(key, name, tuple(t.shape), t.view(-1), spec, shard)
     return chunks, missing

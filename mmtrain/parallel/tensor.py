@@ -1,17 +1,15 @@
-"""Tensor (and sequence) parallelism: sharded linears/embedding, vocab-parallel cross-entropy, the GPT plan.
+"""Tensor (and sequence) parallelism: sharded linears/embedding, vocab-parallel cross-entropy, the TP plan.
 
 The model is built whole for one device and initialized; ``apply_tensor_parallel`` then replaces its linears
 and embedding by modules holding this rank's shard, so a TP run starts from exactly the single-process weights.
-
-Parameter attributes read by the gradient and norm code:
-- ``tp_sharded``: the tensor is a shard (count it once per TP rank in the global norm);
-- ``tp_partial_grad``: replicated over TP but each rank sees only part of the gradient (norm weights and
-  row-linear biases under sequence parallelism, per-head-dim QK-norm weights) -> all-reduce over TP.
+What is sharded, and how, comes from the model's sharding spec (``model.sharding_spec()``, a
+``mmtrain.models.spec.ShardingSpec``): ``column`` / ``row`` linears, ``vocab`` embedding and output layer, fused
+parts. The same spec tells the gradient and norm code (``mmtrain.train.grads``) which tensors are TP shards and
+which replicated ones have gradients partial over TP; no parameter carries attributes.
 """
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,33 +19,30 @@ from torch import nn
 from mmtrain.parallel.comm import copy_to_group, gather_seq, gather_seq_no_reduce, reduce_from_group, reduce_scatter_seq
 
 
-def _shard_parts(t: torch.Tensor, parts: tuple[int, ...], rank: int, n: int, dim: int = 0) -> torch.Tensor:
-    """This rank's rows of a tensor made of concatenated ``parts`` along ``dim`` (each part split n ways)."""
+def _shard_parts(t: torch.Tensor, parts: tuple[int, ...], rank: int, n: int, dim: int = 0,
+                 unit: int = 1) -> torch.Tensor:
+    """This rank's rows of a tensor made of concatenated ``parts`` along ``dim`` (each part split n ways, in
+    whole blocks of ``unit`` rows)."""
     pieces = t.split(list(parts), dim=dim)
     for size in parts:
-        if size % n:
-            raise ValueError(f"cannot split a part of size {size} over {n} tensor-parallel ranks")
+        if size % n or (size // n) % unit:
+            raise ValueError(f"cannot split a part of size {size} over {n} tensor-parallel ranks"
+                             + (f" in whole blocks of {unit}" if unit > 1 else ""))
     return torch.cat([p.chunk(n, dim=dim)[rank] for p in pieces], dim=dim).contiguous()
-
-
-def _mark(p: nn.Parameter | None, **flags: bool) -> None:
-    if p is not None:
-        for k, v in flags.items():
-            setattr(p, k, v)
 
 
 class ColumnParallelLinear(nn.Module):
     """Output features split over TP; input replicated (or gathered along the sequence under SP)."""
 
-    def __init__(self, full: nn.Linear, group, sequence_parallel: bool) -> None:
+    def __init__(self, full: nn.Linear, group, sequence_parallel: bool, parts: tuple[int, ...] = (),
+                 unit: int = 1) -> None:
         super().__init__()
         n, r = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.part_sizes = getattr(full, "part_sizes", (full.out_features,))
-        self.weight = nn.Parameter(_shard_parts(full.weight.data, self.part_sizes, r, n))
-        self.bias = nn.Parameter(_shard_parts(full.bias.data, self.part_sizes, r, n)) if full.bias is not None else None
-        _mark(self.weight, tp_sharded=True)
-        _mark(self.bias, tp_sharded=True)
+        self.part_sizes = tuple(parts) or (full.out_features,)  # fused blocks (the spec's), each split n ways
+        self.weight = nn.Parameter(_shard_parts(full.weight.data, self.part_sizes, r, n, unit=unit))
+        self.bias = (nn.Parameter(_shard_parts(full.bias.data, self.part_sizes, r, n, unit=unit))
+                     if full.bias is not None else None)
         self.matmul = F.linear  # an F.linear-like hook: FP8 (mmtrain.model.fp8) swaps in its own matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,8 +59,6 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(full.weight.data.chunk(n, dim=1)[r].contiguous())
         self.bias = nn.Parameter(full.bias.data.clone()) if full.bias is not None else None
-        _mark(self.weight, tp_sharded=True)
-        _mark(self.bias, tp_partial_grad=sequence_parallel)
         self.matmul = F.linear  # as in ColumnParallelLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +77,6 @@ class _VocabParallelEmbedding(nn.Module):
         self.vocab_start = r * full.num_embeddings // n
         self.vocab_end = (r + 1) * full.num_embeddings // n
         self.weight = nn.Parameter(full.weight.data[self.vocab_start:self.vocab_end].clone())
-        _mark(self.weight, tp_sharded=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
@@ -132,85 +124,99 @@ def _vocab_parallel_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Ten
     return loss.view_as(labels_BS)
 
 
+class VocabParallelHead(nn.Module):
+    """The output head of a vocab-sharded model (the methods of ``mmtrain.model.head.LossHead``): its input is
+    copied over TP (gathered along the sequence under SP), the loss is the vocab-parallel cross-entropy (full
+    logits are never gathered for it), ``full_logits`` gathers the vocabulary shards."""
+
+    def __init__(self, group, sequence_parallel: bool, vocab_start: int, matmul: nn.Module | None = None) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel, self.vocab_start = group, sequence_parallel, vocab_start
+        self.matmul = matmul
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight) if self.matmul is None else self.matmul(x, weight)
+
+    def loss(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        return _vocab_parallel_cross_entropy(logits, labels_BS, self.group, self.vocab_start)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_seq_no_reduce(logits, self.group, dim=-1)
+
+    def compile_loss(self) -> None:
+        """Nothing to compile: the vocab-parallel cross-entropy is its own autograd function."""
+
+
+def _sharded_module(module: nn.Module, spec, group, sp: bool) -> nn.Module | None:
+    """The TP replacement of ``module`` per its weight's spec entry, or None when it stays whole."""
+    if isinstance(module, nn.Embedding) and spec.tp == "vocab":
+        return _VocabParallelEmbedding(module, group, sp)
+    if not isinstance(module, nn.Linear) or spec.tp == "replicated":
+        return None
+    if spec.tp == "column":
+        return ColumnParallelLinear(module, group, sp, spec.parts, spec.unit)
+    if spec.tp == "row":
+        return RowParallelLinear(module, group, sp)
+    # vocab-split output layer: a plain linear on this rank's vocabulary rows (the head copies/gathers its input)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    out = nn.Linear(module.in_features, module.out_features // n, bias=False)
+    out.weight = nn.Parameter(module.weight.data.chunk(n, dim=0)[r].contiguous())
+    return out
+
+
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
-    """Shard a ``GPTModel`` (or one pipeline stage of it) in place over the TP ``group``. Any module with
-    ``layers`` of ``TransformerBlock``s (the VLM's vision/audio encoders) is sharded the same way; ``embed`` and
-    the output head are handled only where present."""
+    """Shard a model (a ``GPTModel`` stage, a VLM encoder: anything with ``sharding_spec()``) in place over the
+    TP ``group``: every ``nn.Linear`` / ``nn.Embedding`` whose weight the spec places ``column``, ``row`` or
+    ``vocab`` becomes its sharded counterpart. A model with an output head (``post_process``) computes its loss
+    with the vocab-parallel cross-entropy."""
     n = dist.get_world_size(group)
     if n == 1:
         return model
     sp = sequence_parallel
-    for block in model.layers.values():
-        block.attn.qkv = ColumnParallelLinear(block.attn.qkv, group, sp)
-        block.attn.proj = RowParallelLinear(block.attn.proj, group, sp)
-        if hasattr(block.mlp, "up"):  # dense MLP; MoE experts stay whole per TP rank (parallel/expert.py)
-            block.mlp.up = ColumnParallelLinear(block.mlp.up, group, sp)
-            block.mlp.down = RowParallelLinear(block.mlp.down, group, sp)
-        for norm in (block.attn_norm, block.mlp_norm):
-            for p in norm.parameters():
-                _mark(p, tp_partial_grad=sp)
-        for norm in (block.attn.q_norm, block.attn.k_norm):  # shared over heads, each rank holds some heads
-            if norm is not None:
-                for p in norm.parameters():
-                    _mark(p, tp_partial_grad=True)
-    if getattr(model, "embed", None) is not None:
-        model.embed = _VocabParallelEmbedding(model.embed, group, sp)
-    if getattr(model, "post_process", False):
-        for p in model.norm.parameters():
-            _mark(p, tp_partial_grad=sp)
-        r = dist.get_rank(group)
-        vocab = model.cfg.vocab_size
-        if model.output is not None:
-            full = model.output
-            model.output = nn.Linear(full.in_features, vocab // n, bias=False)
-            model.output.weight = nn.Parameter(full.weight.data.chunk(n, dim=0)[r].contiguous())
-            _mark(model.output.weight, tp_sharded=True)
-        model.head_input_fn = partial(gather_seq, group=group) if sp else partial(copy_to_group, group=group)
-        model.loss_fn = partial(_vocab_parallel_cross_entropy, group=group, vocab_start=r * vocab // n)
-        model.logits_gather_fn = partial(gather_seq_no_reduce, group=group, dim=-1)
+    if hasattr(model, "sequence_parallel"):
+        model.sequence_parallel = sp  # the layout its spec resolves partial gradients for
+    spec = model.sharding_spec()
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    swaps = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):  # placed by its weight's entry
+            new = _sharded_module(module, spec[param_names[id(module.weight)]], group, sp)
+            if new is not None:
+                swaps.append((name, new))
+    for name, new in swaps:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    if getattr(model, "head", None) is not None:  # the output head's strategy: vocab-parallel loss
+        model.head = VocabParallelHead(group, sp, dist.get_rank(group) * model.cfg.vocab_size // n, model.head.matmul)
     return model
 
 
 @torch.no_grad()
 def allreduce_tp_partial_grads(model: nn.Module, group) -> None:
-    """Sum the gradients that each TP rank holds only a part of (see the module docstring)."""
+    """Sum the gradients that each TP rank holds only a part of (the spec's ``tp_partial_grad``)."""
     if dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in model.parameters() if getattr(p, "tp_partial_grad", False) and p.grad is not None]
+    spec = model.sharding_spec()
+    grads = [p.grad for name, p in model.named_parameters() if spec[name].grad_partial_over_tp and p.grad is not None]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
-def tp_partition(name: str, cfg) -> tuple[int, tuple[int, ...] | None] | None:
-    """How the GPT parameter ``name`` is split over TP: (dim, parts) — parts None means one even split — or
-    None when it is replicated. Shared by tests and checkpoint resharding. ``cfg``: a ``ModelConfig``, or a
-    ``VLMModelConfig`` (names start with their component: ``language.*`` as the GPT, encoder ``layers.*`` as
-    blocks of the encoder's shape, everything else replicated)."""
-    if hasattr(cfg, "language"):
-        component, _, rest = name.partition(".")
-        if component == "language":
-            return tp_partition(rest, cfg.language)
-        if component in ("vision", "audio") and rest.startswith("layers."):
-            return tp_partition(rest, getattr(cfg, component).block_config())
-        return None
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
-        return 0, (cfg.num_attention_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)
-    if name.endswith(("mlp.up.weight", "mlp.up.bias")):
-        return 0, (cfg.ffn_hidden_size, cfg.ffn_hidden_size) if cfg.activation == "swiglu" else None
-    if name.endswith(("attn.proj.weight", "mlp.down.weight")):
-        return 1, None
-    if name in ("embed.weight", "output.weight"):
-        return 0, None
-    return None
+def tp_partition(name: str, spec) -> tuple[int, tuple[int, ...] | None] | None:
+    """How parameter ``name`` is split over TP: (dim, parts) — parts None means one even split — or None when
+    it is replicated. ``spec``: the model's ``ShardingSpec``. Shared by tests and checkpoint resharding."""
+    return spec[name].tp_split()
 
 
-def tp_shard_of(name: str, full: torch.Tensor, cfg, rank: int, n: int) -> torch.Tensor:
+def tp_shard_of(name: str, full: torch.Tensor, spec, rank: int, n: int) -> torch.Tensor:
     """This TP rank's piece of the full tensor of parameter ``name``."""
-    spec = tp_partition(name, cfg)
-    if spec is None or n == 1:
+    split = tp_partition(name, spec)
+    if split is None or n == 1:
         return full
-    dim, parts = spec
+    dim, parts = split
     return _shard_parts(full, parts or (full.shape[dim],), rank, n, dim=dim)

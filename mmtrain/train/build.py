@@ -8,7 +8,7 @@ from torch import nn
 
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.model.fp8 import Fp8Runtime, apply_fp8, resolve_fp8_backend
-from mmtrain.model.gpt import GPTModel, token_cross_entropy
+from mmtrain.models.llama.model import GPTModel
 from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import apply_expert_parallel
@@ -31,6 +31,10 @@ class StageChunks(nn.Module):
         self.norm = chunks[-1].norm
         self.output = chunks[-1].output
 
+    def sharding_spec(self):
+        """The whole model's spec (every chunk's is the same)."""
+        return self.chunks[0].sharding_spec()
+
 
 def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, int], pre: bool, post: bool,
                  fp8_backend: str | None = None) -> GPTModel:
@@ -40,7 +44,7 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
     apply_context_parallel(model, mesh.cp_group)
     if cfg.model.num_experts:
         sp = cfg.parallel.sequence_parallel and mesh.dims.tp > 1
-        apply_expert_parallel(model, mesh.ep_group, sp, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
+        apply_expert_parallel(model, mesh.ep_group, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
     if fp8_backend is not None:
         apply_fp8(model, cfg, mesh, fp8_backend)
     mode = cfg.train.activation_checkpointing
@@ -57,11 +61,11 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
                 block.mlp_norm.compile()
             else:
                 block.compile()
-    if cfg.train.compile and mesh.dims.tp == 1:  # fuses the fp32 upcast, log-softmax and its backward
+    if cfg.train.compile and mesh.dims.tp == 1 and model.head is not None:  # fuses fp32 upcast, log-softmax, backward
         if model.head_matmul is not None:  # FP8 head: its casts of the (huge) logits gradient fuse with the loss
             model.head_loss = torch.compile(model.head_loss)
         else:
-            model.loss_fn = torch.compile(token_cross_entropy)
+            model.head.compile_loss()
     return model
 
 

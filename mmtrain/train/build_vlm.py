@@ -20,7 +20,6 @@ from functools import partial
 import torch
 
 from mmtrain.config.loader import ConfigError
-from mmtrain.model.gpt import token_cross_entropy
 from mmtrain.model.vlm import VLMModel
 from mmtrain.parallel.comm import split_seq
 from mmtrain.parallel.context import apply_context_parallel, shard_sequence
@@ -43,7 +42,7 @@ def _apply_vlm_parallel(model: VLMModel, mesh: ParallelMesh, sequence_parallel: 
     apply_tensor_parallel(lm, mesh.tp_group, sp)
     apply_context_parallel(lm, mesh.cp_group)
     if lm.cfg.num_experts:
-        apply_expert_parallel(lm, mesh.ep_group, sp, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
+        apply_expert_parallel(lm, mesh.ep_group, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
     for encoder in (model.vision, model.audio):
         if encoder is not None:
             apply_tensor_parallel(encoder, mesh.tp_group, False)
@@ -76,8 +75,8 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
             block.mlp.recompute_activation = mode == "selective"
         if t.compile and not model.cfg.language.num_experts:
             block.compile()
-    if t.compile and mesh.dims.tp == 1:
-        model.language.loss_fn = torch.compile(token_cross_entropy)
+    if t.compile and mesh.dims.tp == 1 and model.language.head is not None:  # the last stage's head
+        model.language.head.compile_loss()
     if device.type == "cuda" and t.attention_backend != "auto":
         chosen = t.attention_backend
         torch.backends.cuda.enable_flash_sdp(chosen == "flash")

@@ -51,29 +51,29 @@ def _pieces(model: torch.nn.Module, optimizer: Any):
         yield names[id(pc.param)], tuple(pc.param.shape), pc.start - pc.param.buffer_offset, pc
 
 
-def _skip(name: str, cfg) -> bool:
-    return stored_name(name, cfg) != name  # a tied embedding's last-stage copy
+def _skip(name: str, spec) -> bool:
+    return stored_name(name, spec) != name  # a tied copy (a tied embedding's last-stage copy)
 
 
 def save_chunks_of(mesh: ParallelMesh, model: torch.nn.Module, optimizer: Any, device: torch.device,
                    copy: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[Chunk], float | None]:
     """This rank's chunks, each value passed through ``copy`` (to host memory), and AdamW's step count."""
-    cfg, shard = model.cfg, shard_of(mesh)
+    spec, shard = model.sharding_spec(), shard_of(mesh)
     chunks: list[Chunk] = []
     for name, t in model.state_dict().items():
-        if isinstance(t, torch.Tensor) and not _skip(name, cfg):  # (a module's non-tensor extra state is not kept)
-            chunks += chunks_of(f"model.{name}", name, tuple(t.shape), t.reshape(-1), cfg, shard, copy=copy)
+        if isinstance(t, torch.Tensor) and not _skip(name, spec):  # (a module's non-tensor extra state is not kept)
+            chunks += chunks_of(f"model.{name}", name, tuple(t.shape), t.reshape(-1), spec, shard, copy=copy)
     adam_step = None
     for name, shape, lo, pc in _pieces(model, optimizer):
         state = optimizer.optimizer.state.get(pc.master, {})
         if "step" in state:
             adam_step = float(state["step"])
-        if _skip(name, cfg):
+        if _skip(name, spec):
             continue
         values = {"master": pc.master} if optimizer.master_weights else {}
         values.update({k: state[k] for k in MOMENTS if k in state})
         for kind, flat in values.items():
-            chunks += chunks_of(f"optim.{kind}.{name}", name, shape, flat, cfg, shard, lo, copy=copy)
+            chunks += chunks_of(f"optim.{kind}.{name}", name, shape, flat, spec, shard, lo, copy=copy)
     fp8 = getattr(model, "fp8_runtime", None)
     for name, tensors in (fp8.delayed_state() if fp8 is not None else {}).items():
         for kind, t in tensors.items():
@@ -91,25 +91,25 @@ def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimiz
                adam_step: float | None, restore_rng: bool, verify: bool = True) -> None:
     """Fill this rank's weights, fp32 masters and AdamW moments (and RNG, at the saving layout) from ``folder``,
     a checkpoint of any layout (``verify``: check its files against their checksums)."""
-    cfg, shard = model.cfg, shard_of(mesh)
+    spec, shard = model.sharding_spec(), shard_of(mesh)
     saved = saved_tensors(folder, verify)
-    chunks, missing = model_load_chunks(model.state_dict(), cfg, shard, saved)
+    chunks, missing = model_load_chunks(model.state_dict(), spec, shard, saved)
     if missing:
         raise ValueError(f"{folder}: no stored value for {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}")
     moments: list[tuple[Any, dict[str, torch.Tensor]]] = []
     masters_missing = []
     for name, shape, lo, pc in _pieces(model, optimizer):
-        key = stored_name(name, cfg)
+        key = stored_name(name, spec)
         if optimizer.master_weights:
             if f"optim.master.{key}" in saved:
-                chunks += chunks_of(f"optim.master.{key}", name, shape, pc.master, cfg, shard, lo)
+                chunks += chunks_of(f"optim.master.{key}", name, shape, pc.master, spec, shard, lo)
             else:
                 masters_missing.append(pc)
         if f"optim.exp_avg.{key}" in saved:
             state = {k: torch.zeros_like(pc.master) for k in MOMENTS}
             for k, flat in state.items():
-                chunks += chunks_of(f"optim.{k}.{key}", name, shape, flat, cfg, shard, lo)
+                chunks += chunks_of(f"optim.{k}.{key}", name, shape, flat, spec, shard, lo)
             moments.append((pc, state))
     fp8 = getattr(model, "fp8_runtime", None)
     fp8_state: dict[str, dict[str, torch.Tensor]] = {}
@@ -149,7 +149,7 @@ def load_model_weights_only(folder: Path, mesh: ParallelMesh | None, model: torc
     ``folder``, a checkpoint of any layout: e.g. a VLM's stage 2 starting from stage 1, or the demo's caption."""
     shard = shard_of(mesh) if mesh is not None else Shard()
     saved = saved_tensors(folder, verify)
-    chunks, missing = model_load_chunks(model.state_dict(), model.cfg, shard, saved)
+    chunks, missing = model_load_chunks(model.state_dict(), model.sharding_spec(), shard, saved)
     if missing:
         raise ValueError(f"{folder}: no stored value for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
                          " (the model shape must be the same as the checkpoint's)")

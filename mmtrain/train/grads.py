@@ -17,17 +17,28 @@ from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
 
 
+def _named_specs(stage: nn.Module):
+    """(name, parameter, spec entry) of every parameter of ``stage``, from its ``sharding_spec()``."""
+    spec = stage.sharding_spec()
+    return [(n, p, spec[n]) for n, p in stage.named_parameters()]
+
+
+def split_by_reduce_group(stage: nn.Module, params: list[nn.Parameter]) -> tuple[list, list]:
+    """``params`` (of ``stage``, in order) split by the spec's gradient-reduction group: (``dp_cp``, ``edp``) —
+    expert weights are replicated only over the expert-data-parallel ranks."""
+    group = {id(p): s.grad_reduce_group for _, p, s in _named_specs(stage)}
+    return [p for p in params if group[id(p)] == "dp_cp"], [p for p in params if group[id(p)] == "edp"]
+
+
 def tied_embedding_params(stage: nn.Module) -> list[nn.Parameter]:
-    """The embedding on the first stage and its copy on the last one (tied embeddings under PP only); for a
-    VLM, those of its language model. Frozen ones (no gradient) are left out."""
-    stage = getattr(stage, "language", stage)
-    if not stage.cfg.tie_embeddings or (stage.pre_process and stage.post_process):
-        return []
-    if stage.pre_process:
-        return [stage.embed.weight] if stage.embed.weight.requires_grad else []
-    if stage.post_process:
-        return [stage.output.weight] if stage.output.weight.requires_grad else []
-    return []
+    """The tied tensors of a stage that holds only one side of a tie (tied embeddings under PP: the embedding
+    on the first stage, its copy on the last one — the spec's ``tied_to``); for a VLM, those of its language
+    model. Frozen ones (no gradient) are left out."""
+    if stage.pre_process and stage.post_process:
+        return []  # both sides on one stage: the model uses one tensor
+    spec = stage.sharding_spec()
+    targets = {s.tied_to for s in spec.values() if s.tied_to}
+    return [p for n, p in stage.named_parameters() if (spec[n].tied_to or n in targets) and p.requires_grad]
 
 
 @torch.no_grad()
@@ -40,7 +51,8 @@ def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: list[GradBucke
     for b in buckets:
         b.finish(num_tokens)
     if mesh.size("tp") > 1:
-        partial = [g for pc, g in optimizer.piece_grads() if getattr(pc.param, "tp_partial_grad", False)]
+        partial_ids = {id(p) for _, p, s in _named_specs(stage) if s.grad_partial_over_tp}
+        partial = [g for pc, g in optimizer.piece_grads() if id(pc.param) in partial_ids]
         if partial:
             flat = torch.cat([g.reshape(-1) for g in partial])
             dist.all_reduce(flat, group=mesh.tp_group)
@@ -55,10 +67,11 @@ def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisi
     owns a distinct shard; an unsharded group counts on its rank 0), TP rank 0 for TP-replicated parameters,
     and never the last stage's copy of a tied embedding. Summing over dp×cp and then tp×pp covers the world."""
     copies = {id(p) for p in tied_embedding_params(stage) if stage.post_process}
+    tp_sharded = {id(p) for _, p, s in _named_specs(stage) if s.tp_sharded} if mesh.size("tp") > 1 else set()
     tp_rank0 = mesh.coord.tp == 0
     pieces = optimizer.piece_grads()
     counted = [g for pc, g in pieces
-               if id(pc.param) not in copies and (getattr(pc.param, "tp_sharded", False) or tp_rank0)
+               if id(pc.param) not in copies and (id(pc.param) in tp_sharded or tp_rank0)
                and (pc.owner.sharded or pc.owner.dp_rank == 0)]
     device = optimizer.buckets[0].grad_buffer.device
     sq = torch.zeros((), dtype=torch.float32, device=device)

@@ -20,7 +20,7 @@ from mmtrain.config.schema import GPTRunConfig
 from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.loader import MicroBatches
 from mmtrain.model import fp8_param_gather
-from mmtrain.model.gpt import GPTModel, flops_per_token
+from mmtrain.models.llama.model import GPTModel, flops_per_token
 from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
@@ -30,7 +30,7 @@ from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
 from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, PreemptionWatch, collective_timeout_report,
                                   is_collective_timeout, nonfinite_report)
-from mmtrain.train.grads import clip_grad_norm, finalize_grads, tied_embedding_params
+from mmtrain.train.grads import clip_grad_norm, finalize_grads, split_by_reduce_group, tied_embedding_params
 from mmtrain.train.metrics import MetricsLogger
 from mmtrain.train.resume_inputs import LrSchedule, resolve_resume, resume_records
 from mmtrain.utils.log import get_logger
@@ -232,8 +232,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     o = cfg.optim
     pdtype = _param_dtype_for(cfg.train.precision)
     grad_dtype = torch.float32 if o.master_weights else pdtype
-    dense = [p for p in params if not getattr(p, "expert", False)]
-    experts = [p for p in params if getattr(p, "expert", False)]
+    dense, experts = split_by_reduce_group(stage, params)
     fp8 = getattr(stage, "fp8_runtime", None)
     fp8_gathered = fp8_param_gather.gather_weights(fp8, cfg, mesh.size("dp_cp"))  # fp8.param_gather: own buckets
     buckets = [GradBuckets(dense, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,

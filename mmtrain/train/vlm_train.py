@@ -16,7 +16,7 @@ import torch
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.vlm_run_schema import VLMRunConfig, lr_scale_for, matches
 from mmtrain.config.vlm_schema import VLMModelConfig
-from mmtrain.model.gpt import flops_per_token
+from mmtrain.models.llama.model import flops_per_token
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.train.checkpoint import find_checkpoint, is_weights_only
 from mmtrain.train.loop import (

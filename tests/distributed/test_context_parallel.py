@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.config import GPTRunConfig, load_config
-from mmtrain.model.gpt import GPTModel
+from mmtrain.models.llama.model import GPTModel
 from mmtrain.parallel.context import (
     apply_context_parallel,
     shard_sequence,

@@ -10,6 +10,7 @@ import torch
 
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.parallel import ParallelDims
+from mmtrain.models.llama.spec import llama_sharding_spec
 from mmtrain.parallel.tensor import tp_shard_of
 from mmtrain.testing import capture_log_messages, run_distributed
 
@@ -19,7 +20,7 @@ MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64
 
 def _two_steps(rank: int, world_size: int, recipe: str, sp: bool, head: bool = False):
     from mmtrain.model.fp8 import Fp8Runtime, apply_native_fp8
-    from mmtrain.model.gpt import GPTModel
+    from mmtrain.models.llama.model import GPTModel
     from mmtrain.parallel.tensor import (
         allreduce_tp_partial_grads,
         apply_tensor_parallel,
@@ -72,7 +73,7 @@ def test_tp2_sp_delayed_scaling_equals_one_process(single, head):
         for got, want in zip(scales, ref_scales):
             assert torch.allclose(got, want, rtol=1e-6)
         for name, g in grads.items():
-            want = tp_shard_of(name, ref_grads[name], cfg.model, tp_rank, 2)
+            want = tp_shard_of(name, ref_grads[name], llama_sharding_spec(cfg.model), tp_rank, 2)
             assert torch.allclose(g, want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), name
 
 

@@ -10,6 +10,7 @@ import torch
 
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config
 from mmtrain.parallel import ParallelDims
+from mmtrain.models.llama.spec import llama_sharding_spec
 from mmtrain.parallel.tensor import tp_shard_of
 from mmtrain.testing import DistributedTestFailure, run_distributed
 from mmtrain.train.loop import train_gpt
@@ -148,10 +149,11 @@ def runs(request, tmp_path_factory) -> _Runs:
 def test_layout_matches_single_process(runs, world_size, layout, model_extra):
     ref_losses, ref_params, _, _ = runs.get(1, "_train", model_extra)[0]
     cfg = load_config(GPTRunConfig, None, [*BASE, *model_extra]).model  # model_extra: anything both runs share
+    spec = llama_sharding_spec(cfg)
     for losses, params, coord, tp in runs.get(world_size, "_train", [*layout, *model_extra]):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, value in params.items():
-            expected = tp_shard_of(name, ref_params[name if name in ref_params else "embed.weight"], cfg, coord[0], tp)
+            expected = tp_shard_of(name, ref_params[name if name in ref_params else "embed.weight"], spec, coord[0], tp)
             if ".experts.w_" in name:  # this EP rank's slice of the experts
                 expected = expected[coord[4] * value.shape[0]:(coord[4] + 1) * value.shape[0]]
             # relative to the tensor's norm: Adam's g/sqrt(v) lets fp32 reduction-order noise move single tiny

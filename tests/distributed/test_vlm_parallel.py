@@ -71,9 +71,10 @@ def _run_layout(rank: int, world_size: int, layout: str, batches, ref_loss, ref_
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=f"{layout}: loss")
     checked = 0
     r, n = mesh.coord.tp, mesh.dims.tp
+    spec = stage.sharding_spec()
     for name, p in stage.named_parameters():
         assert p.grad is not None, f"{layout}: {name} has no gradient"
-        expected = tp_shard_of(name, ref_grads[name], cfg.model, r, n)  # also checks tp_partition on VLM names
+        expected = tp_shard_of(name, ref_grads[name], spec, r, n)  # also checks the VLM spec's names
         torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, name=name: f"{layout}: gradient of {name}: {m}")
         checked += 1

@@ -17,8 +17,9 @@ from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
 from mmtrain.convert.checkpoint_io import (load_model_weights, merge_shards, read_full_state,  # noqa: E402
                                            split_full_state)
 from mmtrain.convert.hf_files import read_hf_tensors  # noqa: E402
-from mmtrain.convert.hf_llama import UnsupportedHFConfig, model_config_from_hf  # noqa: E402
-from mmtrain.model.gpt import GPTModel  # noqa: E402
+from mmtrain.models.llama.hf_adapter import UnsupportedHFConfig, model_config_from_hf  # noqa: E402
+from mmtrain.models.llama.model import GPTModel  # noqa: E402
+from mmtrain.models.llama.spec import llama_sharding_spec  # noqa: E402
 from mmtrain.parallel.global_chunks import Shard, chunks_from_global  # noqa: E402
 from mmtrain.utils.dcp_io import read_metadata, save_chunks  # noqa: E402
 
@@ -191,7 +192,7 @@ def test_training_checkpoint_with_data_and_expert_parallel_ranks_merges(tmp_path
     chunks = {}
     for rank in range(2):
         for n, t in dense.items():
-            for c in chunks_from_global(f"model.{n}", n, t, cfg, Shard(ep_rank=rank, ep=2)):
+            for c in chunks_from_global(f"model.{n}", n, t, llama_sharding_spec(cfg), Shard(ep_rank=rank, ep=2)):
                 chunks.setdefault((c.key, c.offsets), c)  # replicas are stored once, as DCP deduplicates them
     assert len([k for k in chunks if k[0].endswith("experts.w_up")]) == 2 * cfg.num_layers
     save_chunks(train, list(chunks.values()), no_dist=True)
@@ -204,7 +205,7 @@ def test_training_checkpoint_with_data_and_expert_parallel_ranks_merges(tmp_path
 @pytest.mark.parametrize("field,value", [("norm", "layernorm"), ("activation", "gelu"), ("qk_norm", True)])
 def test_mmtrain_model_without_hf_equivalent_is_refused(field, value):
     from mmtrain.config.schema import ModelConfig
-    from mmtrain.convert.hf_llama import hf_config_from_model_config
+    from mmtrain.models.llama.hf_adapter import hf_config_from_model_config
 
     with pytest.raises(UnsupportedHFConfig, match=f"model.{field}"):
         hf_config_from_model_config(ModelConfig(**{field: value}))

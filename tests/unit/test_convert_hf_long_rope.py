@@ -15,7 +15,7 @@ pytest.importorskip("safetensors")
 
 from mmtrain.convert import hf_to_mmtrain  # noqa: E402
 from mmtrain.convert.checkpoint_io import read_full_state  # noqa: E402
-from mmtrain.model.gpt import GPTModel  # noqa: E402
+from mmtrain.models.llama.model import GPTModel  # noqa: E402
 from mmtrain.model.layers import rope_frequencies  # noqa: E402
 
 pytestmark = pytest.mark.unit

@@ -32,7 +32,7 @@ from mmtrain.model.fp8_scaling import (
     rows_then_amax,
     scale_from_amax,
 )
-from mmtrain.model.gpt import GPTModel
+from mmtrain.models.llama.model import GPTModel
 
 TINY = ["data.mock=true", "train.device=cuda", "train.precision=fp8", "model.num_layers=4", "model.hidden_size=64",
         "model.ffn_hidden_size=128", "model.num_attention_heads=4"]

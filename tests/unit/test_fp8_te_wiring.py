@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mmtrain.config import GPTRunConfig, load_config
-from mmtrain.model.gpt import GPTModel
+from mmtrain.models.llama.model import GPTModel
 
 FAKE_PYTORCH = '''
 import contextlib

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config
-from mmtrain.model.gpt import GPTModel, count_parameters, document_causal_mask
+from mmtrain.models.llama.model import GPTModel, count_parameters, document_causal_mask
 from mmtrain.model.layers import rope_frequencies
 
 

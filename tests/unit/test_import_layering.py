@@ -27,6 +27,8 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
                                    "dataprep")),
     "mmtrain.data": ("never", ("mmtrain.model", "mmtrain.train", "mmtrain.parallel", "mmtrain.convert",
                                "dataprep")),
+    "mmtrain.models.spec": ("only", ()),
+    "mmtrain.models": ("never", ("mmtrain.train", "mmtrain.data", "mmtrain.convert", "dataprep")),
     "mmtrain.model": ("never", ("mmtrain.train", "mmtrain.data", "mmtrain.convert", "dataprep")),
     "mmtrain.convert": ("never", ("mmtrain.train", "mmtrain.data", "dataprep")),
     "mmtrain.train": ("never", ("dataprep",)),

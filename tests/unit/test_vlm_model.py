@@ -9,7 +9,7 @@ from mmtrain.config.loader import ConfigError
 from mmtrain.config.schema import DataConfig
 from mmtrain.config.vlm_schema import check_vlm_model
 from mmtrain.model.audio import AudioEncoder, pool_valid_frames
-from mmtrain.model.gpt import GPTModel
+from mmtrain.models.llama.model import GPTModel
 from mmtrain.model.projector import pixel_shuffle
 from mmtrain.model.vision import VisionEncoder, tile_image
 from mmtrain.model.vlm import (

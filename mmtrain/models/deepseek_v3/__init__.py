@@ -2,7 +2,8 @@
 
 Public (loaded lazily): ``DeepseekV3Config`` and ``load_deepseek_v3_config`` (config.py), ``DeepseekV3Model``
 (model.py), ``state_dict_from_hf`` / ``state_dict_to_hf`` / ``config_from_hf`` / ``config_to_hf``
-(hf_adapter.py), ``SHARDING_SPEC`` (spec.py), ``count_parameters`` / ``flops_per_token`` (flops.py).
+(hf_adapter.py), ``SHARDING_SPEC`` / ``deepseek_v3_sharding_spec`` (spec.py),
+``count_parameters`` / ``flops_per_token`` (flops.py).
 Single-device; the parallel wiring is pending.
 """
 
@@ -17,6 +18,7 @@ _PUBLIC = {
     "config_from_hf": "mmtrain.models.deepseek_v3.hf_adapter",
     "config_to_hf": "mmtrain.models.deepseek_v3.hf_adapter",
     "SHARDING_SPEC": "mmtrain.models.deepseek_v3.spec",
+    "deepseek_v3_sharding_spec": "mmtrain.models.deepseek_v3.spec",
     "count_parameters": "mmtrain.models.deepseek_v3.flops",
     "flops_per_token": "mmtrain.models.deepseek_v3.flops",
 }

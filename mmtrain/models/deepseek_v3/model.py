@@ -14,7 +14,7 @@ are ranked by the sum of their two best biased scores and only the best ``topk_g
 chosen experts' *unbiased* scores (optionally normalized) times ``routed_scaling_factor`` weight their outputs.
 Shared experts are one dense SwiGLU MLP added to every token. The first ``first_k_dense_replace`` layers are dense.
 
-Parameter names follow ``mmtrain.model.gpt`` where the piece is the same (``embed``, ``layers.<global i>``,
+Parameter names follow ``mmtrain.models.llama.model`` where the piece is the same (``embed``, ``layers.<global i>``,
 ``attn_norm``, ``attn.proj``, ``mlp.up`` [gate | up], ``mlp.down``, ``mlp.router``, ``mlp.experts.w_up/w_down``,
 ``mlp.shared``, ``norm``, ``output``), so the existing TP/EP/checkpoint pieces can be pointed at them; how each
 one would be sharded is ``spec.py``. Sizes are read off the weights in ``forward``, so sharded linears drop in.
@@ -32,10 +32,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
-from mmtrain.model.gpt import document_causal_mask, token_cross_entropy
+from mmtrain.model.head import token_cross_entropy
+from mmtrain.models.llama.model import document_causal_mask
 from mmtrain.model.layers import MLP, RMSNorm
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec
 from mmtrain.parallel.expert import permute_by_expert, unpermute_and_combine
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms' epsilon in DeepSeek's and HF's code (not rms_norm_eps)
@@ -225,7 +227,15 @@ class DeepseekV3Model(nn.Module):
         own_output = post_process and not (cfg.tie_word_embeddings and pre_process)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
         self.loss_fn = token_cross_entropy  # a TP plan swaps in the vocab-parallel cross-entropy
+        self.sequence_parallel = False  # the layout a TP plan applied (resolves the spec's partial gradients)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def sharding_spec(self):
+        """How every tensor of the whole model is sharded (``mmtrain.models.deepseek_v3.spec``)."""
+        with torch.device("meta"):  # the whole model's names, whatever stage this is
+            names = list(DeepseekV3Model(self.cfg).state_dict())
+
+        return deepseek_v3_sharding_spec(self.cfg, names).for_layout(self.sequence_parallel)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

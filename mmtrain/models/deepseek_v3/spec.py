@@ -1,8 +1,9 @@
-"""How each tensor of ``DeepseekV3Model`` would be sharded: plain data for the shared sharding machinery.
+"""How each tensor of ``DeepseekV3Model`` is sharded: the family's rules, and its ``ShardingSpec``.
 
-Not wired yet: nothing reads this but the tests (which check that every parameter and buffer of the model
-matches exactly one rule and that the fused parts add up). The placements follow the GPT plan's conventions
-(``mmtrain.parallel.tensor`` / ``expert``):
+``SHARDING_SPEC`` is the family's data (patterns over its own tensor names, sizes by config field name);
+``deepseek_v3_sharding_spec(cfg, names)`` turns it into the ``mmtrain.models.spec.ShardingSpec`` the shared machinery
+reads (``DeepseekV3Model.sharding_spec()``): one entry per tensor of the whole model, sizes in numbers. The
+parallel plans are not applied to this family yet. The placements follow the Llama family's conventions:
 
 - ``tp``: ``column`` = output rows split over TP (``dim`` 0), ``row`` = input columns split (``dim`` 1),
   ``vocab`` = embedding rows split (vocab-parallel), ``replicated`` = every TP rank holds it whole.
@@ -32,6 +33,7 @@ import re
 from dataclasses import dataclass
 
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.models.spec import ParamSpec, ShardingSpec
 
 
 @dataclass(frozen=True)
@@ -92,3 +94,22 @@ def sharding_of(name: str) -> TensorSharding:
 def size_of(expr: str, cfg: DeepseekV3Config) -> int:
     """A ``parts``/``unit`` entry's size: a config size name, or a sum ``a+b`` of them."""
     return sum(int(getattr(cfg, term)) for term in expr.split("+"))
+
+
+def _param_spec(rule: TensorSharding, cfg: DeepseekV3Config, tied_to: str | None = None) -> ParamSpec:
+    unit = size_of(rule.unit, cfg) if rule.unit else 1
+    return ParamSpec(rule.tp, dim=rule.dim, parts=tuple(size_of(p, cfg) for p in rule.parts), unit=unit,
+                     expert_dim=rule.expert_dim, grad_reduce_group=rule.grad_reduce,
+                     tp_partial_grad=rule.tp_partial_grad, tied_to=tied_to, buffer=rule.buffer)
+
+
+def deepseek_v3_sharding_spec(cfg: DeepseekV3Config, names: list[str]) -> ShardingSpec:
+    """The ``ShardingSpec`` of the whole model of ``cfg`` whose tensors are ``names`` (the model passes the
+    names of a meta-device build of itself: exact, no memory); ``output.weight`` also when tied: a pipeline
+    last stage's copy of the embedding."""
+    names = list(names)
+    if "output.weight" not in names:
+        names.append("output.weight")
+    tied = "embed.weight" if cfg.tie_word_embeddings else None
+    return ShardingSpec({n: _param_spec(sharding_of(n), cfg, tied if n == "output.weight" else None) for n in names},
+                        "deepseek_v3")

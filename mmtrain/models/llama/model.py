@@ -2,8 +2,8 @@
 
 A stage holds the global layers ``layer_range`` under their global indices (``layers.7...``), so parameter
 names — and checkpoints — are the same whatever the pipeline layout. The first stage embeds tokens, the last
-one normalizes, projects to the vocabulary and computes per-token losses with ``self.loss_fn`` (the TP plan
-swaps in the vocab-parallel cross-entropy so full logits are never gathered).
+one normalizes, projects to the vocabulary and computes per-token losses with its ``head`` (a
+``mmtrain.model.head.LossHead``; the TP plan's vocab-parallel head never gathers full logits).
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from __future__ import annotations
 import zlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.model.head import LossHead
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
+from mmtrain.models.llama.spec import llama_sharding_spec
+from mmtrain.models.spec import ShardingSpec
 
 
 def document_causal_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -27,17 +29,13 @@ def document_causal_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
-def token_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Per-token loss (B, S) in fp32."""
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none").view_as(labels_BS)
-
-
 class GPTModel(nn.Module):
     """Decoder-only LM (or one pipeline stage of it: ``layer_range``, ``pre_process`` = holds the embedding,
-    ``post_process`` = holds the final norm, output layer and loss). Call ``init_weights(seed)`` after building."""
+    ``post_process`` = holds the final norm, output layer and loss; ``head``: its strategy, default the
+    one-device ``LossHead``). Call ``init_weights(seed)`` after building."""
 
     def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int] | None = None,
-                 pre_process: bool = True, post_process: bool = True) -> None:
+                 pre_process: bool = True, post_process: bool = True, head: LossHead | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         start, end = layer_range or (0, cfg.num_layers)
@@ -49,16 +47,16 @@ class GPTModel(nn.Module):
         # A tied last stage that does not hold the embedding keeps its own copy, kept equal by the trainer.
         own_output = post_process and not (cfg.tie_embeddings and pre_process)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
-        # Hooks a parallel plan may set (mmtrain.parallel.tensor): the loss over (sharded) logits, what the head
-        # does to its input (copy/gather over TP), and how full logits are assembled when asked for.
-        self.loss_fn = token_cross_entropy
-        self.head_input_fn = None
-        self.logits_gather_fn = None
-        self.head_matmul: nn.Module | None = None  # F.linear's stand-in for the output layer (an FP8 matmul)
+        self.head = (head or LossHead()) if post_process else None
         self.build_attention_mask = document_causal_mask  # context parallelism builds per-chunk masks instead
+        self.sequence_parallel = False  # the layout the TP plan applied (resolves the spec's partial gradients)
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
                              persistent=False)
+
+    def sharding_spec(self) -> ShardingSpec:
+        """How every tensor of the whole model is sharded (``mmtrain.models.llama.spec``), for this layout."""
+        return llama_sharding_spec(self.cfg).for_layout(self.sequence_parallel)
 
     # ------------------------------------------------------------------------------------------ init
     @torch.no_grad()
@@ -81,6 +79,11 @@ class GPTModel(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
 
     # ------------------------------------------------------------------------------------------ forward
+    @property
+    def head_matmul(self) -> nn.Module | None:
+        """The output layer's FP8 matmul (``fp8.output_layer``), or None."""
+        return self.head.matmul if self.head is not None else None
+
     def output_weight(self) -> torch.Tensor:
         return self.output.weight if self.output is not None else self.embed.weight
 
@@ -109,23 +112,19 @@ class GPTModel(nn.Module):
             x = layer(x, cos, sin, attn_mask)
         if not self.post_process:
             return x
-        x = self.norm(x)
-        if self.head_input_fn is not None:
-            x = self.head_input_fn(x)
+        x = self.head.prepare(self.norm(x))
         if labels_BS is None:
-            logits = self.logits(x)
-            return self.logits_gather_fn(logits) if self.logits_gather_fn is not None else logits
+            return self.head.full_logits(self.logits(x))
         return self.head_loss(x, labels_BS)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
-        w = self.output_weight()
-        return F.linear(x, w) if self.head_matmul is None else self.head_matmul(x, w)
+        return self.head.logits(x, self.output_weight())
 
     def head_loss(self, x: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        """Per-token losses from the hidden states: output layer, then ``loss_fn`` (the build may replace this
-        method by a compiled one, so the FP8 output layer's casts fuse with the loss kernels)."""
-        return self.loss_fn(self.logits(x), labels_BS)
+        """Per-token losses from the hidden states: output layer, then the head's loss (the build may compile
+        this method, so the FP8 output layer's casts fuse with the loss kernels)."""
+        return self.head.loss(self.logits(x), labels_BS)
 
 
 def count_parameters(cfg: ModelConfig, active: bool = False) -> int:

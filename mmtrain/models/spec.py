@@ -1,0 +1,132 @@
+"""The sharding spec: for every tensor of a model, how parallelism places it and reduces its gradient.
+
+A model family builds one ``ShardingSpec`` from its config (``mmtrain.models.<family>.spec``); a built model
+returns it from ``model.sharding_spec()``. The shared machinery reads only this: the TP plan
+(``mmtrain.parallel.tensor``: which linears become column/row-parallel, fused part sizes), checkpoint boxes and
+resharding (``mmtrain.parallel.global_chunks``), the HF bridge's TP split/merge (``mmtrain.convert``) and
+gradient finalisation (``mmtrain.train.grads``: TP partial sums, expert reduction group, tied copies). Nothing
+there matches parameter names or reads parameter attributes, so a new family plugs in by writing its spec.
+
+Plain data (no torch): ``mmtrain.parallel`` may import this module, never a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+
+TP_PLACEMENTS = ("column", "row", "vocab", "replicated")
+PARTIAL_GRAD = ("never", "always", "sequence_parallel")
+REDUCE_GROUPS = ("dp_cp", "edp")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one tensor (parameter or persistent buffer) is placed.
+
+    ``tp``: ``column`` = output rows split over TP (a linear's weight and bias, dim 0), ``row`` = input columns
+    split (dim 1; the bias stays whole), ``vocab`` = rows split by vocabulary (embedding, output layer),
+    ``replicated`` = every TP rank holds it whole. ``dim``: the split dim (default 0, 1 for ``row``).
+    ``parts``: sizes of fused blocks along ``dim`` ([q | k | v], [gate | up]); each part is split evenly on its
+    own, so rank r holds the r-th slice of every part. ``()`` = one block. ``unit``: a split must not cut a block
+    of this many rows (a head's ``head_dim``): every part is a multiple of ``unit * tp``.
+    ``expert_dim``: the dim sliced over EP (experts ``[ep_rank * E/ep, ...)``). ``grad_reduce_group``: the data-
+    parallel group the gradient is reduced over (``dp_cp`` dense, ``edp`` expert). ``tp_partial_grad``: a
+    TP-replicated tensor whose gradient each TP rank holds only part of, summed over TP: ``never``, ``always``
+    (e.g. per-head QK-norm weights), ``sequence_parallel`` (each TP rank saw only its slice of the sequence).
+    ``tied_to``: a copy of another tensor (a tied embedding's copy on the last pipeline stage): stored under that
+    name, its gradient summed with it. ``buffer``: not a parameter (no gradient)."""
+
+    tp: str = "replicated"
+    dim: int | None = None
+    parts: tuple[int, ...] = ()
+    unit: int = 1
+    expert_dim: int | None = None
+    grad_reduce_group: str = "dp_cp"
+    tp_partial_grad: str = "never"
+    tied_to: str | None = None
+    buffer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp not in TP_PLACEMENTS:
+            raise ValueError(f"ParamSpec.tp={self.tp!r}; expected one of {', '.join(TP_PLACEMENTS)}")
+        if self.tp_partial_grad not in PARTIAL_GRAD:
+            raise ValueError(f"ParamSpec.tp_partial_grad={self.tp_partial_grad!r}; expected one of "
+                             f"{', '.join(PARTIAL_GRAD)}")
+        if self.grad_reduce_group not in REDUCE_GROUPS:
+            raise ValueError(f"ParamSpec.grad_reduce_group={self.grad_reduce_group!r}; expected one of "
+                             f"{', '.join(REDUCE_GROUPS)}")
+        if self.dim is None and self.tp != "replicated":
+            object.__setattr__(self, "dim", 1 if self.tp == "row" else 0)
+
+    @property
+    def tp_sharded(self) -> bool:
+        """Each TP rank holds a different piece (counted once per TP rank in the global norm)."""
+        return self.tp != "replicated"
+
+    def tp_split(self) -> tuple[int, tuple[int, ...] | None] | None:
+        """(dim, parts) of the TP split — parts None means one even split — or None when replicated."""
+        if not self.tp_sharded:
+            return None
+        return self.dim, (self.parts or None)
+
+    def partial_over_tp(self, sequence_parallel: bool) -> bool:
+        """Whether the gradient must be summed over TP under this layout."""
+        return self.tp_partial_grad == "always" or (self.tp_partial_grad == "sequence_parallel" and sequence_parallel)
+
+    @property
+    def grad_partial_over_tp(self) -> bool:
+        """In a spec resolved for a layout (``ShardingSpec.for_layout``): the gradient is summed over TP."""
+        return self.tp_partial_grad == "always"
+
+
+REPLICATED = ParamSpec()
+
+
+class ShardingSpec(Mapping):
+    """``{tensor name: ParamSpec}`` for every parameter and persistent buffer of a whole model (all layers;
+    a pipeline stage looks up the names it holds). ``family`` names the model family, for messages."""
+
+    def __init__(self, entries: Mapping[str, ParamSpec], family: str = "") -> None:
+        self._frozen = dict(entries)
+        self.family = family
+
+    def __getitem__(self, name: str) -> ParamSpec:
+        try:
+            return self._frozen[name]
+        except KeyError:
+            raise KeyError(f"{name}: no entry in the {self.family or 'model'} sharding spec "
+                           "(every parameter and persistent buffer needs exactly one)") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._frozen)
+
+    def __len__(self) -> int:
+        return len(self._frozen)
+
+    def prefixed(self, prefix: str) -> ShardingSpec:
+        """The same entries under ``prefix`` + name (a component of a larger model), ties renamed alike."""
+        return ShardingSpec({prefix + n: (replace(s, tied_to=prefix + s.tied_to) if s.tied_to else s)
+                             for n, s in self._frozen.items()}, self.family)
+
+    def for_layout(self, sequence_parallel: bool) -> ShardingSpec:
+        """The entries with ``tp_partial_grad`` resolved for a layout: ``sequence_parallel`` becomes ``always``
+        (sequence parallelism on) or ``never``. A built model's ``sharding_spec()`` returns this form."""
+        resolved = "always" if sequence_parallel else "never"
+        return ShardingSpec({n: replace(s, tp_partial_grad=resolved) if s.tp_partial_grad == "sequence_parallel"
+                             else s for n, s in self._frozen.items()}, self.family)
+
+    def stored_name(self, name: str) -> str:
+        """The global name ``name`` is stored under: a tied copy is stored as the tensor it copies."""
+        return self[name].tied_to or name
+
+
+def merge_specs(*specs: ShardingSpec, family: str = "") -> ShardingSpec:
+    """One spec from components with disjoint names (a VLM: encoders, projector, language model)."""
+    out: dict[str, ParamSpec] = {}
+    for s in specs:
+        clash = set(out) & set(s)
+        if clash:
+            raise ValueError(f"sharding specs overlap on {sorted(clash)[:3]}")
+        out.update(s.items())
+    return ShardingSpec(out, family)
