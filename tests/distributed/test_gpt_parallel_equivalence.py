@@ -161,7 +161,10 @@ def test_layout_matches_single_process(runs, world_size, layout, model_extra):
             rel = (value - expected).norm() / expected.norm().clamp_min(1e-12)
             # with TP the MoE input carries reduction-order noise, and top-k routing turns a near-tie into a
             # different expert choice for an odd token: router/expert weights then agree to 1e-4, not 1e-5
-            tol = 1e-4 if (tp > 1 and ".mlp." in name and cfg.num_experts) else 1e-5
+            # otherwise 2e-5: the CPU's BLAS kernels set the fp32 noise floor; on the 2-core dev/CI machine
+            # (2026-12-01) TP2+PP2+SP with packed documents lands at 1.07e-5 for one weight, also on the
+            # commit that passed CI before, while a real sharding bug moves weights by >1e-3
+            tol = 1e-4 if (tp > 1 and ".mlp." in name and cfg.num_experts) else 2e-5
             assert rel < tol, f"{name}: relative difference {rel:.2e} (rank coord {coord})"
 
 

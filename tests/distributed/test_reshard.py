@@ -52,7 +52,7 @@ def _cp_logits_then_train(rank: int, world_size: int, run_dir: str, extra: list[
 
     from mmtrain.parallel.context import _global_order, shard_sequence
 
-    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "train.steps=3", *extra])
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "train.exit_at_step=3", *extra])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
     model = train_gpt(cfg, mesh, torch.device("cpu")).model.eval()
     cp, positions = mesh.dims.cp, torch.arange(ids.shape[1]).expand_as(ids)

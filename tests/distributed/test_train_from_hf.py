@@ -13,9 +13,11 @@ from mmtrain.train.loop import train_gpt
 transformers = pytest.importorskip("transformers")
 
 
-def _logits_after_load(rank: int, world_size: int, ckpt: str, run_dir: str, steps: int, ids: torch.Tensor):
+def _logits_after_load(rank: int, world_size: int, ckpt: str, run_dir: str, steps: int, ids: torch.Tensor,
+                       exit_at: int = 0):
     cfg = load_config(GPTRunConfig, f"{ckpt}/model.yaml", [
         "data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", f"train.steps={steps}",
+        f"train.exit_at_step={exit_at}",
         "train.micro_batch_size=1", "parallel.tp=2", f"checkpoint.load={ckpt}", f"logging.run_dir={run_dir}"])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
     result = train_gpt(cfg, mesh, torch.device("cpu"))
@@ -37,8 +39,9 @@ def test_converted_weights_start_a_tp2_run(tmp_path):
         expected = hf(ids).logits
     logits, _ = run_distributed(_logits_after_load, 2, str(tmp_path / "ckpt"), str(tmp_path / "run"), 0, ids)[0]
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
-    # train 2 steps (saving), then a restart with the same config resumes the run, not the converted weights
-    _, losses = run_distributed(_logits_after_load, 2, str(tmp_path / "ckpt"), str(tmp_path / "run"), 2, ids)[0]
+    # train 2 of 3 steps (stopping with a checkpoint), then a restart with the same config resumes the run, not
+    # the converted weights
+    _, losses = run_distributed(_logits_after_load, 2, str(tmp_path / "ckpt"), str(tmp_path / "run"), 3, ids, 2)[0]
     assert len(losses) == 2
     _, more = run_distributed(_logits_after_load, 2, str(tmp_path / "ckpt"), str(tmp_path / "run"), 3, ids)[0]
     assert len(more) == 1  # resumed at step 2
