@@ -31,9 +31,10 @@ from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
 from dataprep.media_manifest import Reject, input_fingerprint, is_val, iter_rows
 from dataprep.media_shards import (NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta,
                                    write_text)
-from mmtrain.utils.atomic import atomic_write_text
+from mmtrain.utils.atomic import atomic_write_text, fsync_dir
 
 STATE_FILE = ".mmtrain-prep-state.json"
+OVERWRITE_BUILD = ".overwrite-build"  # where --overwrite builds the new output, swapped in once complete
 MANIFEST_FORMAT = "mmtrain-media-shards/1"
 _BATCH_ROWS = 8  # rows per worker task: amortizes process hand-off for small images
 
@@ -86,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="permit absolute paths and paths that leave the manifest's folder")
     r = p.add_argument_group("run")
     r.add_argument("--resume", action="store_true", help="continue an interrupted run into the same DIR")
-    r.add_argument("--overwrite", action="store_true", help="delete a previous output of this command in DIR first")
+    r.add_argument("--overwrite", action="store_true", help="build anew and replace a previous output of this command in DIR once the new one is "
+                        "complete (until then the previous one stays whole)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     # Test hook: behave as if interrupted after K shards were completed (exercises --resume).
     r.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
@@ -120,9 +122,7 @@ def _prepare_output(out: Path, fingerprint: str, args) -> list[ShardRecord]:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_FILE
     ours = _our_files(out)
-    if args.overwrite:
-        for p in ours:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if args.overwrite:  # the new output is built beside (OVERWRITE_BUILD) and swapped in once complete
         return []
     if not args.resume:
         if ours:
@@ -152,6 +152,32 @@ def _prepare_output(out: Path, fingerprint: str, args) -> list[ShardRecord]:
     for p in out.glob(".shard-*.tmp"):
         p.unlink()  # a shard that was being written when the run stopped: it is rebuilt from its rows
     return done
+
+
+def _overwrite_stage(out: Path) -> Path:
+    """The folder an --overwrite run builds in: inside DIR (same file system, so the swap is renames), hidden,
+    emptied first (what an interrupted --overwrite run left there is of no use)."""
+    stage = out / OVERWRITE_BUILD
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir()
+    return stage
+
+
+def _swap_in(stage: Path, out: Path) -> None:
+    """Replace the earlier output in ``out`` by the complete new one in ``stage``: only renames, so the earlier
+    output stays whole and readable until the new one is complete."""
+    old = out / ".overwrite-old"
+    if old.exists():
+        shutil.rmtree(old)
+    old.mkdir()
+    for p in sorted(_our_files(out), key=lambda p: p.name != "manifest.json"):  # the manifest first: incomplete
+        os.replace(p, old / p.name)
+    for p in sorted(stage.iterdir(), key=lambda p: p.name == "manifest.json"):  # the manifest last: complete
+        os.replace(p, out / p.name)
+    stage.rmdir()
+    fsync_dir(out)
+    shutil.rmtree(old)
 
 
 def _init_worker() -> None:
@@ -256,6 +282,12 @@ def run(args: argparse.Namespace) -> int:
         done = _prepare_output(out, fingerprint, args)
     except OSError as exc:
         raise PrepError(_unwritable(out, exc)) from None
+    final_out = None
+    if args.overwrite:
+        try:
+            final_out, out = out, _overwrite_stage(out)
+        except OSError as exc:
+            raise PrepError(_unwritable(out, exc)) from None
     done_keys = {s.key for rec in done for s in scan_shard(out / rec.name)[0]}
     start_index = {split: sum(1 for r in done if r.split == split) for split in SPLITS}
 
@@ -340,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _finish(args, out, shards, writer.index, done_keys, rejects, counts, kinds, source_order,
-                       settings, elapsed)
+                       settings, elapsed, final_out)
     except OSError as exc:
         raise PrepError(_unwritable(out, exc)) from None
 
@@ -352,8 +384,10 @@ def _unwritable(out: Path, exc: OSError) -> str:
 
 
 def _finish(args, out: Path, shards: list[ShardRecord], index: dict, done_keys: set, rejects: list[Reject],
-            counts: collections.Counter, kinds: set, source_order: dict, settings: dict, elapsed: float) -> int:
-    """energon metadata, rejects.jsonl and manifest.json (last) once every shard is complete; the summary."""
+            counts: collections.Counter, kinds: set, source_order: dict, settings: dict, elapsed: float,
+            final_out: Path | None = None) -> int:
+    """energon metadata, rejects.jsonl and manifest.json (last) once every shard is complete; the summary.
+    ``final_out``: where an --overwrite run's complete output (built in ``out``) is swapped in."""
     if not shards:
         _write_rejects(out, rejects, source_order)
         codes = collections.Counter(r.code for r in rejects)
@@ -387,6 +421,9 @@ def _finish(args, out: Path, shards: list[ShardRecord], index: dict, done_keys: 
     }
     write_text(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     (out / STATE_FILE).unlink(missing_ok=True)
+    if final_out is not None:
+        _swap_in(out, final_out)
+        out = final_out
     mb = counts["media_bytes"] / 1e6
     processed = max(counts["written"] - len(done_keys), 0)
     print(f"mmtrain-prep media: {summary['rows_read']} rows read = {summary['written']} written "

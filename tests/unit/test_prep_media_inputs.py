@@ -282,3 +282,25 @@ def test_several_manifests_derived_ids_forced_captioning_and_overwrite(tmp_path)
     m = json.loads((out / "manifest.json").read_text())
     assert m["sample_type"] == "crude" and m["counts"]["written"] == 2 and m["subflavor"] == "mixed"
     assert prep(d, d / "shards") == 2  # output inside the input folder would feed on itself
+
+
+def test_overwrite_keeps_the_earlier_output_whole_until_the_new_one_is_complete(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "x.jpg").write_bytes(_jpeg())
+    (d / "good.jsonl").write_text(json.dumps({"image": "x.jpg", "caption": "kept"}) + "\n")
+    (d / "bad.jsonl").write_text(json.dumps({"image": "missing.jpg", "caption": "no file"}) + "\n")
+    out = tmp_path / "out"
+    (out / "notes.txt").parent.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    assert prep([d / "good.jsonl"], out, "--val-ratio", "0") == 0
+    earlier = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert prep([d / "bad.jsonl"], out, "--val-ratio", "0", "--overwrite") == 2  # every row rejected: fails
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()
+            and ".overwrite-build" not in p.parts} == earlier
+    assert prep([d / "good.jsonl", d / "bad.jsonl"], out, "--val-ratio", "0", "--overwrite") == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["counts"] == {**m["counts"], "rows_read": 2, "written": 1, "rejected": 1}
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".overwrite")) == []
+    assert (out / "notes.txt").read_text() == "the user's own file"
+    assert main(["verify", str(out)]) == 0
