@@ -10,7 +10,7 @@ import torch
 from mmtrain.convert.checkpoint_io import ConvertError
 from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
 from mmtrain.convert.hf_files import HFFolderError
-from mmtrain.convert.hf_llama import UnsupportedHFConfig
+from mmtrain.models.llama.hf_adapter import UnsupportedHFConfig
 from mmtrain.utils.dcp_storage import CheckpointFormatError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

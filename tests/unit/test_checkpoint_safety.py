@@ -249,7 +249,7 @@ def test_hf_index_may_name_files_in_the_folder_only(tmp_path):
 
 
 def _tiny_weights_checkpoint(root: Path) -> Path:
-    from mmtrain.model.gpt import GPTModel
+    from mmtrain.models.llama.model import GPTModel
 
     cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=32,
                       vocab_size=32, activation="swiglu", norm="rmsnorm")

@@ -249,3 +249,22 @@ def test_the_checker_reports_an_import_across_the_layers(tmp_path):
         "mmtrain.data.blend imports dataprep.text (mmtrain.data never imports mmtrain.model, mmtrain.train, "
         "mmtrain.parallel, mmtrain.convert, dataprep)",
     ]
+
+
+def test_every_import_of_our_own_modules_names_a_module_that_exists():
+    """A module moved or renamed without updating an importer (a lazy import inside a function included) is
+    caught here, not at the first run that reaches it."""
+    modules = module_files(REPO)
+    missing = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                wanted = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                wanted = [node.module]
+            else:
+                continue
+            for target in wanted:
+                if target.split(".")[0] in PACKAGES and target not in modules:
+                    missing.append(f"{path.relative_to(REPO)}:{node.lineno}: imports {target}, which does not exist")
+    assert not missing, "\n".join(missing)
