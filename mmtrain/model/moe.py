@@ -110,9 +110,10 @@ def _capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: floa
     return (position < capacity).view_as(ids_NK)
 
 
-def _local_dispatch(x_ND: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, experts: Experts,
+def local_dispatch(x_ND: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, experts: Experts,
                    num_experts: int, keep_NK: torch.Tensor | None = None) -> torch.Tensor:
-    """Sort assignments by expert, run the experts, scatter back and combine with the routing weights."""
+    """Sort assignments by expert, run the experts, scatter back and combine with the routing weights (every
+    expert on this device; ``mmtrain.parallel.expert``'s all-to-all dispatch has the same signature)."""
     order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
     counts = counts.tolist()
     kept = sum(counts[:num_experts])
@@ -132,7 +133,7 @@ class MoELayer(nn.Module):
         if cfg.moe_shared_ffn_hidden_size:
             shared_cfg = type(cfg)(**{**cfg.__dict__, "ffn_hidden_size": cfg.moe_shared_ffn_hidden_size})
             self.shared = MLP(shared_cfg)
-        self.dispatch = _local_dispatch  # replaced by the expert-parallel plan
+        self.dispatch = local_dispatch  # replaced by the expert-parallel plan
         self.token_groups: list = []  # groups over which one micro-batch's tokens are split (SP, CP)
         self.step_load: torch.Tensor | None = None  # tokens per expert, accumulated over a step (for logs/bias)
 

@@ -35,10 +35,9 @@ from mmtrain.config.schema import ModelConfig
 from mmtrain.model.head import token_cross_entropy
 from mmtrain.models.llama.model import document_causal_mask
 from mmtrain.model.layers import MLP, RMSNorm
-from mmtrain.model.moe import Experts
+from mmtrain.model.moe import Experts, local_dispatch
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec
-from mmtrain.parallel.expert import permute_by_expert, unpermute_and_combine
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms' epsilon in DeepSeek's and HF's code (not rms_norm_eps)
 # projections writing into the residual stream (not q_down/kv_down, which also end in "down.weight")
@@ -156,16 +155,6 @@ class GroupLimitedRouter(nn.Module):
         if c.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * c.routed_scaling_factor, ids
-
-
-def local_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None):
-    """Every expert on this device: sort assignments by expert, run them, combine with the routing weights
-    (same signature as ``mmtrain.parallel.expert``'s all-to-all dispatch, which an EP plan would swap in)."""
-    order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
-    counts = counts.tolist()
-    kept = sum(counts[:num_experts])
-    y_sorted = experts(x_ND[order[:kept] // ids_NK.shape[1]], counts[:num_experts])
-    return unpermute_and_combine(y_sorted, order, weights_NK, x_ND)
 
 
 class DeepseekMoE(nn.Module):
