@@ -11,6 +11,7 @@ files the caller names) right after ``.metadata``, so before the checkpoint is m
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -213,7 +214,11 @@ class VerifyingFileSystemReader(dcp.FileSystemReader):
             if Path(name).name != name or name in (".", ".."):
                 raise CheckpointFormatError(f"{self.path}/{METADATA_NAME}: data file name {name!r} is not a "
                                             "plain file name in the checkpoint folder")
-            check_file(Path(self.path), name, self.checksums)
+        names = sorted(per_file)  # the files are checked in parallel (reading and hashing release the GIL) ...
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(8, len(names)))) as pool:
+            checks = [pool.submit(check_file, Path(self.path), name, self.checksums) for name in names]
+            for check in checks:  # ... and the first damaged one in name order is the one reported
+                check.result()
         for name, items in sorted(per_file.items()):  # file by file, so that a failure names its file
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
