@@ -151,3 +151,28 @@ def test_config_reference_is_up_to_date():
     committed = (REPO / "docs" / "config-reference.md").read_text()
     assert committed == reference_markdown(), (
         "docs/config-reference.md is stale: run `python -m mmtrain.config.reference > docs/config-reference.md`")
+
+
+def test_the_vlm_run_config_is_the_gpt_runs_sections_plus_its_own():
+    import dataclasses
+    import typing
+
+    from mmtrain.config.schema import DataConfig, RunSections
+
+    shared = typing.get_type_hints(RunSections)
+    for root in (GPTRunConfig, VLMRunConfig):
+        hints = typing.get_type_hints(root)
+        assert all(hints[name] is cls for name, cls in shared.items())  # the same classes, declared once
+    assert not [f.name for f in dataclasses.fields(DataConfig) if f.name.startswith("mm_")]  # media keys: VLM only
+    with pytest.raises(ConfigError, match="unknown config key 'media'"):
+        load_config(GPTRunConfig, None, ["media.tokenizer=t.model"])
+    vlm = load_config(VLMRunConfig, None, ["model.language.num_layers=3", "data.seq_length=64"])
+    lm_run = vlm.language_run()
+    assert lm_run.model is vlm.model.language and lm_run.data is vlm.data and lm_run.train is vlm.train
+
+
+def test_vlm_language_model_errors_name_the_real_key():
+    cfg = load_config(VLMRunConfig, None, ["data.mock=true", "model.image_token_id=500", "parallel.tp=8"])
+    with pytest.raises(ConfigError, match=r"^model.language.num_attention_heads \(4\) must be divisible by "
+                                          r"parallel.tp \(8\)$"):
+        validate_vlm_config(cfg)
