@@ -29,6 +29,13 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
         raise ConfigError(f"the model's {cfg.model.tokens_per_image} placeholder tokens per image (from "
                           f"model.vision.image_size, patch_size and model.projector.pixel_shuffle) leave no room "
                           f"for text in data.seq_length ({d.seq_length})")
+    a = cfg.model.audio
+    longest = int(media.max_audio_seconds * a.sample_rate)  # samples of the longest clip the media path keeps
+    frames = (longest // a.hop_length + 1 + 1) // 2  # centred spectrogram frames, halved by the stride-2 stem
+    if a.enabled and frames > a.max_frames:
+        raise ConfigError(f"media.max_audio_seconds ({media.max_audio_seconds}) gives clips of {frames} encoder "
+                          f"positions, more than model.audio.max_frames ({a.max_frames}); lower "
+                          "media.max_audio_seconds or raise model.audio.max_frames")
     if world_size is not None and not d.mock:
         from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
 

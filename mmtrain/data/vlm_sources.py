@@ -79,8 +79,8 @@ def _text_samples(cfg, text_spec: Path, split: str, dp: int, index_builder: bool
     return build_gpt_samples_from_config(run, split, dp, index_builder=index_builder)
 
 
-def _text_row_inputs(cfg, eod_id):
-    d = cfg.data
+def _text_row_inputs(d, eod_id):
+    """Per-row positions, document ids and loss mask of packed text rows (``data``'s reset/eod keys), or None."""
     if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
         return None
 
@@ -105,7 +105,7 @@ def build_vlm_batches(cfg, mesh, split: str = "train") -> VLMBatches:
     text = row_inputs = None
     if text_spec is not None:
         text = _text_samples(cfg, text_spec, split, dp, mesh.node_local_rank == 0)
-        row_inputs = _text_row_inputs(cfg, getattr(text, "eod_id", None))
+        row_inputs = _text_row_inputs(d, getattr(text, "eod_id", None))
     media = None
     if media_src is not None:
         from mmtrain.data.multimodal_loader import build_multimodal_loader  # needs megatron-energon
