@@ -175,8 +175,8 @@ class CheckpointConfig:
     data_order_change: Literal["error", "use_config"] = doc(
         "error", "Resuming with other data-order inputs than the checkpoint's (data.seed, seq_length, blend, "
                  "prefixes, weights, split, mock, the global batch size, and train.steps, which sizes the sample "
-                 "indices; for a VLM also media.slices, shuffle_buffer_size, pack, packing_buffer_size): error names each changed key; use_config builds "
-                 "this run's order and continues at the checkpoint's consumed-sample count in it (samples may "
+                 "indices; for a VLM also media.slices, shuffle_buffer_size, pack, packing_buffer_size): error "
+                 "names each changed key; use_config builds this run's order and continues at the checkpoint's consumed-sample count in it (samples may "
                  "repeat or be skipped).")
     verify: bool = doc(True, "Check every checkpoint file against the XXH3 hash recorded when it was written "
                              "(checksums.json) before reading it; a damaged file stops the run. false reads unchecked.")

@@ -35,20 +35,23 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
         raise ConfigError(f"head dim {mk}.hidden_size / {mk}.num_attention_heads = "
                           f"{m.hidden_size // m.num_attention_heads} must be even for rotary embeddings")
     if m.num_attention_heads % p.tp:
-        raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp ({p.tp})")
+        raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+                          f"parallel.tp ({p.tp})")
     if m.kv_heads % p.tp:
         raise ConfigError(f"{mk}.num_query_groups ({m.kv_heads}) must be divisible by parallel.tp ({p.tp}); "
                           "lower tp or use more key/value heads")
     if m.ffn_hidden_size % p.tp:
         raise ConfigError(f"{mk}.ffn_hidden_size ({m.ffn_hidden_size}) must be divisible by parallel.tp ({p.tp})")
     if m.vocab_size % p.tp:
-        raise ConfigError(f"{mk}.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}); pad the vocabulary")
+        raise ConfigError(f"{mk}.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}); "
+                          "pad the vocabulary")
     if m.num_layers < p.pp * p.virtual_pp:
         raise ConfigError(f"{mk}.num_layers ({m.num_layers}) must be >= parallel.pp * parallel.virtual_pp "
                           f"({p.pp} * {p.virtual_pp})")
     if m.num_experts:
         if not 1 <= m.moe_top_k <= m.num_experts:
-            raise ConfigError(f"{mk}.moe_top_k ({m.moe_top_k}) must be between 1 and {mk}.num_experts ({m.num_experts})")
+            raise ConfigError(f"{mk}.moe_top_k ({m.moe_top_k}) must be between 1 and {mk}.num_experts "
+                              f"({m.num_experts})")
         if m.num_experts % p.ep:
             raise ConfigError(f"{mk}.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
     elif p.ep > 1:

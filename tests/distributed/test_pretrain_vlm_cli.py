@@ -155,8 +155,8 @@ def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):
     ("freeze=[encoder]", "freeze[0]: 'encoder' is not a VLM component"),
     ("lr_scale={vision: 0}", "lr_scale.vision must be > 0, got 0.0"),
     ("freeze=[vision, audio, projector, language]", "freezes every component"),
-    ("data.mm_num_image_tokens=16", "'data.mm_num_image_tokens' in command-line override 'data.mm_num_image_tokens=16': "
-                                    "the media path reads model.tokens_per_image"),
+    ("data.mm_num_image_tokens=16", "'data.mm_num_image_tokens' in command-line override "
+                                    "'data.mm_num_image_tokens=16': the media path reads model.tokens_per_image"),
     ("data.mm_tokenizer=t.model", "it is now media.tokenizer"),
     ("data.seq_length=4", "the model's 4 placeholder tokens per image"),
     ("media.max_audio_seconds=40", "media.max_audio_seconds (40.0) gives clips of 2001 encoder positions, more than "
