@@ -8,7 +8,7 @@ Writes the sample media set (``dataprep.samples_media``: images with grain, so f
 trains a small SentencePiece tokenizer on its captions, then for each worker count and packing on/off draws
 ``--batches`` micro-batches of ``--micro-batch-size`` after a warm-up and reports source samples per second
 (a pack counts each sample in it). With workers, samples/s per worker is total / workers; with 0 workers all
-decoding runs in the main process. The loader reads ``--slices`` energon slices (``data.mm_slices``), each with its
+decoding runs in the main process. The loader reads ``--slices`` energon slices (``media.slices``), each with its
 own shuffle and packing buffers; the warm-up (default: one batch per slice, plus 5) fills them, so the figures are
 the steady state. ``uptime`` load averages are printed with the table: this is a CPU-bound
 loader, so a busy machine lowers every number.
@@ -81,8 +81,8 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--warmup", type=int, default=-1, help="batches before timing; -1: slices + 5")
-    p.add_argument("--slices", type=int, default=16, help="data.mm_slices")
-    p.add_argument("--shuffle-buffer", type=int, default=100, help="data.mm_shuffle_buffer_size (per slice)")
+    p.add_argument("--slices", type=int, default=16, help="media.slices")
+    p.add_argument("--shuffle-buffer", type=int, default=100, help="media.shuffle_buffer_size (per slice)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1])
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the table shows medians")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-data-multimodal")

@@ -56,7 +56,7 @@ def _caption_image(run_dir: Path, image_path: Path, max_new_tokens: int = 16) ->
     ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     model = VLMModel(cfg.model)
     load_model_weights_only(ckpt, None, model)
-    encoder = MultimodalTaskEncoder(settings_from_config(cfg.data))
+    encoder = MultimodalTaskEncoder(settings_from_config(cfg.media, cfg.model, cfg.data.seq_length))
     pixels = torch.from_numpy(__import__("numpy").asarray(Image.open(image_path).convert("RGB")).copy())
     image = encoder._image(pixels.permute(2, 0, 1).float() / 255.0)  # the training path's resize + normalize
     prompt = [cfg.model.image_token_id] * cfg.model.tokens_per_image
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (a kept run dir would resume)
     _step("train a tiny VLM on the CPU (a quarter of the rows are text only)",
           [py, "-m", "mmtrain.pretrain_vlm", "--config", str(CONFIG), f"train.steps={args.steps}",
-           f"logging.run_dir={run_dir}", f"data.blend={blend}", f"data.mm_tokenizer={tok}.model"])
+           f"logging.run_dir={run_dir}", f"data.blend={blend}", f"media.tokenizer={tok}.model"])
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     k = max(1, len(losses) // 10)
     print(f"\n=== loss: first {k} steps {sum(losses[:k]) / k:.3f} -> last {k} steps {sum(losses[-k:]) / k:.3f}")

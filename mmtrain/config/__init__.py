@@ -6,6 +6,7 @@ from mmtrain.config.loader import (
     read_yaml_with_includes,
     save_config,
 )
+from mmtrain.config.media_schema import MediaConfig
 from mmtrain.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -15,6 +16,7 @@ from mmtrain.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    RunSections,
     TrainConfig,
 )
 from mmtrain.config.validate import validate_gpt_config
@@ -29,7 +31,7 @@ from mmtrain.config.vlm_validate import validate_vlm_config
 
 __all__ = [
     "AudioConfig", "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config", "GPTRunConfig", "LoggingConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "ProjectorConfig", "TrainConfig", "VLMModelConfig",
-    "VLMRunConfig", "VisionConfig", "load_config", "read_yaml_with_includes", "save_config", "validate_gpt_config",
-    "validate_vlm_config",
+    "MediaConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "ProjectorConfig", "RunSections", "TrainConfig",
+    "VLMModelConfig", "VLMRunConfig", "VisionConfig", "load_config", "read_yaml_with_includes", "save_config",
+    "validate_gpt_config", "validate_vlm_config",
 ]

@@ -78,6 +78,9 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key_error(key: str, root_cls: type, source: str) -> ConfigError:
+    moved = getattr(root_cls, "MOVED_KEYS", {})  # keys of earlier versions: say what replaced them
+    if key in moved:
+        return ConfigError(f"unknown config key '{key}' in {source}: {moved[key]}")
     valid = _all_keys(root_cls)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if not close:  # compare on the last component too: `optim.learning_rate` vs `optim.lr`

@@ -11,7 +11,7 @@ import dataclasses
 import typing
 
 from mmtrain.config.ranges import range_text
-from mmtrain.config.schema import GPTRunConfig
+from mmtrain.config.schema import GPTRunConfig, RunSections
 
 
 def _type_name(tp) -> str:
@@ -57,8 +57,8 @@ def _section(lines: list[str], key: str, cls: type, help_text: str) -> None:
 
 def reference_markdown(root: type = GPTRunConfig, with_vlm: bool = True) -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `mmtrain/config/schema.py` (and `vlm_schema.py`, `vlm_run_schema.py`) by "
-             "`python -m mmtrain.config.reference`; do not edit by hand.",
+             "Generated from `mmtrain/config/schema.py` (and `vlm_schema.py`, `media_schema.py`, "
+             "`vlm_run_schema.py`) by `python -m mmtrain.config.reference`; do not edit by hand.",
              "Set any key in a YAML file (`section:` then `key: value`) or on the command line as `section.key=value`.",
              "A value outside its range (a list: each element; a mapping: each value), or a float that is NaN or "
              "infinite, is an error naming the key before anything starts.",
@@ -75,11 +75,13 @@ def _vlm_reference_markdown() -> str:
     from mmtrain.config.vlm_run_schema import VLMRunConfig
 
     lines = ["# VLM run (`python -m mmtrain.pretrain_vlm`)", "",
-             ("`VLMRunConfig` (`mmtrain/config/vlm_run_schema.py`) has the sections `parallel`, `data`, `optim`, "
-              "`train`, `logging` and `checkpoint` of the GPT run above (the `data.mm_*` keys set the media); its "
-              "`model` is the VLM's, and top-level keys choose what trains and from which weights."), ""]
+             ("`VLMRunConfig` (`mmtrain/config/vlm_run_schema.py`) extends the same `RunSections` as the GPT run: "
+              "`parallel`, `data`, `optim`, `train`, `logging` and `checkpoint` are the sections above. Its `model` "
+              "is the VLM's, `media` says how media samples are read (image size, placeholder ids and counts and "
+              "the audio rate come from `model`, never set twice), and top-level keys choose what trains and from "
+              "which weights."), ""]
     hints = typing.get_type_hints(VLMRunConfig)
-    gpt = {f.name for f in dataclasses.fields(GPTRunConfig)} - {"model"}
+    gpt = {f.name for f in dataclasses.fields(RunSections)}
     top = []
     for f in dataclasses.fields(VLMRunConfig):
         if f.name in gpt:

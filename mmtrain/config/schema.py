@@ -99,29 +99,9 @@ class DataConfig:
     eod_mask_loss: bool = doc(False, "Mask the loss where the input token is the end-of-document token.")
     index_build_timeout_s: float = doc(1800.0, "Seconds a process waits for LOCAL_RANK 0 to build the sample "
                                                "indices.", gt=0)
-    num_workers: int = doc(0, "Multimodal loader worker processes per rank (decoding and cooking media; the order does "
-                              "not depend on it). The text loader reads memory-mapped samples in the training "
-                              "process and uses no workers.", ge=0)
-    mm_tokenizer: str = doc("", "Multimodal: tokenizer of the text (SentencePiece .model, tokenizer.json or its folder); "
-                                "the sources are data.blend: energon entries of a blend spec, an energon metadataset "
-                                "YAML, or one mmtrain-prep media folder.")
-    mm_image_size: int = doc(224, "Multimodal: images (and video frames) are resized to this square size, CHW float.", ge=1)
-    mm_image_mean: list[float] = doc([0.5, 0.5, 0.5], "Multimodal: per-channel mean subtracted from [0, 1] pixels.")
-    mm_image_std: list[float] = doc([0.5, 0.5, 0.5], "Multimodal: per-channel std the pixels are divided by.", gt=0)
-    mm_image_token_id: int = doc(-1, "Multimodal: placeholder token id where an image's features go; required.", ge=-1)
-    mm_num_image_tokens: int = doc(64, "Multimodal: placeholder tokens per image (the vision encoder's output length).", ge=1)
-    mm_audio_token_id: int = doc(-1, "Multimodal: placeholder token id of an audio clip; -1 refuses audio samples.", ge=-1)
-    mm_num_audio_tokens: int = doc(32, "Multimodal: placeholder tokens per audio clip.", ge=1)
-    mm_audio_rate: int = doc(16000, "Multimodal: waveforms are resampled (linearly) to this rate in Hz.", ge=1)
-    mm_max_audio_seconds: float = doc(30.0, "Multimodal: waveforms are cut to this many seconds.", gt=0)
-    mm_video_frames: int = doc(4, "Multimodal: evenly spaced frames taken from each video (each is an image).", ge=1)
-    mm_pack: bool = doc(False, "Multimodal: pack several samples into each seq_length sequence (document ids and "
-                               "position ids per sample).")
-    mm_packing_buffer_size: int = doc(32, "Multimodal: samples the packer of each slice chooses from when filling "
-                                          "sequences.", ge=1)
-    mm_shuffle_buffer_size: int = doc(100, "Multimodal: energon's sample shuffle buffer of each slice; 0 disables it.", ge=0)
-    mm_slices: int = doc(16, "Multimodal: the data is read as this many slices (energon streams) in one fixed order; "
-                             "must be a multiple of every data-parallel size the run uses or resumes at.", ge=1)
+    num_workers: int = doc(0, "Media loader worker processes per rank of a VLM run (decoding and cooking media; the "
+                              "order does not depend on it). The text loader reads memory-mapped samples in the "
+                              "training process and uses no workers.", ge=0)
 
 
 @dataclass
@@ -195,8 +175,8 @@ class CheckpointConfig:
     data_order_change: Literal["error", "use_config"] = doc(
         "error", "Resuming with other data-order inputs than the checkpoint's (data.seed, seq_length, blend, "
                  "prefixes, weights, split, mock, the global batch size, and train.steps, which sizes the sample "
-                 "indices; for a VLM the data.mm_* order keys): error names each changed key; use_config builds "
-                 "this run's order and continues at the checkpoint's consumed-sample count in it (samples may "
+                 "indices; for a VLM also media.slices, shuffle_buffer_size, pack, packing_buffer_size): error "
+                 "names each changed key; use_config builds this run's order and continues at the checkpoint's consumed-sample count in it (samples may "
                  "repeat or be skipped).")
     verify: bool = doc(True, "Check every checkpoint file against the XXH3 hash recorded when it was written "
                              "(checksums.json) before reading it; a damaged file stops the run. false reads unchecked.")
@@ -237,14 +217,21 @@ class Fp8Config:
 
 
 @dataclass
-class GPTRunConfig:
-    """Everything `python -m mmtrain.pretrain_gpt` needs."""
+class RunSections:
+    """The sections every run has, whatever it trains: a GPT run (``GPTRunConfig``) and a VLM run
+    (``mmtrain.config.vlm_run_schema.VLMRunConfig``) both extend this class, so they share these classes."""
 
-    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model shape."})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Parallel layout."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training data."})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "Optimizer and schedule."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Step loop."})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Logging."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+
+
+@dataclass
+class GPTRunConfig(RunSections):
+    """Everything `python -m mmtrain.pretrain_gpt` needs: the shared run sections, the model and FP8."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model shape."})
     fp8: Fp8Config = field(default_factory=Fp8Config, metadata={"help": "FP8 training (train.precision: fp8)."})

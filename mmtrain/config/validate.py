@@ -12,41 +12,50 @@ from mmtrain.config.schema import GPTRunConfig
 
 def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> None:
     """Raise ``ConfigError`` on impossible combinations. With ``world_size`` also checks the layout."""
-    m, p, t, d, o = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.optim
     check_ranges(cfg)  # every numeric field against the range declared in the schema
+    check_language_run(cfg, world_size)
+
+
+def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_key: str = "model") -> None:
+    """The cross-field checks of a language model's run; its model's keys are named under ``model_key``
+    (a VLM run checks ``VLMRunConfig.language_run()`` with ``model.language``). Ranges are the caller's."""
+    m, p, t, d, o, mk = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.optim, model_key
     if o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
     if t.exit_at_step > t.steps:
         raise ConfigError(f"train.exit_at_step ({t.exit_at_step}) is past train.steps ({t.steps}); the run would "
                           "never stop there")
     if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by "
-                          f"model.num_attention_heads ({m.num_attention_heads})")
+        raise ConfigError(f"{mk}.hidden_size ({m.hidden_size}) must be divisible by "
+                          f"{mk}.num_attention_heads ({m.num_attention_heads})")
     if m.num_attention_heads % m.kv_heads:
-        raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
-                          f"model.num_query_groups ({m.kv_heads})")
+        raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+                          f"{mk}.num_query_groups ({m.kv_heads})")
     if (m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError(f"head dim hidden_size/num_attention_heads = {m.hidden_size // m.num_attention_heads} "
-                          "must be even for rotary embeddings")
+        raise ConfigError(f"head dim {mk}.hidden_size / {mk}.num_attention_heads = "
+                          f"{m.hidden_size // m.num_attention_heads} must be even for rotary embeddings")
     if m.num_attention_heads % p.tp:
-        raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp ({p.tp})")
+        raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+                          f"parallel.tp ({p.tp})")
     if m.kv_heads % p.tp:
-        raise ConfigError(f"model.num_query_groups ({m.kv_heads}) must be divisible by parallel.tp ({p.tp}); "
+        raise ConfigError(f"{mk}.num_query_groups ({m.kv_heads}) must be divisible by parallel.tp ({p.tp}); "
                           "lower tp or use more key/value heads")
     if m.ffn_hidden_size % p.tp:
-        raise ConfigError(f"model.ffn_hidden_size ({m.ffn_hidden_size}) must be divisible by parallel.tp ({p.tp})")
+        raise ConfigError(f"{mk}.ffn_hidden_size ({m.ffn_hidden_size}) must be divisible by parallel.tp ({p.tp})")
     if m.vocab_size % p.tp:
-        raise ConfigError(f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}); pad the vocabulary")
+        raise ConfigError(f"{mk}.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}); "
+                          "pad the vocabulary")
     if m.num_layers < p.pp * p.virtual_pp:
-        raise ConfigError(f"model.num_layers ({m.num_layers}) must be >= parallel.pp * parallel.virtual_pp "
+        raise ConfigError(f"{mk}.num_layers ({m.num_layers}) must be >= parallel.pp * parallel.virtual_pp "
                           f"({p.pp} * {p.virtual_pp})")
     if m.num_experts:
         if not 1 <= m.moe_top_k <= m.num_experts:
-            raise ConfigError(f"model.moe_top_k ({m.moe_top_k}) must be between 1 and model.num_experts ({m.num_experts})")
+            raise ConfigError(f"{mk}.moe_top_k ({m.moe_top_k}) must be between 1 and {mk}.num_experts "
+                              f"({m.num_experts})")
         if m.num_experts % p.ep:
-            raise ConfigError(f"model.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
+            raise ConfigError(f"{mk}.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
     elif p.ep > 1:
-        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model (model.num_experts > 0)")
+        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model ({mk}.num_experts > 0)")
     if p.virtual_pp > 1 and p.pp == 1:
         raise ConfigError("parallel.virtual_pp > 1 needs parallel.pp > 1")
     if p.pipeline_layers and len(p.pipeline_layers) != p.pp * p.virtual_pp:
@@ -66,7 +75,7 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
     if t.precision == "fp8":
-        _validate_fp8(cfg)
+        _validate_fp8(cfg, mk)
     if world_size is not None:
         from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
 
@@ -74,9 +83,6 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
         if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dims.dp):
             raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                               f"train.micro_batch_size * dp ({t.micro_batch_size} * {dims.dp})")
-        if d.mm_tokenizer and not d.mock and d.mm_slices % dims.dp:  # multimodal shards: a dp rank reads S / dp slices
-            raise ConfigError(f"data.mm_slices ({d.mm_slices}) must be a multiple of the data-parallel size "
-                              f"({dims.dp}); use a multiple of every data-parallel size the run may resume at")
         num_micro = (t.global_batch_size or t.micro_batch_size * dims.dp) // (t.micro_batch_size * dims.dp)
         if p.virtual_pp > 1 and num_micro % p.pp:
             raise ConfigError(f"with parallel.virtual_pp > 1 the micro-batches per step ({num_micro}) must be a "
@@ -102,7 +108,7 @@ NATIVE_FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
 TE_FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
-def _validate_fp8(cfg) -> None:
+def _validate_fp8(cfg, mk: str) -> None:
     """The fp8 section, where the device is not needed (the GPU and TE are checked at start-up:
     ``mmtrain.model.fp8.resolve_fp8_backend``)."""
     f, m, p = cfg.fp8, cfg.model, cfg.parallel
@@ -117,7 +123,7 @@ def _validate_fp8(cfg) -> None:
                           f"(got {f.format})")
     if f.bf16_first_layers + f.bf16_last_layers >= m.num_layers:
         raise ConfigError(f"fp8.bf16_first_layers + fp8.bf16_last_layers ({f.bf16_first_layers} + "
-                          f"{f.bf16_last_layers}) leave no FP8 layer of model.num_layers={m.num_layers}; "
+                          f"{f.bf16_last_layers}) leave no FP8 layer of {mk}.num_layers={m.num_layers}; "
                           "lower them or use train.precision=bf16")
     if f.output_layer and f.backend == "te":
         raise ConfigError("fp8.output_layer=true is a native-backend option (Transformer Engine keeps the output "
@@ -136,5 +142,5 @@ def _validate_fp8(cfg) -> None:
         raise ConfigError(f"fp8.fast_accum_backward=true applies to the native backend's tensorwise and delayed "
                           f"recipes (got fp8.backend={f.backend}, fp8.recipe={f.recipe}); set it to false")
     if f.backend == "te" and p.tp > 1 and m.add_bias:
-        raise ConfigError("fp8.backend=te with parallel.tp > 1 and model.add_bias=true is not supported (the "
+        raise ConfigError(f"fp8.backend=te with parallel.tp > 1 and {mk}.add_bias=true is not supported (the "
                           "row-parallel bias would be summed over TP ranks); use fp8.backend=native")

@@ -1,5 +1,6 @@
-"""The VLM run configuration: the GPT run's sections (parallel, data, optim, train, logging, checkpoint) with
-``model`` a ``VLMModelConfig``, plus which components train and at what learning rate.
+"""The VLM run configuration: the GPT run's shared sections (``RunSections``: parallel, data, optim, train,
+logging, checkpoint) with ``model`` a ``VLMModelConfig``, the ``media:`` section, and which components train
+and at what learning rate.
 
     freeze: [vision, language]        # stage 1: only the projector(s) train
     lr_scale: {vision: 0.1}           # stage 2: the encoder at a tenth of the scheduled learning rate
@@ -10,26 +11,24 @@ Entries are parameter-name prefixes of the VLM (``vision``, ``audio``, ``project
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from mmtrain.config.schema import (CheckpointConfig, DataConfig, LoggingConfig, OptimConfig, ParallelConfig,
-                                   TrainConfig, doc)
+from mmtrain.config.media_schema import MOVED_DATA_KEYS, MediaConfig
+from mmtrain.config.schema import GPTRunConfig, RunSections, doc
 from mmtrain.config.vlm_schema import VLMModelConfig
 
 COMPONENTS = ("vision", "audio", "projector", "language")
 
 
 @dataclass
-class VLMRunConfig:
+class VLMRunConfig(RunSections):
     """Everything `python -m mmtrain.pretrain_vlm` needs."""
 
+    MOVED_KEYS = MOVED_DATA_KEYS  # not a field (no annotation): the loader's hints for the old data.mm_* keys
+
     model: VLMModelConfig = field(default_factory=VLMModelConfig, metadata={"help": "VLM shape."})
-    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "Parallel layout."})
-    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training data (the mm_* keys)."})
-    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "Optimizer and schedule."})
-    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Step loop."})
-    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Logging."})
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "Checkpoints."})
+    media: MediaConfig = field(default_factory=MediaConfig, metadata={"help": "Media samples (VLM runs only)."})
     freeze: list[str] = doc([], "Parameter-name prefixes that do not train (no gradients, no optimizer state), "
                                 "e.g. [vision, language] to train only the projector.")
     init_from: str = doc("", "Checkpoint (a step folder, or a root with `latest`) whose model weights start this run "
@@ -37,6 +36,12 @@ class VLMRunConfig:
                              "the same parallel.tp); ignored once the run has checkpoints of its own.")
     lr_scale: dict[str, float] = doc({}, "Learning-rate multiplier per parameter-name prefix, e.g. "
                                          "{vision: 0.1, projector: 10}; the longest matching prefix wins, others 1.", gt=0)
+
+    def language_run(self) -> GPTRunConfig:
+        """The language model's run: this run's shared sections (the same objects, not copies) with
+        ``model.language`` as the model; the text-only samples and the shared checks read it."""
+        sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(RunSections)}
+        return GPTRunConfig(model=self.model.language, **sections)
 
 
 def matches(name: str, prefix: str) -> bool:

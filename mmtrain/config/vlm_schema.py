@@ -3,7 +3,8 @@
 Same style as ``mmtrain.config.schema``: every field has a default and its help text. ``VLMModelConfig`` is the
 ``model:`` section of a VLM run config (``configs/vlm/model_*.yaml`` overlay it). The number of placeholder
 tokens per image is *derived* (``tokens_per_image``) from the vision shape and the projector's pixel shuffle;
-``check_vlm_model`` checks it (and the ids) against the data settings with a message naming both keys.
+the media path reads it, the image size, the placeholder ids and the audio settings from here (the ``media:``
+section, ``mmtrain.config.media_schema``, has only what the data path alone decides).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from mmtrain.config.schema import ModelConfig, doc
 class VisionConfig:
     """The ViT image encoder (SigLIP/CLIP-like). Video frames are images with a temporal position."""
 
-    image_size: int = doc(32, "Side of the square input image (and of each tile) in pixels; must equal "
-                              "data.mm_image_size.", ge=1)
+    image_size: int = doc(32, "Side of the square input image (and of each tile) in pixels; the media path "
+                              "resizes images and video frames to it.", ge=1)
     patch_size: int = doc(8, "Side of a square patch; image_size must be a multiple of it.", ge=1)
     hidden_size: int = doc(64, "Width of the encoder's residual stream.", ge=1)
     num_layers: int = doc(2, "Number of (bidirectional, pre-norm) transformer blocks.", ge=1)
@@ -61,8 +62,9 @@ class VisionConfig:
 class AudioConfig:
     """The optional Whisper-like audio encoder: log-mel features, a conv stem, transformer blocks, pooling."""
 
-    enabled: bool = doc(False, "Build the audio encoder (needs audio_token_id and data.mm_audio_token_id).")
-    sample_rate: int = doc(16000, "Waveform rate in Hz; must equal data.mm_audio_rate.", ge=1)
+    enabled: bool = doc(False, "Build the audio encoder (needs model.audio_token_id); without it audio samples "
+                                "are refused.")
+    sample_rate: int = doc(16000, "Waveform rate in Hz; the media path resamples (linearly) to it.", ge=1)
     n_mels: int = doc(80, "Mel bands of the log-mel features.", ge=1)
     n_fft: int = doc(400, "FFT size of the spectrogram (25 ms at 16 kHz).", ge=1)
     hop_length: int = doc(160, "Samples between feature frames (10 ms at 16 kHz).", ge=1)
@@ -72,7 +74,7 @@ class AudioConfig:
     ffn_hidden_size: int = doc(128, "Inner width of the encoder MLP.", ge=1)
     max_frames: int = doc(1500, "Encoder positions after the stride-2 conv stem (1500 = 30 s at 10 ms hops).", ge=1)
     num_tokens: int = doc(8, "Placeholder tokens per audio clip: the encoder output is average-pooled over the "
-                             "clip's valid frames into this many vectors; must equal data.mm_num_audio_tokens.", ge=1)
+                             "clip's valid frames into this many vectors.", ge=1)
     norm_eps: float = doc(1e-5, "Epsilon of the LayerNorms.", gt=0)
     init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.", ge=0)
 
@@ -103,10 +105,9 @@ class VLMModelConfig:
     audio: AudioConfig = field(default_factory=AudioConfig, metadata={"help": "Optional audio encoder."})
     projector: ProjectorConfig = field(default_factory=ProjectorConfig, metadata={"help": "Projectors."})
     language: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The GPT language model."})
-    image_token_id: int = doc(-1, "Placeholder token id where image features go; must equal "
-                                  "data.mm_image_token_id and be < language.vocab_size.", ge=-1)
-    audio_token_id: int = doc(-1, "Placeholder token id of audio features (audio.enabled); must equal "
-                                  "data.mm_audio_token_id.", ge=-1)
+    image_token_id: int = doc(-1, "Placeholder token id where image features go (the media path writes it "
+                                  "tokens_per_image times per image); required, < language.vocab_size.", ge=-1)
+    audio_token_id: int = doc(-1, "Placeholder token id of audio features; used when audio.enabled.", ge=-1)
 
     @property
     def tokens_per_image(self) -> int:
@@ -118,9 +119,8 @@ class VLMModelConfig:
         return self.audio.num_tokens
 
 
-def check_vlm_model(m: VLMModelConfig, data=None, prefix: str = "model", tp: int = 1) -> None:
-    """Raise ``ConfigError`` on an impossible VLM shape, or (with ``data``, a ``DataConfig``) on placeholder
-    settings the data path would produce differently, or on encoders that ``tp`` (parallel.tp) cannot shard
+def check_vlm_model(m: VLMModelConfig, prefix: str = "model", tp: int = 1) -> None:
+    """Raise ``ConfigError`` on an impossible VLM shape or on encoders that ``tp`` (parallel.tp) cannot shard
     (the TP plan shards their heads and MLP like the LM's). Keys are named with ``prefix``."""
     from mmtrain.config.loader import ConfigError
 
@@ -156,23 +156,3 @@ def check_vlm_model(m: VLMModelConfig, data=None, prefix: str = "model", tp: int
             if getattr(enc, key) % tp:
                 raise ConfigError(f"{prefix}.{name}.{key} ({getattr(enc, key)}) must be divisible by parallel.tp "
                                   f"({tp}): the encoder is tensor-parallel like the language model")
-    if data is None:
-        return
-    derived = (f"{m.tokens_per_image} = ({v.image_size} / {v.patch_size})^2 / {pr.pixel_shuffle}^2 "
-               f"({prefix}.vision.image_size, patch_size, {prefix}.projector.pixel_shuffle)")
-    if data.mm_num_image_tokens != m.tokens_per_image:
-        raise ConfigError(f"data.mm_num_image_tokens ({data.mm_num_image_tokens}) must equal the model's tokens per "
-                          f"image {derived}; set data.mm_num_image_tokens={m.tokens_per_image}")
-    pairs = [("mm_image_size", "vision.image_size", v.image_size),
-             ("mm_image_token_id", "image_token_id", m.image_token_id)]
-    if a.enabled:
-        pairs += [("mm_audio_token_id", "audio_token_id", m.audio_token_id),
-                  ("mm_num_audio_tokens", "audio.num_tokens", a.num_tokens),
-                  ("mm_audio_rate", "audio.sample_rate", a.sample_rate)]
-    for data_key, model_key, want in pairs:
-        got = getattr(data, data_key)
-        if got != want:
-            raise ConfigError(f"data.{data_key} ({got}) must equal {prefix}.{model_key} ({want})")
-    if not a.enabled and data.mm_audio_token_id >= 0:
-        raise ConfigError(f"data.mm_audio_token_id is set ({data.mm_audio_token_id}) but {prefix}.audio.enabled is "
-                          "false; enable the audio encoder or set data.mm_audio_token_id=-1")

@@ -2,40 +2,47 @@
 
 from __future__ import annotations
 
-import re
-
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.ranges import check_ranges
-from mmtrain.config.schema import GPTRunConfig
-from mmtrain.config.validate import validate_gpt_config
+from mmtrain.config.validate import check_language_run
 from mmtrain.config.vlm_run_schema import COMPONENTS, VLMRunConfig
 from mmtrain.config.vlm_schema import check_vlm_model
 
 
 def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> None:
-    """Raise ``ConfigError`` on impossible combinations (the GPT run's checks with the language model as
-    ``model.language``, the VLM shape against the data's placeholder settings, the layout the VLM supports,
-    ``freeze`` and ``lr_scale``)."""
-    p, d = cfg.parallel, cfg.data
-    check_ranges(cfg)  # every numeric field, the VLM model's included, named by its own key
-    gpt = GPTRunConfig(model=cfg.model.language, parallel=p, data=d, optim=cfg.optim, train=cfg.train,
-                       logging=cfg.logging, checkpoint=cfg.checkpoint)
-    try:
-        validate_gpt_config(gpt, world_size)
-    except ConfigError as exc:  # the language model's keys live under model.language in a VLM config
-        raise ConfigError(re.sub(r"\bmodel\.", "model.language.", str(exc))) from None
-    check_vlm_model(cfg.model, d, tp=p.tp)
+    """Raise ``ConfigError`` on impossible combinations (the GPT run's checks of the language model, named
+    ``model.language``, the VLM shape, the media section, the layout the VLM supports, ``freeze`` and
+    ``lr_scale``)."""
+    p, d, media = cfg.parallel, cfg.data, cfg.media
+    check_ranges(cfg)  # every numeric field, the VLM model's and media's included, named by its own key
+    check_language_run(cfg.language_run(), world_size, model_key="model.language")
+    check_vlm_model(cfg.model, tp=p.tp)
     if p.virtual_pp > 1:
         raise ConfigError("parallel.virtual_pp > 1 is not supported for the VLM; use plain pipeline stages")
     if d.prefixes:
         raise ConfigError("data.prefixes is for GPT runs; a VLM run reads data.blend (a blend spec mixing indexed "
                           "text and type: energon entries, a metadataset YAML or a media folder) or data.mock=true")
-    if not d.mock and not d.mm_tokenizer:
-        raise ConfigError("data.mm_tokenizer is empty; the captions are tokenized on the fly with it (the "
+    if not d.mock and not media.tokenizer:
+        raise ConfigError("media.tokenizer is empty; the captions are tokenized on the fly with it (the "
                           "tokenizer the text shards were prepared with)")
-    if d.mm_num_image_tokens >= d.seq_length:
-        raise ConfigError(f"data.mm_num_image_tokens ({d.mm_num_image_tokens}) leaves no room for text in "
-                          f"data.seq_length ({d.seq_length})")
+    if cfg.model.tokens_per_image >= d.seq_length:
+        raise ConfigError(f"the model's {cfg.model.tokens_per_image} placeholder tokens per image (from "
+                          f"model.vision.image_size, patch_size and model.projector.pixel_shuffle) leave no room "
+                          f"for text in data.seq_length ({d.seq_length})")
+    a = cfg.model.audio
+    longest = int(media.max_audio_seconds * a.sample_rate)  # samples of the longest clip the media path keeps
+    frames = (longest // a.hop_length + 1 + 1) // 2  # centred spectrogram frames, halved by the stride-2 stem
+    if a.enabled and frames > a.max_frames:
+        raise ConfigError(f"media.max_audio_seconds ({media.max_audio_seconds}) gives clips of {frames} encoder "
+                          f"positions, more than model.audio.max_frames ({a.max_frames}); lower "
+                          "media.max_audio_seconds or raise model.audio.max_frames")
+    if world_size is not None and not d.mock:
+        from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
+
+        dp = ParallelDims.from_config(p, world_size).dp
+        if media.slices % dp:  # a dp rank reads slices / dp of the media slices
+            raise ConfigError(f"media.slices ({media.slices}) must be a multiple of the data-parallel size ({dp}); "
+                              "use a multiple of every data-parallel size the run may resume at")
     for i, prefix in enumerate(cfg.freeze):
         _check_prefix(prefix, f"freeze[{i}]")
     built = {"vision", "projector", "language"} | ({"audio"} if cfg.model.audio.enabled else set())

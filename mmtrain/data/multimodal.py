@@ -161,7 +161,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         s = self.settings
         if sample.audio and s.audio_token_id is None:
             raise MediaSampleError(f"sample {sample.__key__!r} has audio but no audio_token_id is set; set one "
-                                   "(data.mm_audio_token_id) or leave audio sets out of the blend")
+                                   "(model.audio.enabled, model.audio_token_id) or leave audio sets out of the blend")
         if len(sample.frame_index) != len(sample.images):
             raise MediaSampleError(f"sample {sample.__key__!r}: {len(sample.frame_index)} frame indices for "
                                    f"{len(sample.images)} images; a cooker must give one per image (0 for a still)")

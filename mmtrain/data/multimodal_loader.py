@@ -126,7 +126,7 @@ class MultimodalLoader:
         if self.training:
             s = options.num_slices
             if s < 1 or s % self.dp_size:
-                raise ValueError(f"data.mm_slices ({s}) must be a positive multiple of the data-parallel size "
+                raise ValueError(f"media.slices ({s}) must be a positive multiple of the data-parallel size "
                                  f"({self.dp_size}): the multimodal order has that many slices and each rank reads "
                                  "its share; use a multiple of every data-parallel size the run may resume at")
             self.spec = SliceSpec(source=self.source, settings=settings, num_slices=s,
@@ -207,7 +207,7 @@ class MultimodalLoader:
             raise ValueError(f"multimodal loader state version {state.get('version')!r} is not {STATE_VERSION}; it "
                              "was written by another mmtrain version (version 1: energon per-rank states), whose "
                              "order this loader cannot continue -- start the data from the beginning")
-        for key, mine, what in (("num_slices", self.spec.num_slices, "data.mm_slices"),
+        for key, mine, what in (("num_slices", self.spec.num_slices, "media.slices"),
                                 ("micro_batch_size", self.spec.micro_batch_size, "train.micro_batch_size"),
                                 ("seed", self.spec.seed, "data.seed")):
             if state[key] != mine:
@@ -259,30 +259,35 @@ def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def settings_from_config(data_cfg) -> MultimodalSettings:
-    """``MultimodalSettings`` from ``cfg.data`` (its ``mm_*`` fields and ``seq_length``)."""
-    if not data_cfg.mm_tokenizer:
-        raise ValueError("data.mm_tokenizer is empty; multimodal training needs the tokenizer of the captions")
-    if data_cfg.mm_image_token_id < 0:
-        raise ValueError("data.mm_image_token_id is not set; give the placeholder token id of image features")
+def settings_from_config(media, model, seq_length: int) -> MultimodalSettings:
+    """``MultimodalSettings`` from a VLM run's ``media`` section (a ``MediaConfig``), the placeholder settings
+    its ``model`` (a ``VLMModelConfig``) decides (image size, token ids, tokens per image and audio clip, audio
+    rate) and ``data.seq_length``."""
+    if not media.tokenizer:
+        raise ValueError("media.tokenizer is empty; multimodal training needs the tokenizer of the captions")
+    if model.image_token_id < 0:
+        raise ValueError("model.image_token_id is not set; give the placeholder token id of image features")
+    audio = model.audio
     return MultimodalSettings(
-        tokenizer=data_cfg.mm_tokenizer, seq_length=data_cfg.seq_length, image_token_id=data_cfg.mm_image_token_id,
-        num_image_tokens=data_cfg.mm_num_image_tokens, image_size=data_cfg.mm_image_size,
-        image_mean=tuple(data_cfg.mm_image_mean), image_std=tuple(data_cfg.mm_image_std),
-        audio_token_id=None if data_cfg.mm_audio_token_id < 0 else data_cfg.mm_audio_token_id,
-        num_audio_tokens=data_cfg.mm_num_audio_tokens, audio_rate=data_cfg.mm_audio_rate,
-        max_audio_seconds=data_cfg.mm_max_audio_seconds, video_frames=data_cfg.mm_video_frames,
-        pack=data_cfg.mm_pack)
+        tokenizer=media.tokenizer, seq_length=seq_length, image_token_id=model.image_token_id,
+        num_image_tokens=model.tokens_per_image, image_size=model.vision.image_size,
+        image_mean=tuple(media.image_mean), image_std=tuple(media.image_std),
+        audio_token_id=model.audio_token_id if audio.enabled else None,
+        num_audio_tokens=audio.num_tokens, audio_rate=audio.sample_rate,
+        max_audio_seconds=media.max_audio_seconds, video_frames=media.video_frames, pack=media.pack)
 
 
-def build_multimodal_loader(cfg, mesh=None, split: str = "train") -> MultimodalLoader:
-    """This rank's loader for a run config: source ``cfg.data.blend``, micro-batch ``cfg.train.micro_batch_size``,
-    ``cfg.data.num_workers`` workers, energon's shuffling seeded by ``cfg.data.seed``."""
-    d = cfg.data
-    if not d.blend:
+def build_multimodal_loader(data, media, model, micro_batch_size: int, mesh=None,
+                            split: str = "train") -> MultimodalLoader:
+    """This rank's loader for a VLM run's sections: source ``data.blend``, ``data.num_workers`` workers, energon's
+    shuffling seeded by ``data.seed``, the ``media`` section (``MediaConfig``) and the placeholders its ``model``
+    (``VLMModelConfig``) decides."""
+    if not data.blend:
         raise ValueError("data.blend is empty; point it at a media shard folder, an energon metadataset YAML or a "
                          "blend spec with type: energon entries")
-    options = LoaderOptions(micro_batch_size=cfg.train.micro_batch_size, num_workers=d.num_workers,
-                            shuffle_buffer_size=d.mm_shuffle_buffer_size, packing_buffer_size=d.mm_packing_buffer_size,
-                            seed_offset=d.seed, num_slices=d.mm_slices)
-    return MultimodalLoader(d.blend, settings_from_config(d), options, mesh=mesh, split=split)
+    options = LoaderOptions(micro_batch_size=micro_batch_size, num_workers=data.num_workers,
+                            shuffle_buffer_size=media.shuffle_buffer_size,
+                            packing_buffer_size=media.packing_buffer_size, seed_offset=data.seed,
+                            num_slices=media.slices)
+    return MultimodalLoader(data.blend, settings_from_config(media, model, data.seq_length), options, mesh=mesh,
+                            split=split)

@@ -135,7 +135,7 @@ class _SliceStream:
             if len(offsets) <= 1:
                 where = loader.join_readers[0].shard_infos[0].path.parent if loader.join_readers else "?"
                 raise ValueError(f"{where}: too few samples for {spec.num_slices} slices (slice {index} is empty); "
-                                 "lower data.mm_slices (LoaderOptions.num_slices) or add samples")
+                                 "lower media.slices (LoaderOptions.num_slices) or add samples")
         self.batches = 0
         self._iter = None
         if state is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 
 import yaml
 
@@ -74,13 +73,14 @@ def _split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Pat
 
 
 def _text_samples(cfg, text_spec: Path, split: str, dp: int, index_builder: bool):
-    data = dataclasses.replace(cfg.data, blend=str(text_spec), prefixes=[], weights=[])
-    shim = SimpleNamespace(data=data, model=cfg.model.language, train=cfg.train, parallel=cfg.parallel)
-    return build_gpt_samples_from_config(shim, split, dp, index_builder=index_builder)
+    """The text entries' samples: the language model's run (``VLMRunConfig.language_run``) on the text spec."""
+    run = dataclasses.replace(cfg.language_run(), data=dataclasses.replace(cfg.data, blend=str(text_spec),
+                                                                           prefixes=[], weights=[]))
+    return build_gpt_samples_from_config(run, split, dp, index_builder=index_builder)
 
 
-def _text_row_inputs(cfg, eod_id):
-    d = cfg.data
+def _text_row_inputs(d, eod_id):
+    """Per-row positions, document ids and loss mask of packed text rows (``data``'s reset/eod keys), or None."""
     if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
         return None
 
@@ -92,24 +92,25 @@ def _text_row_inputs(cfg, eod_id):
 
 
 def build_vlm_batches(cfg, mesh, split: str = "train") -> VLMBatches:
-    """This rank's VLM micro-batches for ``split`` (``train`` or ``valid``)."""
-    d, dp, dp_rank = cfg.data, mesh.dims.dp, mesh.coord.dp
+    """This rank's VLM micro-batches for ``split`` (``train`` or ``valid``) of a ``VLMRunConfig``."""
+    d, m, dp, dp_rank = cfg.data, cfg.model, mesh.dims.dp, mesh.coord.dp
+    image_size, vocab = m.vision.image_size, m.language.vocab_size
     if d.mock:
-        media = MockMediaSamples(cfg.model.language.vocab_size, d.seq_length, d.mm_image_token_id,
-                                 d.mm_num_image_tokens, d.mm_image_size, d.seed + {"train": 0, "valid": 1}[split],
-                                 text_ids_below=min(i for i in (d.mm_image_token_id, d.mm_audio_token_id,
-                                                                cfg.model.language.vocab_size) if i > 1))
-        return VLMBatches(media, None, 0.0, cfg.train.micro_batch_size, dp_rank, dp, d.mm_image_size)
+        audio_id = m.audio_token_id if m.audio.enabled else -1
+        media = MockMediaSamples(vocab, d.seq_length, m.image_token_id, m.tokens_per_image, image_size,
+                                 d.seed + {"train": 0, "valid": 1}[split],
+                                 text_ids_below=min(i for i in (m.image_token_id, audio_id, vocab) if i > 1))
+        return VLMBatches(media, None, 0.0, cfg.train.micro_batch_size, dp_rank, dp, image_size)
     text_spec, media_src, fraction = _split_blend(d.blend, cfg.logging.run_dir, split)
     text = row_inputs = None
     if text_spec is not None:
         text = _text_samples(cfg, text_spec, split, dp, mesh.node_local_rank == 0)
-        row_inputs = _text_row_inputs(cfg, getattr(text, "eod_id", None))
+        row_inputs = _text_row_inputs(d, getattr(text, "eod_id", None))
     media = None
     if media_src is not None:
         from mmtrain.data.multimodal_loader import build_multimodal_loader  # needs megatron-energon
 
-        shim = SimpleNamespace(data=dataclasses.replace(d, blend=str(media_src)),
-                               train=dataclasses.replace(cfg.train, micro_batch_size=1))
-        media = EnergonRows(build_multimodal_loader(shim, mesh, split=split))
-    return VLMBatches(media, text, fraction, cfg.train.micro_batch_size, dp_rank, dp, d.mm_image_size, row_inputs)
+        loader = build_multimodal_loader(dataclasses.replace(d, blend=str(media_src)), cfg.media, m,
+                                         micro_batch_size=1, mesh=mesh, split=split)
+        media = EnergonRows(loader)
+    return VLMBatches(media, text, fraction, cfg.train.micro_batch_size, dp_rank, dp, image_size, row_inputs)

@@ -90,7 +90,7 @@ class AudioEncoder(nn.Module):
         if frames > c.max_frames:
             raise ValueError(f"audio encoder: a clip of {audio_MT.shape[1]} samples gives {frames} positions, more "
                              f"than model.audio.max_frames={c.max_frames}; cut clips shorter "
-                             "(data.mm_max_audio_seconds) or raise max_frames")
+                             "(media.max_audio_seconds) or raise max_frames")
         x = x + self.positions[:frames].to(x.dtype)
         # valid positions: the spectrogram's centred frames (len // hop + 1), halved (rounded up) by the stem
         valid = (lengths_M.to(x.device) // c.hop_length + 1 + 1) // 2

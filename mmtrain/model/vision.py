@@ -100,7 +100,7 @@ class VisionEncoder(nn.Module):
         c = self.cfg
         if images_NCHW.shape[-2:] != (c.image_size, c.image_size):
             raise ValueError(f"vision encoder: images of {tuple(images_NCHW.shape[-2:])} pixels, the model takes "
-                             f"{c.image_size}x{c.image_size} (model.vision.image_size = data.mm_image_size)")
+                             f"{c.image_size}x{c.image_size} (model.vision.image_size; the media path resizes to it)")
         dtype = self.patch_embed.weight.dtype
         x = self.patch_embed(images_NCHW.to(dtype)).flatten(2).transpose(1, 2)  # (N, P, D)
         if self.pos_embed is not None:

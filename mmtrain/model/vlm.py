@@ -61,7 +61,8 @@ def splice_media(x_BSD: torch.Tensor, tokens_BS: torch.Tensor, token_id: int, fe
         raise MediaPlaceholderError(
             f"{_sample_name(sample_keys, b)}: {int(per_row[b])} {what} placeholder token(s) (id {token_id}) but "
             f"{int(counts[b])} {what}(s) x {T} tokens = {int(expected[b])}; the data's tokens per {what} "
-            "(data.mm_num_*_tokens) must match the model's, and the text must not contain the placeholder id")
+            "(model.tokens_per_image, model.audio.num_tokens) must match the model's, and the text must not contain "
+            "the placeholder id")
     if n_items == 0:
         return x_BSD
     return x_BSD.masked_scatter(mask_BS[..., None], feats_NTD.to(x_BSD.dtype))

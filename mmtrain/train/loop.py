@@ -163,11 +163,13 @@ class StepTask:
     ``forward_backward(micro_batches, buckets)``: forward (and backward unless ``buckets`` is None) over this
     rank's micro-batches, returning its stats ``[loss sum, loss tokens, *extra counts]`` (float64; summed over
     data-parallel ranks by the loop). ``step_flops(stats)``: model FLOPs (forward + backward) of the whole global
-    step from the reduced stats. ``extra_metrics(stats, dt)``: more metrics for the step line (e.g. images/s)."""
+    step from the reduced stats. ``extra_metrics(stats, dt)``: more metrics for the step line (e.g. images/s).
+    ``routed_experts``: the (language) model has MoE layers whose router biases the loop balances each step."""
 
     forward_backward: Callable[[list, list | None], torch.Tensor]
     step_flops: Callable[[torch.Tensor], float]
     extra_metrics: Callable[[torch.Tensor, float], dict] = lambda stats, dt: {}
+    routed_experts: bool = False
 
 
 def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage: GPTModel,
@@ -176,7 +178,7 @@ def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage
     gbs = global_batch_size(cfg, mesh.dims.dp)
     return StepTask(
         forward_backward=lambda micro, buckets: run_micro_batches(stage, micro, mesh, cfg, device, buckets, eod_id),
-        step_flops=lambda stats: gbs * cfg.data.seq_length * flops_tok)
+        step_flops=lambda stats: gbs * cfg.data.seq_length * flops_tok, routed_experts=cfg.model.num_experts > 0)
 
 
 @torch.no_grad()
@@ -354,8 +356,8 @@ class _Run:
             if fp8 is not None:
                 fp8.weights_changed()
         loads = None
-        # ranks that saw different tokens: dp×cp, and tp under sequence parallelism (a VLM: its LM's experts)
-        if getattr(cfg.model, "language", cfg.model).num_experts:
+        # ranks that saw different tokens: dp×cp, and tp under sequence parallelism
+        if self.task.routed_experts:
             sp_tp = mesh.tp_group if cfg.parallel.sequence_parallel else None
             loads = update_router_biases(stage, [mesh.dp_cp_group, sp_tp])
         dt = time.perf_counter() - t0  # the .item() calls above synchronize with the device

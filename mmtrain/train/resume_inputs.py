@@ -37,7 +37,7 @@ _SCHEDULE_KEYS = {
 }
 _DATA_KEYS = ("data.mock", "data.seed", "data.seq_length", "data.blend", "data.prefixes", "data.weights",
               "data.split", "train.global_batch_size", "train.steps")
-_VLM_DATA_KEYS = ("data.mm_slices", "data.mm_shuffle_buffer_size", "data.mm_pack", "data.mm_packing_buffer_size")
+_VLM_DATA_KEYS = ("media.slices", "media.shuffle_buffer_size", "media.pack", "media.packing_buffer_size")
 _BLEND_DIGEST = "data.blend (file content sha256)"
 
 
@@ -77,7 +77,8 @@ def data_order_record(config: dict, dp: int) -> dict[str, Any]:
     """The data-order inputs of a run config (as ``dataclasses.asdict`` gives it) at data-parallel size ``dp``."""
     keys = [k for k in _DATA_KEYS if not (_get(config, "data.mock") and k in ("train.steps", "data.blend"))]
     keys += list(_VLM_DATA_KEYS) if "freeze" in config else []  # a VLM run config
-    record = {k: _get(config, k) for k in keys}
+    record = {k: _get(config, k if "media" in config or not k.startswith("media.") else _before_media(k))
+              for k in keys}
     t = config["train"]
     record["train.global_batch_size"] = t["global_batch_size"] or t["micro_batch_size"] * dp  # 0 means mbs x dp
     blend = config["data"]["blend"]
@@ -89,6 +90,11 @@ def data_order_record(config: dict, dp: int) -> dict[str, Any]:
     return record
 
 
+def _before_media(key: str) -> str:
+    """Where a ``media.*`` key was before the media section: ``data.mm_*`` (checkpoints of older versions)."""
+    return "data.mm_" + key.split(".", 1)[1]
+
+
 def resume_records(cfg, schedule: LrSchedule, dp: int) -> dict[str, Any]:
     """What a checkpoint of this run stores in ``complete.json`` next to its config."""
     return {"schedule": schedule.record(), "data_order": data_order_record(dataclasses.asdict(cfg), dp)}
@@ -97,7 +103,8 @@ def resume_records(cfg, schedule: LrSchedule, dp: int) -> dict[str, Any]:
 def _saved_records(meta: dict) -> tuple[dict | None, dict | None]:
     """The checkpoint's schedule and data-order records (derived from its stored config for older ones)."""
     if "schedule" in meta and "data_order" in meta:
-        return meta["schedule"], meta["data_order"]
+        renamed = {_before_media(k): k for k in _VLM_DATA_KEYS}
+        return meta["schedule"], {renamed.get(k, k): v for k, v in meta["data_order"].items()}
     config = meta.get("config") or {}
     if not config:
         return None, None

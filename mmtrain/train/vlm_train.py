@@ -114,7 +114,8 @@ def _vlm_task(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device, model
     return StepTask(
         forward_backward=lambda micro, buckets: _run_vlm_micro_batches(model, micro, mesh, cfg, device, buckets),
         step_flops=lambda stats: tokens * lm_tok + float(stats[2]) * per_image,
-        extra_metrics=lambda stats, dt: {"images_per_s": float(stats[2]) / dt / mesh.dims.world_size})
+        extra_metrics=lambda stats, dt: {"images_per_s": float(stats[2]) / dt / mesh.dims.world_size},
+        routed_experts=cfg.model.language.num_experts > 0)
 
 
 def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> TrainResult:

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "vlm" / "tiny_cpu.yaml"
 # synthetic image-caption rows, a smaller model than the demo's: fast on a loaded CPU
 SMALL = ["data.mock=true", "data.seq_length=24", "train.micro_batch_size=2", "train.global_batch_size=4",
-         "optim.warmup_steps=1", "optim.lr=1e-2", "model.audio.enabled=false", "data.mm_audio_token_id=-1",
+         "optim.warmup_steps=1", "optim.lr=1e-2", "model.audio.enabled=false",
          "model.vision.num_layers=1", "model.language.num_layers=1", "logging.log_every=100",
          "checkpoint.keep_last=0"]
 
@@ -135,7 +135,7 @@ def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):
     blend, tokenizer = _prep_tiny_data(tmp_path / "data")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "mmtrain.pretrain_vlm", "--config", str(CONFIG), "train.steps=12",
-           f"logging.run_dir={run_dir}", f"data.blend={blend}", f"data.mm_tokenizer={tokenizer}",
+           f"logging.run_dir={run_dir}", f"data.blend={blend}", f"media.tokenizer={tokenizer}",
            "model.vision.num_layers=1", "model.language.num_layers=1", "train.micro_batch_size=4",
            "freeze=[audio]", "logging.log_every=4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -155,7 +155,12 @@ def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):
     ("freeze=[encoder]", "freeze[0]: 'encoder' is not a VLM component"),
     ("lr_scale={vision: 0}", "lr_scale.vision must be > 0, got 0.0"),
     ("freeze=[vision, audio, projector, language]", "freezes every component"),
-    ("data.mm_num_image_tokens=16", "data.mm_num_image_tokens (16) must equal the model's tokens per image 4"),
+    ("data.mm_num_image_tokens=16", "'data.mm_num_image_tokens' in command-line override "
+                                    "'data.mm_num_image_tokens=16': the media path reads model.tokens_per_image"),
+    ("data.mm_tokenizer=t.model", "it is now media.tokenizer"),
+    ("data.seq_length=4", "the model's 4 placeholder tokens per image"),
+    ("media.max_audio_seconds=40", "media.max_audio_seconds (40.0) gives clips of 2001 encoder positions, more than "
+                                   "model.audio.max_frames (1500)"),
     ("model.language.num_attention_heads=3", "model.language.hidden_size (64) must be divisible by"),
     ("data.prefixes=[x]", "data.prefixes is for GPT runs"),
     ("parallel.virtual_pp=2", "virtual_pp"),

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mmtrain.config import ConfigError, GPTRunConfig, load_config, save_config, validate_gpt_config
+from mmtrain.config import (ConfigError, GPTRunConfig, VLMRunConfig, load_config, save_config, validate_gpt_config,
+                            validate_vlm_config)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +92,6 @@ def test_override_values_are_parsed_as_yaml():
     (["data.mock=false"], "no training data"),
     (["parallel.cp=3"], r"data.seq_length \(128\) must be divisible by 2 \* parallel.cp"),
     (["data.num_workers=-1"], r"data.num_workers must be >= 0"),
-    (["data.mm_slices=0"], r"data.mm_slices must be >= 1"),
 ])
 def test_cross_field_checks(overrides, message):
     cfg = load_config(GPTRunConfig, None, ["data.mock=true", *overrides])
@@ -108,9 +108,10 @@ def test_layout_checked_against_world_size():
     cfg = load_config(GPTRunConfig, None, ["data.mock=true", "train.global_batch_size=6"])
     with pytest.raises(ConfigError, match=r"global_batch_size \(6\) must be a multiple"):
         validate_gpt_config(cfg, world_size=4)
-    cfg = load_config(GPTRunConfig, None, ["data.blend=media", "data.mm_tokenizer=t.model", "data.mm_slices=16"])
-    with pytest.raises(ConfigError, match=r"data.mm_slices \(16\) must be a multiple of the data-parallel size \(3\)"):
-        validate_gpt_config(cfg, world_size=3)
+    cfg = load_config(VLMRunConfig, None, ["data.blend=media", "media.tokenizer=t.model", "media.slices=16",
+                                           "model.image_token_id=500"])
+    with pytest.raises(ConfigError, match=r"media.slices \(16\) must be a multiple of the data-parallel size \(3\)"):
+        validate_vlm_config(cfg, world_size=3)
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -150,3 +151,28 @@ def test_config_reference_is_up_to_date():
     committed = (REPO / "docs" / "config-reference.md").read_text()
     assert committed == reference_markdown(), (
         "docs/config-reference.md is stale: run `python -m mmtrain.config.reference > docs/config-reference.md`")
+
+
+def test_the_vlm_run_config_is_the_gpt_runs_sections_plus_its_own():
+    import dataclasses
+    import typing
+
+    from mmtrain.config.schema import DataConfig, RunSections
+
+    shared = typing.get_type_hints(RunSections)
+    for root in (GPTRunConfig, VLMRunConfig):
+        hints = typing.get_type_hints(root)
+        assert all(hints[name] is cls for name, cls in shared.items())  # the same classes, declared once
+    assert not [f.name for f in dataclasses.fields(DataConfig) if f.name.startswith("mm_")]  # media keys: VLM only
+    with pytest.raises(ConfigError, match="unknown config key 'media'"):
+        load_config(GPTRunConfig, None, ["media.tokenizer=t.model"])
+    vlm = load_config(VLMRunConfig, None, ["model.language.num_layers=3", "data.seq_length=64"])
+    lm_run = vlm.language_run()
+    assert lm_run.model is vlm.model.language and lm_run.data is vlm.data and lm_run.train is vlm.train
+
+
+def test_vlm_language_model_errors_name_the_real_key():
+    cfg = load_config(VLMRunConfig, None, ["data.mock=true", "model.image_token_id=500", "parallel.tp=8"])
+    with pytest.raises(ConfigError, match=r"^model.language.num_attention_heads \(4\) must be divisible by "
+                                          r"parallel.tp \(8\)$"):
+        validate_vlm_config(cfg)

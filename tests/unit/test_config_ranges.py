@@ -12,7 +12,7 @@ from mmtrain.config import ConfigError, GPTRunConfig, load_config, validate_gpt_
 from mmtrain.config.vlm_run_schema import VLMRunConfig
 from mmtrain.config.vlm_validate import validate_vlm_config
 
-FINITE_ONLY = {"data.mm_image_mean"}  # any finite value is a valid mean
+FINITE_ONLY = {"media.image_mean"}  # any finite value is a valid mean
 
 
 @pytest.mark.parametrize("override, message", [
@@ -32,7 +32,6 @@ FINITE_ONLY = {"data.mm_image_mean"}  # any finite value is a valid mean
     ("parallel.collective_timeout_s=0", "parallel.collective_timeout_s must be > 0, got 0.0"),
     ("logging.log_every=0", "logging.log_every must be >= 1, got 0"),
     ("model.norm_eps=-1e-5", "model.norm_eps must be > 0, got -1e-05"),
-    ("data.mm_image_mean=[0.5, nan, 0.5]", "data.mm_image_mean[1] must be a finite number, got nan"),
     ("train.exit_at_step=30", "train.exit_at_step (30) is past train.steps (20)"),
     ("optim.min_lr=0.1", "optim.min_lr (0.1) must be <= optim.lr (0.0003)"),
 ])
@@ -49,6 +48,8 @@ def test_bad_numeric_value_names_the_key(override, message):
     ("model.language.hidden_size=0", "model.language.hidden_size must be >= 1, got 0"),
     ("lr_scale={vision: .nan}", "lr_scale.vision must be a finite number (> 0), got nan"),
     ("optim.beta1=5", "optim.beta1 must be < 1, got 5.0"),
+    ("media.image_mean=[0.5, nan, 0.5]", "media.image_mean[1] must be a finite number, got nan"),
+    ("media.slices=0", "media.slices must be >= 1, got 0"),
 ])
 def test_vlm_numeric_values_name_their_keys(override, message):
     cfg = load_config(VLMRunConfig, None, ["data.mock=true", override])

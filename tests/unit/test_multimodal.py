@@ -235,17 +235,20 @@ def test_resume_with_worker_processes(data):
 
 
 def test_loader_from_run_config(data):
-    from mmtrain.config.schema import GPTRunConfig
+    """The loader from a VLM run's sections: media settings from media:, placeholders from the model."""
+    from mmtrain.config import load_config
+    from mmtrain.config.vlm_run_schema import VLMRunConfig
     from mmtrain.data.multimodal_loader import build_multimodal_loader
 
-    cfg = GPTRunConfig()
-    cfg.data.blend, cfg.data.mm_tokenizer = str(data["root"] / "a"), data["tokenizer"]
-    cfg.data.mm_image_token_id = IMAGE_ID
-    cfg.data.mm_image_size, cfg.data.mm_num_image_tokens, cfg.data.seq_length, cfg.data.mm_pack = 32, 8, 128, True
-    cfg.train.micro_batch_size, cfg.data.mm_slices = 2, 4
-    batch = next(build_multimodal_loader(cfg))
+    cfg = load_config(VLMRunConfig, None, [
+        f"data.blend={data['root'] / 'a'}", f"media.tokenizer={data['tokenizer']}", f"model.image_token_id={IMAGE_ID}",
+        "model.vision.image_size=32", "model.vision.patch_size=8", "model.projector.pixel_shuffle=1",
+        "data.seq_length=128", "media.pack=true", "media.slices=4"])
+    assert cfg.model.tokens_per_image == 16
+    batch = next(build_multimodal_loader(cfg.data, cfg.media, cfg.model, micro_batch_size=2))
     assert batch.tokens.shape == (2, 128) and batch.images.shape[1:] == (3, 32, 32)
     assert int(batch.document_ids.max()) >= 1  # packed
+    assert int((batch.tokens == IMAGE_ID).sum()) == 16 * batch.images.shape[0]  # the model's tokens per image
 
 
 def test_data_parallel_ranks_read_disjoint_samples(data):
@@ -301,7 +304,7 @@ def test_loader_state_errors_name_the_fix(data):
         MultimodalLoader(src, s, opts(micro_batch_size=3)).load_state_dict(one_rank)
     with pytest.raises(ValueError, match="version 1"):
         single.load_state_dict({"version": 1, "energon": None})
-    with pytest.raises(ValueError, match=r"data.mm_slices \(4\) must be a positive multiple of the data-parallel size "
+    with pytest.raises(ValueError, match=r"media.slices \(4\) must be a positive multiple of the data-parallel size "
                                          r"\(3\)"):
         MultimodalLoader(src, s, opts(), mesh=mesh(0, 3))
     with pytest.raises(ValueError, match="too few samples for 64 slices"):

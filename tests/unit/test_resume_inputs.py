@@ -95,3 +95,31 @@ def test_real_data_run_length_changes_both(tmp_path):
     (tmp_path / "blend.yaml").write_text("datasets: [{path: a, weight: 1}, {path: b, weight: 1}]\n")
     with pytest.raises(CheckpointError, match=re.escape("data.blend (file content sha256): '")):
         resolve_resume(found, _cfg(*data), 1)
+
+
+def _vlm_checkpoint(tmp_path, overrides, older: str = ""):
+    """A VLM checkpoint; ``older``: as written before the media section ("records": data.mm_* record keys,
+    "config": no records, a stored config with data.mm_* keys)."""
+    from mmtrain.config.vlm_run_schema import VLMRunConfig
+
+    cfg = load_config(VLMRunConfig, None, overrides)
+    config, records = dataclasses.asdict(cfg), resume_records(cfg, schedule_of(cfg), 1)
+    media = config.pop("media") if older else {}
+    config["data"] |= {f"mm_{k}": v for k, v in media.items()}
+    order = {k.replace("media.", "data.mm_") if older else k: v for k, v in records["data_order"].items()}
+    meta = {"step": 20, "layout": {"dp": 1}, "config": config}
+    if older != "config":
+        meta |= {"schedule": records["schedule"], "data_order": order}
+    (tmp_path / "step_00000020").mkdir()
+    (tmp_path / "step_00000020" / "complete.json").write_text(json.dumps(meta))
+    return tmp_path / "step_00000020"
+
+
+@pytest.mark.parametrize("older", ["", "records", "config"])
+def test_a_vlm_resume_checks_the_media_order_keys_also_of_older_checkpoints(tmp_path, older):
+    from mmtrain.config.vlm_run_schema import VLMRunConfig
+
+    found = _vlm_checkpoint(tmp_path, MOCK, older)
+    resolve_resume(found, load_config(VLMRunConfig, None, MOCK), 1)  # nothing changed, whatever the key names
+    with pytest.raises(CheckpointError, match=re.escape("media.slices: 16 in the checkpoint, 8 now")):
+        resolve_resume(found, load_config(VLMRunConfig, None, [*MOCK, "media.slices=8"]), 1)

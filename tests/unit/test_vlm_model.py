@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mmtrain.config.loader import ConfigError
-from mmtrain.config.schema import DataConfig
 from mmtrain.config.vlm_schema import check_vlm_model
 from mmtrain.model.audio import AudioEncoder, pool_valid_frames
 from mmtrain.models.llama.model import GPTModel
@@ -105,15 +104,26 @@ def test_pixel_shuffle_merges_neighbouring_patches():
     assert out[0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
 
 
-def test_config_derives_tokens_per_image_and_checks_the_data_settings():
+def test_media_settings_are_derived_from_the_model():
+    """One source of truth: the media path's image size, placeholder ids and counts, audio rate are the model's."""
+    from mmtrain.config.media_schema import MediaConfig
+    from mmtrain.data.multimodal_loader import settings_from_config
+
     cfg = tiny_vlm_config()
     assert cfg.tokens_per_image == 4 and cfg.tokens_per_audio == 2
-    data = DataConfig(mm_image_size=16, mm_num_image_tokens=4, mm_image_token_id=IMAGE_ID,
-                      mm_audio_token_id=AUDIO_ID, mm_num_audio_tokens=2)
-    check_vlm_model(cfg, data)
-    data.mm_num_image_tokens = 16
-    with pytest.raises(ConfigError, match=r"data.mm_num_image_tokens \(16\) must equal .* 4 = \(16 / 4\)\^2 / 2\^2"):
-        check_vlm_model(cfg, data)
+    check_vlm_model(cfg)
+    s = settings_from_config(MediaConfig(tokenizer="t.model", video_frames=3), cfg, seq_length=40)
+    assert (s.image_size, s.num_image_tokens, s.image_token_id) == (16, 4, IMAGE_ID)
+    assert (s.audio_token_id, s.num_audio_tokens, s.audio_rate) == (AUDIO_ID, 2, cfg.audio.sample_rate)
+    assert (s.seq_length, s.video_frames, s.tokenizer) == (40, 3, "t.model")
+    cfg.projector.pixel_shuffle = 1
+    assert settings_from_config(MediaConfig(tokenizer="t.model"), cfg, 40).num_image_tokens == 16
+    cfg.projector.pixel_shuffle, cfg.audio.enabled = 2, False
+    assert settings_from_config(MediaConfig(tokenizer="t.model"), cfg, 40).audio_token_id is None  # audio refused
+
+
+def test_config_checks_the_vlm_shape():
+    cfg = tiny_vlm_config()
     with pytest.raises(ConfigError, match=r"vision.num_attention_heads \(4\) must be divisible by parallel.tp \(8"):
         check_vlm_model(cfg, tp=8)
     cfg.projector.pixel_shuffle = 3
