@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 from mmtrain.config import GPTRunConfig, load_config  # noqa: E402
 from mmtrain.model import fp8_param_gather  # noqa: E402
 from mmtrain.parallel import ParallelDims, init_distributed, pick_device  # noqa: E402
-from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW  # noqa: E402
+from mmtrain.parallel.grad_buckets import GradBuckets  # noqa: E402
+from mmtrain.train.optimizer import MixedPrecisionAdamW  # noqa: E402
 from mmtrain.train.build import build_gpt_stage  # noqa: E402
 from mmtrain.train.loop import train_gpt  # noqa: E402
 

@@ -1,7 +1,7 @@
 """``fp8.param_gather``: the distributed optimizer all-gathers the FP8 linears' weights in FP8 (1 byte per
 element) instead of BF16 (2 bytes), straight into the native FP8 linears' weight copies (docs/fp8.md).
 
-After the optimizer step each data-parallel rank owns one shard of every bucket (``parallel/data.py``). For the
+After the optimizer step each data-parallel rank owns one shard of every bucket (``parallel/grad_buckets.py``). For the
 buckets holding FP8 weights (``GradBuckets(fp8_params=...)``; nothing else is in them) each rank
 1. takes the amax of the pieces of each weight it owns, reduced (MAX) over the bucket's group (dp x cp) and over
    TP: exactly the amax of the whole weight that the BF16 path computes after its gather, so the same scale;

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
+from mmtrain.parallel.grad_buckets import GradBuckets
+from mmtrain.train.optimizer import MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
 
 

@@ -22,7 +22,8 @@ from mmtrain.data.loader import MicroBatches
 from mmtrain.model import fp8_param_gather
 from mmtrain.models.llama.model import GPTModel, flops_per_token
 from mmtrain.parallel.context import shard_sequence
-from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
+from mmtrain.parallel.grad_buckets import GradBuckets
+from mmtrain.train.optimizer import MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import update_router_biases
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b

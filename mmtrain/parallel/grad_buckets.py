@@ -1,4 +1,5 @@
-"""Data parallelism: fp32 gradient buckets reduced while backward runs, and the (distributed) optimizer state.
+"""Data parallelism: fp32 gradient buckets reduced while backward runs (the optimizer that updates their shards is
+``mmtrain.train.optimizer.MixedPrecisionAdamW``).
 
 Layout (Megatron-Core's design, rewritten small):
 - All trainable parameters of this rank live in one contiguous *param buffer* and their fp32 gradients in a
@@ -29,7 +30,7 @@ from torch import nn
 
 
 @dataclass
-class _Bucket:
+class Bucket:
     params: list[nn.Parameter]
     start: int  # element offsets into the buffers
     end: int
@@ -48,7 +49,7 @@ class GradBuckets:
     def __init__(self, params: list[nn.Parameter], group, distributed_optimizer: bool, param_dtype: torch.dtype,
                  bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True,
                  grad_dtype: torch.dtype = torch.float32, fp8_params: list[nn.Parameter] = ()) -> None:
-        """``fp8_params``: put in buckets of their own (``_Bucket.fp8``), each padded to a multiple of 16 x dp
+        """``fp8_params``: put in buckets of their own (``Bucket.fp8``), each padded to a multiple of 16 x dp
         elements so that, in a one-byte copy of these buckets, every weight and every shard starts 16-byte
         aligned (what FP8 GEMMs need). Empty (the default): the layout does not change."""
         self.group = group
@@ -71,18 +72,18 @@ class GradBuckets:
         late = [p for p in params if id(p) in late_ids]
         if late:
             groups.append((late, True, False))
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         offset = 0
         for plist, is_late, is_fp8 in groups:
             n = sum(p.numel() for p in plist)
             multiple = self.dp * (16 if is_fp8 else 1)
             padded = -(-n // multiple) * multiple
-            self.buckets.append(_Bucket(plist, offset, offset + padded, is_late, is_fp8))
+            self.buckets.append(Bucket(plist, offset, offset + padded, is_late, is_fp8))
             offset += padded
         device = params[0].device
         self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
         self.param_buffer = torch.zeros(offset, dtype=param_dtype, device=device)
-        self.bucket_of: dict[int, _Bucket] = {}
+        self.bucket_of: dict[int, Bucket] = {}
         for b in self.buckets:
             pos = b.start
             for p in b.params:
@@ -123,7 +124,7 @@ class GradBuckets:
             if not b.pending and not b.late and self.overlap:
                 self._launch(b)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         if b.handle is not None:
             return
         view = self.grad_buffer[b.start:b.end]
@@ -149,14 +150,14 @@ class GradBuckets:
             self.grad_buffer.mul_(scale)
 
     # ----------------------------------------------------------------------------------------- shards
-    def owned_range(self, b: _Bucket) -> tuple[int, int]:
+    def owned_range(self, b: Bucket) -> tuple[int, int]:
         """Buffer range this rank updates in bucket ``b`` (the whole bucket without the distributed optimizer)."""
         if not self.sharded:
             return b.start, b.end
         size = (b.end - b.start) // self.dp
         return b.start + self.dp_rank * size, b.start + (self.dp_rank + 1) * size
 
-    def reduced_grad(self, b: _Bucket, start: int, end: int) -> torch.Tensor:
+    def reduced_grad(self, b: Bucket, start: int, end: int) -> torch.Tensor:
         """The reduced fp32 gradient of buffer range [start, end) inside this rank's owned range of ``b``."""
         if not self.sharded:
             return self.grad_buffer[start:end]
@@ -177,7 +178,7 @@ class GradBuckets:
             self.fp8_gather.gather()
 
     @torch.no_grad()
-    def gather_bucket(self, b: _Bucket) -> None:
+    def gather_bucket(self, b: Bucket) -> None:
         """All-gather bucket ``b`` of the parameter buffer from its owners."""
         full = self.param_buffer[b.start:b.end]
         own_start, own_end = self.owned_range(b)
@@ -194,82 +195,3 @@ class GradBuckets:
 class _Done:
     def wait(self) -> None:
         pass
-
-
-@dataclass
-class _Piece:
-    param: nn.Parameter
-    owner: GradBuckets
-    bucket: _Bucket
-    start: int  # buffer range of this piece (inside the owned range)
-    end: int
-    master: torch.Tensor  # fp32 copy of the piece, what AdamW updates
-
-
-class MixedPrecisionAdamW:
-    """AdamW over fp32 master copies of the parameter pieces this rank owns; model params may be bf16.
-
-    Without the distributed optimizer a rank owns everything; with it, only its 1/dp shard of every bucket, so
-    master weights and both Adam moments take 12/dp bytes per parameter instead of 12. With
-    ``master_weights=False`` AdamW updates the parameter buffer in place in its own dtype (no copies).
-    """
-
-    def __init__(self, buckets: list[GradBuckets], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, master_weights: bool = True, lr_scale_of=None) -> None:
-        """``buckets``: one ``GradBuckets`` per reduction group (dense params over dp×cp, experts over edp).
-        ``lr_scale_of(param) -> float`` (optional) puts parameters in per-scale groups whose ``"lr_scale"`` the
-        trainer multiplies the scheduled learning rate by (e.g. a VLM's projector at 10x)."""
-        self.buckets = buckets
-        self.master_weights = master_weights
-        self.pieces: list[_Piece] = []
-        for owner in buckets:
-            for b in owner.buckets:
-                own_start, own_end = owner.owned_range(b)
-                for p in b.params:
-                    s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
-                    if s < e:
-                        view = owner.param_buffer[s:e]
-                        master = view.detach().float().clone() if master_weights else view
-                        self.pieces.append(_Piece(p, owner, b, s, e, master))
-        scale_of = lr_scale_of or (lambda p: 1.0)
-        # groups from every parameter (not only the pieces owned here), so all data-parallel ranks agree on them
-        scales = sorted({float(scale_of(p)) for owner in buckets for b in owner.buckets for p in b.params})
-        groups = []
-        for scale in scales:
-            mine = [pc for pc in self.pieces if float(scale_of(pc.param)) == scale]
-            groups += [{"params": [pc.master for pc in mine if pc.param.ndim >= 2], "weight_decay": weight_decay},
-                       {"params": [pc.master for pc in mine if pc.param.ndim < 2], "weight_decay": 0.0}]
-            if lr_scale_of is not None:
-                groups[-2]["lr_scale"] = groups[-1]["lr_scale"] = scale
-        device = buckets[0].grad_buffer.device
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
-                                           fused=True if device.type == "cuda" else None)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def piece_grads(self) -> list[tuple[_Piece, torch.Tensor]]:
-        return [(pc, pc.owner.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for pc, grad in self.piece_grads():
-            pc.master.grad = grad
-        self.optimizer.step()
-        for pc in self.pieces:
-            pc.master.grad = None
-            if self.master_weights:
-                pc.owner.param_buffer[pc.start:pc.end].copy_(pc.master)
-        for owner in self.buckets:
-            owner.gather_params()
-
-    def gather_full_params(self) -> None:
-        """Collective: every parameter whole on every rank (a no-op unless FP8 parameter gathers left some stale;
-        ``GradBuckets.gather_full_params``). The checkpoint writer calls it before reading the weights."""
-        for owner in self.buckets:
-            owner.gather_full_params()
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
