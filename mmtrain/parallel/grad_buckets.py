@@ -136,13 +136,14 @@ class GradBuckets:
             b.handle = dist.all_reduce(view, group=self.group, async_op=True)
 
     @torch.no_grad()
-    def finish(self, num_tokens: float) -> None:
-        """Reduce what is left (late buckets included), wait for all, scale by 1 / num_tokens."""
+    def finish(self, num_tokens: float | torch.Tensor) -> None:
+        """Reduce what is left (late buckets included), wait for all, scale by 1 / num_tokens. ``num_tokens`` may
+        be a 0-dim device tensor (the loop's reduced count): the scale then stays on the device, no host sync."""
         for b in self.buckets:
             self._launch(b)
         for b in self.buckets:
             b.handle.wait()
-        scale = 1.0 / num_tokens
+        scale = 1.0 / num_tokens  # a float64 tensor from the loop: cast once to the grads' dtype by mul_
         if self.sharded:
             for b in self.buckets:
                 b.shard_grad.mul_(scale)

@@ -56,9 +56,8 @@ class MixedPrecisionAdamW:
                        {"params": [pc.master for pc in mine if pc.param.ndim < 2], "weight_decay": 0.0}]
             if lr_scale_of is not None:
                 groups[-2]["lr_scale"] = groups[-1]["lr_scale"] = scale
-        device = buckets[0].grad_buffer.device
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
-                                           fused=True if device.type == "cuda" else None)
+        # fused (CUDA and CPU kernels): the only AdamW that skips an update on a device-side flag (``found_inf``)
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
     @property
     def param_groups(self):
@@ -68,10 +67,18 @@ class MixedPrecisionAdamW:
         return [(pc, pc.owner.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """AdamW on this rank's pieces, then the weights gathered over data-parallel ranks. ``skip``: a 0-dim
+        device tensor, non-zero to leave weights, moments and the step count as they are (a non-finite step,
+        decided on the device, so no host sync); the copies and gathers then move unchanged values."""
         for pc, grad in self.piece_grads():
             pc.master.grad = grad
-        self.optimizer.step()
+        if skip is not None:
+            self.optimizer.found_inf = skip.float()  # what the fused kernel reads (GradScaler's hook)
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.__dict__.pop("found_inf", None)
         for pc in self.pieces:
             pc.master.grad = None
             if self.master_weights:
