@@ -382,6 +382,7 @@ class _Run:
         if sync_point or preempted:
             self._read_back(evaluate)
         if save or preempted:
+            self.phase = "checkpoint save"
             self.writer.save(step, stage, optimizer, self.batches.state_dict(), self.device, c.keep_last,
                              dataclasses.asdict(cfg), force_sync=preempted, records=self.records,
                              valid_loader_state=None if self.val_batches is None else self.val_batches.state_dict())

@@ -5,7 +5,7 @@ and checkpoint) and nothing of what rides on it: precision (FP8 scaling and weig
 MoE router-bias balancing and the preemption check are ``StepHooks``, built once per run.
 
 No hook may read a device value on a step that is not a *sync point*: step metrics are handed back as device
-tensors and converted to Python values by ``host_metrics`` at the loop's logging steps only (docs/training.md,
+tensors and converted to Python values by ``host_metrics`` at the loop's logging steps only (docs/user-guide.md,
 "Host syncs").
 """
 
