@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.grad_buckets import GradBuckets
 from mmtrain.train.optimizer import MixedPrecisionAdamW
-from mmtrain.parallel.dims import ParallelMesh
 
 
 def _named_specs(stage: nn.Module):

@@ -21,9 +21,8 @@ from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.loader import MicroBatches
 from mmtrain.models.llama.model import GPTModel, flops_per_token
 from mmtrain.parallel.context import shard_sequence
-from mmtrain.parallel.grad_buckets import GradBuckets
-from mmtrain.train.optimizer import MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.grad_buckets import GradBuckets
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
@@ -31,6 +30,7 @@ from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, collective_
                                   nonfinite_report)
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, split_by_reduce_group, tied_embedding_params
 from mmtrain.train.metrics import MetricsLogger
+from mmtrain.train.optimizer import MixedPrecisionAdamW
 from mmtrain.train.precision import precision_for
 from mmtrain.train.resume_inputs import LrSchedule, resolve_resume, resume_records
 from mmtrain.train.step_hooks import PreemptionCheck, RouterBiasBalancer, StepHooks

@@ -38,13 +38,18 @@ def _count_reads(rank: int, world_size: int, run_dir: str, extra: list[str]):
         return read
     for name in READS:
         setattr(torch.Tensor, name, wrap(name))
+    if "train.precision=fp8" in extra:
+        from mmtrain.train import build
+
+        build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
     cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", *extra])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
     result = loop.train_gpt(cfg, mesh, torch.device("cpu"))
     return seen, result.losses
 
 
-@pytest.mark.parametrize("extra", [[], ["optim.grad_clip=1e-3", "optim.master_weights=false"]])
+@pytest.mark.parametrize("extra", [[], ["optim.grad_clip=1e-3", "optim.master_weights=false"],
+                                   ["train.precision=fp8", "fp8.recipe=delayed"]])
 def test_no_device_reads_on_non_logging_steps(tmp_path, extra):
     seen, losses = run_distributed(_count_reads, 1, str(tmp_path), extra)[0]
     off_steps = [(s, name) for s, name in seen if s and s % 5]
