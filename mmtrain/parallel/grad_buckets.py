@@ -15,9 +15,10 @@ Layout (Megatron-Core's design, rewritten small):
 Parameters whose gradient must first be summed elsewhere (a tied embedding copy across pipeline stages) are put
 in a final bucket that the trainer reduces after that sum (``late`` parameters).
 
-``fp8_params`` (the FP8 linears' weights under ``fp8.param_gather``) get buckets of their own, so that an
-attached ``fp8_gather`` (``mmtrain.model.fp8_param_gather``) can all-gather them in FP8 after the optimizer step
-while the other buckets are gathered in the parameter dtype (docs/fp8.md).
+``separate_params`` get buckets of their own whose all-gather an attached ``separate_gather`` replaces: the
+precision layer's business, not this module's (``mmtrain.train.precision``: under ``fp8.param_gather`` the FP8
+linears' weights, gathered in FP8 by ``mmtrain.model.fp8_param_gather``, while the other buckets are gathered in
+the parameter dtype; docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Bucket:
     start: int  # element offsets into the buffers
     end: int
     late: bool = False
-    fp8: bool = False  # holds only FP8 linears' weights (fp8.param_gather): gathered in FP8 when attached
+    separate: bool = False  # holds only separate_params: gathered by the attached separate_gather
     pending: set[int] = field(default_factory=set)
     handle: object = None
     shard_grad: torch.Tensor | None = None  # reduce-scatter output (distributed optimizer)
@@ -48,22 +49,24 @@ class GradBuckets:
 
     def __init__(self, params: list[nn.Parameter], group, distributed_optimizer: bool, param_dtype: torch.dtype,
                  bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True,
-                 grad_dtype: torch.dtype = torch.float32, fp8_params: list[nn.Parameter] = ()) -> None:
-        """``fp8_params``: put in buckets of their own (``Bucket.fp8``), each padded to a multiple of 16 x dp
-        elements so that, in a one-byte copy of these buckets, every weight and every shard starts 16-byte
-        aligned (what FP8 GEMMs need). Empty (the default): the layout does not change."""
+                 grad_dtype: torch.dtype = torch.float32, separate_params: list[nn.Parameter] = (),
+                 fp8_params: list[nn.Parameter] = ()) -> None:
+        """``separate_params``: put in buckets of their own (``Bucket.separate``), each padded to a multiple of
+        16 x dp elements so that, in a one-byte copy of these buckets, every weight and every shard starts 16-byte
+        aligned (what FP8 GEMMs need). Empty (the default): the layout does not change. ``fp8_params``: its
+        former name (the same)."""
         self.group = group
         self.dp = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
         self.sharded = distributed_optimizer and self.dp > 1
         self.overlap = overlap
         late_ids = {id(p) for p in late_params}
-        fp8_ids = {id(p) for p in fp8_params}
+        separate_ids = {id(p) for p in [*separate_params, *fp8_params]}
         ordered = [p for p in reversed(params) if id(p) not in late_ids]  # backward visits the last layers first
-        groups: list[tuple[list[nn.Parameter], bool, bool]] = []  # (params, late, fp8)
-        current: dict[bool, list[nn.Parameter]] = {False: [], True: []}  # filled side by side: FP8 weights or not
+        groups: list[tuple[list[nn.Parameter], bool, bool]] = []  # (params, late, separate)
+        current: dict[bool, list[nn.Parameter]] = {False: [], True: []}  # filled side by side: separate or not
         for p in ordered:
-            kind = id(p) in fp8_ids
+            kind = id(p) in separate_ids
             current[kind].append(p)
             if sum(q.numel() for q in current[kind]) >= bucket_elems:
                 groups.append((current[kind], False, kind))
@@ -74,11 +77,11 @@ class GradBuckets:
             groups.append((late, True, False))
         self.buckets: list[Bucket] = []
         offset = 0
-        for plist, is_late, is_fp8 in groups:
+        for plist, is_late, is_separate in groups:
             n = sum(p.numel() for p in plist)
-            multiple = self.dp * (16 if is_fp8 else 1)
+            multiple = self.dp * (16 if is_separate else 1)
             padded = -(-n // multiple) * multiple
-            self.buckets.append(Bucket(plist, offset, offset + padded, is_late, is_fp8))
+            self.buckets.append(Bucket(plist, offset, offset + padded, is_late, is_separate))
             offset += padded
         device = params[0].device
         self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
@@ -97,7 +100,9 @@ class GradBuckets:
             if self.sharded:
                 b.shard_grad = torch.zeros((b.end - b.start) // self.dp, dtype=grad_dtype, device=device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self.fp8_gather = None  # set by mmtrain.model.fp8_param_gather.Fp8ParamGather (fp8.param_gather)
+        # gather() after the optimizer step instead of the separate buckets' all-gather, gather_full() when whole
+        # values are needed (set by e.g. mmtrain.model.fp8_param_gather.Fp8ParamGather)
+        self.separate_gather = None
         self.sync_now = False
         self.reset()
 
@@ -167,16 +172,17 @@ class GradBuckets:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """After the optimizer updated this rank's shards: every rank gets every updated parameter. With an
-        ``fp8_gather`` attached, the FP8 buckets are gathered in FP8 into the FP8 weight copies instead, and their
-        parameter-dtype values stay stale on the ranks that do not own them until ``gather_full_params``."""
+        """After the optimizer updated this rank's shards: every rank gets every updated parameter. With a
+        ``separate_gather`` attached, it gathers the separate buckets instead (FP8: in FP8 into the FP8 weight
+        copies), and their parameter-dtype values may stay stale on the ranks that do not own them until
+        ``gather_full_params``."""
         if not self.sharded:
             return
         for b in self.buckets:
-            if not (b.fp8 and self.fp8_gather is not None):
+            if not (b.separate and self.separate_gather is not None):
                 self.gather_bucket(b)
-        if self.fp8_gather is not None:
-            self.fp8_gather.gather()
+        if self.separate_gather is not None:
+            self.separate_gather.gather()
 
     @torch.no_grad()
     def gather_bucket(self, b: Bucket) -> None:
@@ -187,10 +193,11 @@ class GradBuckets:
         dist.all_gather_into_tensor(full, shard, group=self.group)
 
     def gather_full_params(self) -> None:
-        """Make every parameter's value whole on this rank (collective): after FP8 parameter gathers, the FP8
-        buckets in the parameter dtype. Called before anything reads the weights (checkpoint save, end of run)."""
-        if self.fp8_gather is not None:
-            self.fp8_gather.gather_bf16()
+        """Make every parameter's value whole on this rank (collective): after a ``separate_gather`` (FP8
+        parameter gathers), the separate buckets in the parameter dtype. Called before anything reads the weights
+        (checkpoint save, end of run)."""
+        if self.separate_gather is not None:
+            self.separate_gather.gather_full()
 
 
 class _Done:

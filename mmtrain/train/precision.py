@@ -38,7 +38,7 @@ class Fp8Precision(Precision):
         self.gathered = fp8_param_gather.gather_weights(runtime, cfg, mesh.size("dp_cp"))
 
     def bucket_options(self) -> dict:
-        return {"fp8_params": self.gathered}
+        return {"separate_params": self.gathered}
 
     def attach(self, dense_buckets: GradBuckets) -> None:
         if self.gathered:  # attaches itself to the buckets (gathers) and the runtime (no re-cast from partial BF16)
