@@ -27,7 +27,7 @@ def mesh():
 
 
 @pytest.mark.parametrize("extra", [["train.precision=bf16"], ["train.precision=bf16", "optim.master_weights=false"],
-                                   ["train.precision=fp8"]])
+                                   ["train.precision=fp8", "fp8.backend=native"]])
 def test_non_logging_steps_do_not_sync(tmp_path, mesh, extra, monkeypatch):
     if "train.precision=fp8" in extra and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9+")
