@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 from mmtrain.config import GPTRunConfig, load_config  # noqa: E402
 from mmtrain.model import fp8_param_gather  # noqa: E402
 from mmtrain.parallel import ParallelDims, init_distributed, pick_device  # noqa: E402
-from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW  # noqa: E402
+from mmtrain.parallel.grad_buckets import GradBuckets  # noqa: E402
+from mmtrain.train.optimizer import MixedPrecisionAdamW  # noqa: E402
 from mmtrain.train.build import build_gpt_stage  # noqa: E402
 from mmtrain.train.loop import train_gpt  # noqa: E402
 
@@ -88,11 +89,11 @@ def time_gathers(world: int, device: torch.device, iters: int) -> dict:
     rt = stage.fp8_runtime
     weights = fp8_param_gather.gather_weights(rt, cfg, world)
     params = [p for p in stage.parameters() if p.requires_grad]
-    buckets = GradBuckets(params, mesh.dp_cp_group, True, torch.bfloat16, fp8_params=weights)
+    buckets = GradBuckets(params, mesh.dp_cp_group, True, torch.bfloat16, separate_params=weights)
     MixedPrecisionAdamW([buckets], 1e-4, (0.9, 0.95), 1e-8, 0.1)
     gather = fp8_param_gather.Fp8ParamGather(buckets, rt, mesh.tp_group)
     rt.refresh(rt.matmuls)  # sizes the FP8 copies (the first forward does it in training)
-    fp8_buckets = [b for b in buckets.buckets if b.fp8]
+    fp8_buckets = [b for b in buckets.buckets if b.separate]
 
     def bf16_path():
         for b in fp8_buckets:

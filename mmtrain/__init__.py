@@ -45,7 +45,7 @@ _PUBLIC = {
     "apply_tensor_parallel": "mmtrain.parallel.tensor", "apply_context_parallel": "mmtrain.parallel.context",
     "apply_expert_parallel": "mmtrain.parallel.expert",
     "run_micro_batches": "mmtrain.train.loop", "reduce_loss_stats": "mmtrain.train.loop",
-    "GradBuckets": "mmtrain.parallel.data", "MixedPrecisionAdamW": "mmtrain.parallel.data",
+    "GradBuckets": "mmtrain.parallel.grad_buckets", "MixedPrecisionAdamW": "mmtrain.train.optimizer",
     "finalize_grads": "mmtrain.train.grads", "clip_grad_norm": "mmtrain.train.grads", "lr_at": "mmtrain.train.lr",
     "MicroBatches": "mmtrain.data.loader", "MockGPTSamples": "mmtrain.data.mock",
     "GPTSamples": "mmtrain.data.gpt_dataset", "build_gpt_samples_from_config": "mmtrain.data.blend",

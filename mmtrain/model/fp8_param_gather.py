@@ -1,8 +1,8 @@
 """``fp8.param_gather``: the distributed optimizer all-gathers the FP8 linears' weights in FP8 (1 byte per
 element) instead of BF16 (2 bytes), straight into the native FP8 linears' weight copies (docs/fp8.md).
 
-After the optimizer step each data-parallel rank owns one shard of every bucket (``parallel/data.py``). For the
-buckets holding FP8 weights (``GradBuckets(fp8_params=...)``; nothing else is in them) each rank
+After the optimizer step each data-parallel rank owns one shard of every bucket (``parallel/grad_buckets.py``). For the
+buckets holding FP8 weights (``GradBuckets(separate_params=...)``; nothing else is in them) each rank
 1. takes the amax of the pieces of each weight it owns, reduced (MAX) over the bucket's group (dp x cp) and over
    TP: exactly the amax of the whole weight that the BF16 path computes after its gather, so the same scale;
 2. casts its pieces to FP8 with their weight's scale (an elementwise cast: the bytes are those of casting the
@@ -53,7 +53,7 @@ def cast_pieces(src: torch.Tensor, scales: torch.Tensor, outs: list[torch.Tensor
 
 
 def gather_weights(runtime, cfg, group_size: int) -> list[torch.nn.Parameter]:
-    """The weights to put in FP8 buckets (``GradBuckets(fp8_params=...)``): empty unless ``fp8.param_gather``
+    """The weights to put in FP8 buckets (``GradBuckets(separate_params=...)``): empty unless ``fp8.param_gather``
     applies here (native per-tensor FP8, distributed optimizer, more than one rank sharing the buckets).
     Sets ``runtime.param_gather_note`` for its log line."""
     if runtime is None or not cfg.fp8.param_gather:
@@ -73,17 +73,17 @@ def gather_weights(runtime, cfg, group_size: int) -> list[torch.nn.Parameter]:
 
 class Fp8ParamGather:
     """FP8 all-gather of the FP8 buckets of one ``GradBuckets`` (see the module docstring). Creating it attaches
-    it to ``buckets`` (``buckets.fp8_gather``: called by ``gather_params``) and to ``runtime``
+    it to ``buckets`` (``buckets.separate_gather``: called by ``gather_params`` and ``gather_full_params``) and to ``runtime``
     (``runtime.param_gather``: no re-cast from partial BF16)."""
 
     def __init__(self, buckets, runtime, tp_group=None) -> None:
         self.owner, self.group, self.tp_group = buckets, buckets.group, tp_group
         by_weight = {id(m.weight_ref): m for m in runtime.matmuls if isinstance(m, Fp8Matmul)}
-        self.buckets = [b for b in buckets.buckets if b.fp8]
+        self.buckets = [b for b in buckets.buckets if b.separate]
         params = [p for b in self.buckets for p in b.params]
         self.matmuls: list[Fp8Matmul] = [by_weight[id(p)] for p in params]
         if not self.matmuls:
-            raise ValueError("no FP8 buckets to gather: build the GradBuckets with fp8_params=gather_weights(...)")
+            raise ValueError("no FP8 buckets to gather: build the GradBuckets with separate_params=gather_weights(...)")
         dtypes = {m.fwd_dtype for m in self.matmuls}
         if len(dtypes) != 1 or any(m.recipe == "rowwise" for m in self.matmuls):
             raise ValueError("fp8.param_gather needs per-tensor FP8 matmuls of one format")
@@ -120,7 +120,7 @@ class Fp8ParamGather:
         self.piece_of = torch.tensor([k for *_, k in cast_plan], dtype=torch.long, device=device)
         self.bf16_partial = False  # True from an FP8 gather until gather_bf16
         self.fp8_gathers = self.bf16_gathers = 0  # counts (tests, logs)
-        buckets.fp8_gather = self
+        buckets.separate_gather = self
         runtime.param_gather = self
 
     def _adopt_w_a(self, m: Fp8Matmul, offset: int, weight: torch.Tensor) -> None:
@@ -182,3 +182,5 @@ class Fp8ParamGather:
             m.bf16_weight_partial = False
         self.bf16_partial = False
         self.bf16_gathers += 1
+
+    gather_full = gather_bf16  # what GradBuckets.gather_full_params calls (a separate_gather's whole values)

@@ -116,9 +116,10 @@ def apply_expert_parallel(model: nn.Module, group, token_groups: list = ()) -> n
 
 
 @torch.no_grad()
-def update_router_biases(model: nn.Module, groups: list) -> dict[str, list[int]]:
+def update_router_biases(model: nn.Module, groups: list) -> dict[str, torch.Tensor]:
     """After a step: sum each MoE layer's expert load over ``groups`` (ranks that saw different tokens),
-    nudge sigmoid routers' biases toward balance (DeepSeek-V3), and return the loads for logging."""
+    nudge sigmoid routers' biases toward balance (DeepSeek-V3), and return the loads for logging (float
+    tensors on the device, read at logging steps only: no host sync here)."""
     loads = {}
     for name, module in model.named_modules():
         if not getattr(module, "is_moe_layer", False) or module.step_load is None:
@@ -129,6 +130,6 @@ def update_router_biases(model: nn.Module, groups: list) -> dict[str, list[int]]
                 dist.all_reduce(load, group=g)
         if module.cfg.moe_router == "sigmoid" and module.cfg.moe_bias_update_rate:
             module.router.expert_bias += module.cfg.moe_bias_update_rate * torch.sign(load.mean() - load)
-        loads[name] = [int(v) for v in load.tolist()]
+        loads[name] = load
         module.step_load = None
     return loads

@@ -7,14 +7,13 @@ The global norm counts each distinct parameter element exactly once across TP, P
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.grad_buckets import GradBuckets
+from mmtrain.train.optimizer import MixedPrecisionAdamW
 
 
 def _named_specs(stage: nn.Module):
@@ -43,9 +42,10 @@ def tied_embedding_params(stage: nn.Module) -> list[nn.Parameter]:
 
 @torch.no_grad()
 def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: list[GradBuckets], optimizer: MixedPrecisionAdamW,
-                   num_tokens: float) -> None:
+                   num_tokens: float | torch.Tensor) -> None:
     """After the step's backward: sum tied embeddings over the first/last stage, reduce over data (and
-    context, or expert-data) parallel ranks, divide by the global loss-token count, sum TP partial gradients."""
+    context, or expert-data) parallel ranks, divide by the global loss-token count (a float, or a 0-dim device
+    tensor, which keeps the step free of host syncs), sum TP partial gradients."""
     for p in tied_embedding_params(stage):
         dist.all_reduce(p.main_grad, group=mesh.group("embd"))
     for b in buckets:
@@ -60,8 +60,14 @@ def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: list[GradBucke
 
 
 @torch.no_grad()
-def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisionAdamW, max_norm: float) -> float:
-    """Global L2 norm of the reduced gradients; scales them in place when it exceeds ``max_norm``.
+def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisionAdamW,
+                   max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the reduced gradients (a 0-dim float32 tensor on the device: ``float()`` reads it, a host
+    sync the loop makes at logging steps only); scales them in place when it exceeds ``max_norm``.
+
+    The clip coefficient stays on the device (``min(1, max_norm / (norm + 1e-6))``, as torch's
+    ``clip_grad_norm_`` with foreach): no host sync. A non-finite norm makes the gradients non-finite too; the
+    loop then skips the update (``MixedPrecisionAdamW.step(skip=...)``).
 
     A piece is counted by exactly one rank: its owner in its reduction group (every rank of a sharded group
     owns a distinct shard; an unsharded group counts on its rank 0), TP rank 0 for TP-replicated parameters,
@@ -81,7 +87,9 @@ def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisi
         dist.all_reduce(sq, group=mesh.dp_cp_group)
     if mesh.size("mp") > 1:
         dist.all_reduce(sq, group=mesh.group("mp"))
-    norm = sq.sqrt().item()
-    if max_norm and max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        torch._foreach_mul_([g for _, g in pieces], max_norm / (norm + 1e-6))
+    norm = sq.sqrt()
+    if max_norm and max_norm > 0 and pieces:
+        # in float64 like the Python-float coefficient before, then cast once to the grads' dtype by the multiply
+        coef = torch.clamp(max_norm / (norm.double() + 1e-6), max=1.0)
+        torch._foreach_mul_([g for _, g in pieces], coef)
     return norm

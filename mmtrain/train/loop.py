@@ -19,20 +19,21 @@ import torch.distributed as dist
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.loader import MicroBatches
-from mmtrain.model import fp8_param_gather
 from mmtrain.models.llama.model import GPTModel, flops_per_token
 from mmtrain.parallel.context import shard_sequence
-from mmtrain.parallel.data import GradBuckets, MixedPrecisionAdamW
 from mmtrain.parallel.dims import ParallelMesh
-from mmtrain.parallel.expert import update_router_biases
+from mmtrain.parallel.grad_buckets import GradBuckets
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
-from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, PreemptionWatch, collective_timeout_report,
-                                  is_collective_timeout, nonfinite_report)
+from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, collective_timeout_report, is_collective_timeout,
+                                  nonfinite_report)
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, split_by_reduce_group, tied_embedding_params
 from mmtrain.train.metrics import MetricsLogger
+from mmtrain.train.optimizer import MixedPrecisionAdamW
+from mmtrain.train.precision import precision_for
 from mmtrain.train.resume_inputs import LrSchedule, resolve_resume, resume_records
+from mmtrain.train.step_hooks import PreemptionCheck, RouterBiasBalancer, StepHooks
 from mmtrain.utils.log import get_logger
 
 
@@ -48,7 +49,7 @@ def _build_samples(cfg: GPTRunConfig, split: str, dp_size: int, index_builder: b
 
 
 def _param_dtype_for(precision: str) -> torch.dtype:
-    """Model weights (and activations) are bf16 for bf16/fp8 runs; fp32 master copies live in the optimizer."""
+    """Model weights (and activations) are bf16 unless the run is fp32; fp32 master copies live in the optimizer."""
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
@@ -235,12 +236,11 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     pdtype = _param_dtype_for(cfg.train.precision)
     grad_dtype = torch.float32 if o.master_weights else pdtype
     dense, experts = split_by_reduce_group(stage, params)
-    fp8 = getattr(stage, "fp8_runtime", None)
-    fp8_gathered = fp8_param_gather.gather_weights(fp8, cfg, mesh.size("dp_cp"))  # fp8.param_gather: own buckets
+    precision = precision_for(stage, cfg, mesh)
     buckets = [GradBuckets(dense, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,
-                           late_params=tied_embedding_params(stage), grad_dtype=grad_dtype, fp8_params=fp8_gathered)]
-    if fp8_gathered:
-        fp8_param_gather.Fp8ParamGather(buckets[0], fp8, mesh.tp_group)
+                           late_params=tied_embedding_params(stage), grad_dtype=grad_dtype,
+                           **precision.bucket_options())]
+    precision.attach(buckets[0])
     if experts:  # expert weights are replicated only over the expert-data-parallel ranks
         buckets.append(GradBuckets(experts, mesh.edp_group, cfg.parallel.distributed_optimizer, pdtype,
                                    grad_dtype=grad_dtype))
@@ -263,11 +263,15 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     frozen = f" ({n_frozen / 1e6:.2f}M frozen)" if n_frozen else ""
     log.info(f"model {model_name}: {n_params / 1e6:.2f}M parameters on this rank{frozen}; global batch {gbs} x "
              f"{cfg.data.seq_length} tokens = {num_micro} micro-batch(es) of {cfg.train.micro_batch_size} per DP rank")
-    if fp8 is not None:
-        log.info(fp8.describe())
-        fp8.weights_changed()  # from here on the loop says when the FP8 weight copies are stale
+    hooks: list[StepHooks] = [precision]
+    # ranks that saw different tokens: dp×cp, and tp under sequence parallelism (a VLM: its LM's experts)
+    if task.routed_experts:
+        hooks.append(RouterBiasBalancer(stage, mesh, cfg.parallel.sequence_parallel))
+    hooks.append(PreemptionCheck(mesh, device))
+    for h in hooks:
+        h.start()
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,
-               CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), PreemptionWatch(),
+               CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), hooks,
                TrainResult(model=stage, optimizer=optimizer), gbs, num_micro, lr_schedule,
                resume_records(cfg, lr_schedule, dims.dp))
     if cfg.train.exit_at_step and start_step >= cfg.train.exit_at_step:
@@ -275,17 +279,37 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
                  "nothing to run (leave train.exit_at_step out to continue)")
     try:
         run.steps(start_step)
-        optimizer.gather_full_params()  # FP8 parameter gathers leave BF16 weights partial: the model is returned
+        optimizer.gather_full_params()  # a precision layer may leave weights partial: the model is returned whole
     finally:
         run.writer.close()
-        run.preemption.close()
+        for h in hooks:
+            h.close()
         metrics.close()
     return run.result
 
 
 @dataclass
+class _PendingStep:
+    """A step run but not yet read back: its numbers stay on the device until the next logging step."""
+
+    step: int
+    lr: float
+    t0: float
+    local_loss: torch.Tensor  # this rank's own loss sum (for the report naming the ranks of a non-finite loss)
+    stats: torch.Tensor  # reduced [loss sum, loss tokens, *extra counts]
+    grad_norm: torch.Tensor
+    finite: torch.Tensor  # loss and grad norm finite: the update was applied
+    hook_metrics: list[dict]
+
+
+@dataclass
 class _Run:
-    """Everything one training run's step needs, and the phase it is in (for failure reports)."""
+    """Everything one training run's step needs, and the phase it is in (for failure reports).
+
+    A step makes no host sync: loss, grad norm and the finite flag stay on the device (a non-finite step's update
+    is skipped there, ``MixedPrecisionAdamW.step(skip=...)``) and are read back, for every step since the last
+    one, at *sync points*: logging steps (``logging.log_every``), evaluation and checkpoint steps, the last step,
+    and a preemption. Only then are the metrics rows written and the NaN/Inf policy applied."""
 
     cfg: GPTRunConfig
     mesh: ParallelMesh
@@ -298,7 +322,7 @@ class _Run:
     task: StepTask
     metrics: MetricsLogger
     writer: CheckpointWriter
-    preemption: PreemptionWatch
+    hooks: list[StepHooks]
     result: TrainResult
     gbs: int
     num_micro: int
@@ -306,6 +330,7 @@ class _Run:
     records: dict  # the schedule and data-order inputs every checkpoint records
     skipped: int = 0
     phase: str = "start-up"
+    pending: list[_PendingStep] = field(default_factory=list)
 
     def steps(self, start_step: int) -> None:
         """The step loop; a collective that times out is re-raised naming rank, step and phase."""
@@ -323,8 +348,8 @@ class _Run:
 
     def step(self, step: int) -> bool:
         """One optimizer step (plus logging, evaluation, checkpoint); False when the run must stop (preempted)."""
-        cfg, mesh, device, stage, optimizer = self.cfg, self.mesh, self.device, self.stage, self.optimizer
-        log, dims = get_logger("train"), mesh.dims
+        cfg, mesh, stage, optimizer = self.cfg, self.mesh, self.stage, self.optimizer
+        log = get_logger("train")
         t0 = time.perf_counter()
         lr = self.lr_schedule.lr(step)
         for group in optimizer.param_groups:
@@ -334,62 +359,33 @@ class _Run:
             b.reset()
         self.phase = "forward/backward"
         local = self.task.forward_backward(micro_batches, self.buckets)
-        fp8 = getattr(stage, "fp8_runtime", None)
-        if fp8 is not None:  # delayed scaling: the step's amaxes, one scale for each tensor over tp x dp x cp
-            fp8.after_backward([mesh.tp_group, mesh.dp_cp_group])
+        for h in self.hooks:
+            h.after_backward(step)
         self.phase = "gradient reduction"
         stats = reduce_loss_stats(local.clone(), mesh)
-        finalize_grads(stage, mesh, self.buckets, optimizer, stats[1].item())
+        finalize_grads(stage, mesh, self.buckets, optimizer, stats[1])  # 1 / tokens on the device
         self.phase = "gradient clipping and optimizer step"
         grad_norm = clip_grad_norm(stage, mesh, optimizer, cfg.optim.grad_clip)
-        loss = (stats[0] / stats[1]).item()
-        problem = nonfinite_report(step, loss, grad_norm, local[0], device)
-        if problem is not None:
-            self.skipped += 1
-            t = cfg.train
-            if t.nan_policy == "stop" or self.skipped > t.max_skipped_steps:
-                raise NonFiniteError(f"{problem}; stopping (train.nan_policy={t.nan_policy}, {self.skipped} step(s) "
-                                     f"skipped, train.max_skipped_steps={t.max_skipped_steps})")
-            log.warning(f"{problem}; update skipped ({self.skipped} of at most {t.max_skipped_steps})")
-        else:
-            optimizer.step()
-            if fp8 is not None:
-                fp8.weights_changed()
-        loads = None
-        # ranks that saw different tokens: dp×cp, and tp under sequence parallelism
-        if self.task.routed_experts:
-            sp_tp = mesh.tp_group if cfg.parallel.sequence_parallel else None
-            loads = update_router_biases(stage, [mesh.dp_cp_group, sp_tp])
-        dt = time.perf_counter() - t0  # the .item() calls above synchronize with the device
-        self.result.losses.append(loss)
-        self.result.grad_norms.append(grad_norm)
-        self.result.step_times.append(dt)
-        tokens_per_s = self.gbs * cfg.data.seq_length / dt / dims.world_size  # per device
-        row = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-               "tflops": self.task.step_flops(stats) / dt / dims.world_size / 1e12, "step_time_s": dt,
-               **self.task.extra_metrics(stats, dt)}
-        if cfg.logging.peak_tflops:
-            row["mfu"] = row["tflops"] / cfg.logging.peak_tflops
-        if device.type == "cuda":
-            row["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        if problem is not None:
-            row["skipped"] = 1
-        if loads:
-            per_layer = [max(v) * len(v) / max(sum(v), 1) for v in loads.values()]
-            row["moe_max_load"] = max(per_layer)  # busiest expert / mean expert, worst layer (1.0 = balanced)
-            row["moe_load"] = loads
-        if self.val_batches is not None and step % cfg.train.eval_every == 0:
-            self.phase = "evaluation"
-            row["val_loss"] = self.result.val_losses[step] = _evaluate(stage, self.val_batches, mesh, cfg, self.task,
-                                                                       self.num_micro)
-        self.metrics.log_step(step, row)
+        # every rank has the same reduced loss and norm: all skip the same steps, decided on the device
+        finite = torch.isfinite(stats[0] / stats[1]) & torch.isfinite(grad_norm)
+        optimizer.step(skip=~finite)
+        for h in self.hooks:
+            h.after_optimizer_step(step)
+        self.pending.append(_PendingStep(step, lr, t0, local[0].detach().clone(), stats, grad_norm, finite,
+                                         [h.step_metrics(step) for h in self.hooks]))
         c = cfg.checkpoint
-        self.phase = "checkpoint save"
-        preempted = self.preemption.agreed(mesh, device)
         exiting = step == cfg.train.exit_at_step
-        if ((c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps) or preempted
-                or exiting):
-            self.writer.save(step, stage, optimizer, self.batches.state_dict(), device, c.keep_last,
+        evaluate = self.val_batches is not None and step % cfg.train.eval_every == 0
+        save = bool((c.save_every and step % c.save_every == 0) or (c.save_final and step == cfg.train.steps)
+                    or exiting)
+        sync_point = (step % cfg.logging.log_every == 0 or step == cfg.train.steps or exiting or save or evaluate)
+        self.phase = "checkpoint save"
+        preempted = any([h.stop_requested(sync_point) for h in self.hooks])  # a list: every hook is asked
+        if sync_point or preempted:
+            self._read_back(evaluate)
+        if save or preempted:
+            self.phase = "checkpoint save"
+            self.writer.save(step, stage, optimizer, self.batches.state_dict(), self.device, c.keep_last,
                              dataclasses.asdict(cfg), force_sync=preempted, records=self.records,
                              valid_loader_state=None if self.val_batches is None else self.val_batches.state_dict())
         if preempted:
@@ -401,3 +397,49 @@ class _Run:
                      f"without it continues to train.steps={cfg.train.steps}")
             return False
         return True
+
+    def _read_back(self, evaluate: bool) -> None:
+        """A sync point: read the pending steps' numbers (one host sync), apply the NaN/Inf policy in step order,
+        evaluate if due, write one metrics row per pending step."""
+        cfg, mesh, device, dims = self.cfg, self.mesh, self.device, self.mesh.dims
+        log = get_logger("train")
+        pending, self.pending = self.pending, []
+        self.phase = "metrics read-back"
+        numbers = torch.stack([torch.stack([p.stats[0] / p.stats[1], p.grad_norm.double(), p.finite.double()])
+                               for p in pending]).tolist()
+        stats = [p.stats.cpu() for p in pending]
+        # per-step time: the interval since the first pending step began, shared out (steps run ahead of the device)
+        dt = (time.perf_counter() - pending[0].t0) / len(pending)
+        rows = []
+        for p, (loss, grad_norm, finite), step_stats in zip(pending, numbers, stats):
+            if not finite:
+                problem = nonfinite_report(p.step, loss, grad_norm, p.local_loss, device)
+                self.skipped += 1
+                t = cfg.train
+                if t.nan_policy == "stop" or self.skipped > t.max_skipped_steps:
+                    raise NonFiniteError(f"{problem}; stopping (train.nan_policy={t.nan_policy}, {self.skipped} "
+                                         f"step(s) skipped, train.max_skipped_steps={t.max_skipped_steps})")
+                log.warning(f"{problem}; update skipped ({self.skipped} of at most {t.max_skipped_steps})")
+            tokens_per_s = self.gbs * cfg.data.seq_length / dt / dims.world_size  # per device
+            row = {"loss": loss, "lr": p.lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                   "tflops": self.task.step_flops(step_stats) / dt / dims.world_size / 1e12, "step_time_s": dt,
+                   **self.task.extra_metrics(step_stats, dt)}
+            if cfg.logging.peak_tflops:
+                row["mfu"] = row["tflops"] / cfg.logging.peak_tflops
+            if device.type == "cuda":
+                row["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if not finite:
+                row["skipped"] = 1
+            for h, values in zip(self.hooks, p.hook_metrics):
+                row.update(h.host_metrics(values))
+            rows.append((p.step, row))
+            self.result.losses.append(loss)
+            self.result.grad_norms.append(grad_norm)
+            self.result.step_times.append(dt)
+        if evaluate:
+            self.phase = "evaluation"
+            step, row = rows[-1]
+            row["val_loss"] = self.result.val_losses[step] = _evaluate(self.stage, self.val_batches, mesh, cfg,
+                                                                       self.task, self.num_micro)
+        for step, row in rows:
+            self.metrics.log_step(step, row)

@@ -55,6 +55,15 @@ def test_nan_policy_stop_names_step_and_rank(tmp_path):
         run_distributed(_train_with_nan, 2, str(tmp_path / "b"), ["train.max_skipped_steps=0"])
 
 
+def test_nan_between_logging_steps_is_skipped_on_the_device_and_reported_at_the_next(tmp_path):
+    # step 3 is no logging step (log_every=5): its update is skipped on the device, the policy reads it at step 5
+    losses = run_distributed(_train_with_nan, 2, str(tmp_path), ["logging.log_every=5"])[0]
+    assert len(losses) == 5 and torch.isnan(torch.tensor(losses[2]))
+    assert all(torch.isfinite(torch.tensor(losses[:2] + losses[3:])))  # a NaN update would poison steps 4 and 5
+    with pytest.raises(DistributedTestFailure, match=r"NonFiniteError: step 3: loss nan.*non-finite loss on rank\(s\) \[1\]"):
+        run_distributed(_train_with_nan, 2, str(tmp_path / "b"), ["train.nan_policy=stop", "logging.log_every=5"])
+
+
 def test_sigterm_saves_and_exits_zero_then_restart_resumes(tmp_path):
     cmd = [sys.executable, "-u", "-m", "mmtrain.pretrain_gpt", "--config", str(REPO / "configs/gpt/tiny_cpu.yaml"),
            "train.steps=100000", f"logging.run_dir={tmp_path}"]

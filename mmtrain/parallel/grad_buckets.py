@@ -1,4 +1,5 @@
-"""Data parallelism: fp32 gradient buckets reduced while backward runs, and the (distributed) optimizer state.
+"""Data parallelism: fp32 gradient buckets reduced while backward runs (the optimizer that updates their shards is
+``mmtrain.train.optimizer.MixedPrecisionAdamW``).
 
 Layout (Megatron-Core's design, rewritten small):
 - All trainable parameters of this rank live in one contiguous *param buffer* and their fp32 gradients in a
@@ -14,9 +15,10 @@ Layout (Megatron-Core's design, rewritten small):
 Parameters whose gradient must first be summed elsewhere (a tied embedding copy across pipeline stages) are put
 in a final bucket that the trainer reduces after that sum (``late`` parameters).
 
-``fp8_params`` (the FP8 linears' weights under ``fp8.param_gather``) get buckets of their own, so that an
-attached ``fp8_gather`` (``mmtrain.model.fp8_param_gather``) can all-gather them in FP8 after the optimizer step
-while the other buckets are gathered in the parameter dtype (docs/fp8.md).
+``separate_params`` get buckets of their own whose all-gather an attached ``separate_gather`` replaces: the
+precision layer's business, not this module's (``mmtrain.train.precision``: under ``fp8.param_gather`` the FP8
+linears' weights, gathered in FP8 by ``mmtrain.model.fp8_param_gather``, while the other buckets are gathered in
+the parameter dtype; docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ from torch import nn
 
 
 @dataclass
-class _Bucket:
+class Bucket:
     params: list[nn.Parameter]
     start: int  # element offsets into the buffers
     end: int
     late: bool = False
-    fp8: bool = False  # holds only FP8 linears' weights (fp8.param_gather): gathered in FP8 when attached
+    separate: bool = False  # holds only separate_params: gathered by the attached separate_gather
     pending: set[int] = field(default_factory=set)
     handle: object = None
     shard_grad: torch.Tensor | None = None  # reduce-scatter output (distributed optimizer)
@@ -47,22 +49,24 @@ class GradBuckets:
 
     def __init__(self, params: list[nn.Parameter], group, distributed_optimizer: bool, param_dtype: torch.dtype,
                  bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True,
-                 grad_dtype: torch.dtype = torch.float32, fp8_params: list[nn.Parameter] = ()) -> None:
-        """``fp8_params``: put in buckets of their own (``_Bucket.fp8``), each padded to a multiple of 16 x dp
-        elements so that, in a one-byte copy of these buckets, every weight and every shard starts 16-byte
-        aligned (what FP8 GEMMs need). Empty (the default): the layout does not change."""
+                 grad_dtype: torch.dtype = torch.float32, separate_params: list[nn.Parameter] = (),
+                 fp8_params: list[nn.Parameter] = ()) -> None:
+        """``separate_params``: put in buckets of their own (``Bucket.separate``), each padded to a multiple of
+        16 x dp elements so that, in a one-byte copy of these buckets, every weight and every shard starts 16-byte
+        aligned (what FP8 GEMMs need). Empty (the default): the layout does not change. ``fp8_params``: its
+        former name (the same)."""
         self.group = group
         self.dp = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
         self.sharded = distributed_optimizer and self.dp > 1
         self.overlap = overlap
         late_ids = {id(p) for p in late_params}
-        fp8_ids = {id(p) for p in fp8_params}
+        separate_ids = {id(p) for p in [*separate_params, *fp8_params]}
         ordered = [p for p in reversed(params) if id(p) not in late_ids]  # backward visits the last layers first
-        groups: list[tuple[list[nn.Parameter], bool, bool]] = []  # (params, late, fp8)
-        current: dict[bool, list[nn.Parameter]] = {False: [], True: []}  # filled side by side: FP8 weights or not
+        groups: list[tuple[list[nn.Parameter], bool, bool]] = []  # (params, late, separate)
+        current: dict[bool, list[nn.Parameter]] = {False: [], True: []}  # filled side by side: separate or not
         for p in ordered:
-            kind = id(p) in fp8_ids
+            kind = id(p) in separate_ids
             current[kind].append(p)
             if sum(q.numel() for q in current[kind]) >= bucket_elems:
                 groups.append((current[kind], False, kind))
@@ -71,18 +75,18 @@ class GradBuckets:
         late = [p for p in params if id(p) in late_ids]
         if late:
             groups.append((late, True, False))
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         offset = 0
-        for plist, is_late, is_fp8 in groups:
+        for plist, is_late, is_separate in groups:
             n = sum(p.numel() for p in plist)
-            multiple = self.dp * (16 if is_fp8 else 1)
+            multiple = self.dp * (16 if is_separate else 1)
             padded = -(-n // multiple) * multiple
-            self.buckets.append(_Bucket(plist, offset, offset + padded, is_late, is_fp8))
+            self.buckets.append(Bucket(plist, offset, offset + padded, is_late, is_separate))
             offset += padded
         device = params[0].device
         self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
         self.param_buffer = torch.zeros(offset, dtype=param_dtype, device=device)
-        self.bucket_of: dict[int, _Bucket] = {}
+        self.bucket_of: dict[int, Bucket] = {}
         for b in self.buckets:
             pos = b.start
             for p in b.params:
@@ -96,7 +100,9 @@ class GradBuckets:
             if self.sharded:
                 b.shard_grad = torch.zeros((b.end - b.start) // self.dp, dtype=grad_dtype, device=device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self.fp8_gather = None  # set by mmtrain.model.fp8_param_gather.Fp8ParamGather (fp8.param_gather)
+        # gather() after the optimizer step instead of the separate buckets' all-gather, gather_full() when whole
+        # values are needed (set by e.g. mmtrain.model.fp8_param_gather.Fp8ParamGather)
+        self.separate_gather = None
         self.sync_now = False
         self.reset()
 
@@ -123,7 +129,7 @@ class GradBuckets:
             if not b.pending and not b.late and self.overlap:
                 self._launch(b)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         if b.handle is not None:
             return
         view = self.grad_buffer[b.start:b.end]
@@ -135,13 +141,14 @@ class GradBuckets:
             b.handle = dist.all_reduce(view, group=self.group, async_op=True)
 
     @torch.no_grad()
-    def finish(self, num_tokens: float) -> None:
-        """Reduce what is left (late buckets included), wait for all, scale by 1 / num_tokens."""
+    def finish(self, num_tokens: float | torch.Tensor) -> None:
+        """Reduce what is left (late buckets included), wait for all, scale by 1 / num_tokens. ``num_tokens`` may
+        be a 0-dim device tensor (the loop's reduced count): the scale then stays on the device, no host sync."""
         for b in self.buckets:
             self._launch(b)
         for b in self.buckets:
             b.handle.wait()
-        scale = 1.0 / num_tokens
+        scale = 1.0 / num_tokens  # a float64 tensor from the loop: cast once to the grads' dtype by mul_
         if self.sharded:
             for b in self.buckets:
                 b.shard_grad.mul_(scale)
@@ -149,14 +156,14 @@ class GradBuckets:
             self.grad_buffer.mul_(scale)
 
     # ----------------------------------------------------------------------------------------- shards
-    def owned_range(self, b: _Bucket) -> tuple[int, int]:
+    def owned_range(self, b: Bucket) -> tuple[int, int]:
         """Buffer range this rank updates in bucket ``b`` (the whole bucket without the distributed optimizer)."""
         if not self.sharded:
             return b.start, b.end
         size = (b.end - b.start) // self.dp
         return b.start + self.dp_rank * size, b.start + (self.dp_rank + 1) * size
 
-    def reduced_grad(self, b: _Bucket, start: int, end: int) -> torch.Tensor:
+    def reduced_grad(self, b: Bucket, start: int, end: int) -> torch.Tensor:
         """The reduced fp32 gradient of buffer range [start, end) inside this rank's owned range of ``b``."""
         if not self.sharded:
             return self.grad_buffer[start:end]
@@ -165,19 +172,20 @@ class GradBuckets:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """After the optimizer updated this rank's shards: every rank gets every updated parameter. With an
-        ``fp8_gather`` attached, the FP8 buckets are gathered in FP8 into the FP8 weight copies instead, and their
-        parameter-dtype values stay stale on the ranks that do not own them until ``gather_full_params``."""
+        """After the optimizer updated this rank's shards: every rank gets every updated parameter. With a
+        ``separate_gather`` attached, it gathers the separate buckets instead (FP8: in FP8 into the FP8 weight
+        copies), and their parameter-dtype values may stay stale on the ranks that do not own them until
+        ``gather_full_params``."""
         if not self.sharded:
             return
         for b in self.buckets:
-            if not (b.fp8 and self.fp8_gather is not None):
+            if not (b.separate and self.separate_gather is not None):
                 self.gather_bucket(b)
-        if self.fp8_gather is not None:
-            self.fp8_gather.gather()
+        if self.separate_gather is not None:
+            self.separate_gather.gather()
 
     @torch.no_grad()
-    def gather_bucket(self, b: _Bucket) -> None:
+    def gather_bucket(self, b: Bucket) -> None:
         """All-gather bucket ``b`` of the parameter buffer from its owners."""
         full = self.param_buffer[b.start:b.end]
         own_start, own_end = self.owned_range(b)
@@ -185,91 +193,13 @@ class GradBuckets:
         dist.all_gather_into_tensor(full, shard, group=self.group)
 
     def gather_full_params(self) -> None:
-        """Make every parameter's value whole on this rank (collective): after FP8 parameter gathers, the FP8
-        buckets in the parameter dtype. Called before anything reads the weights (checkpoint save, end of run)."""
-        if self.fp8_gather is not None:
-            self.fp8_gather.gather_bf16()
+        """Make every parameter's value whole on this rank (collective): after a ``separate_gather`` (FP8
+        parameter gathers), the separate buckets in the parameter dtype. Called before anything reads the weights
+        (checkpoint save, end of run)."""
+        if self.separate_gather is not None:
+            self.separate_gather.gather_full()
 
 
 class _Done:
     def wait(self) -> None:
         pass
-
-
-@dataclass
-class _Piece:
-    param: nn.Parameter
-    owner: GradBuckets
-    bucket: _Bucket
-    start: int  # buffer range of this piece (inside the owned range)
-    end: int
-    master: torch.Tensor  # fp32 copy of the piece, what AdamW updates
-
-
-class MixedPrecisionAdamW:
-    """AdamW over fp32 master copies of the parameter pieces this rank owns; model params may be bf16.
-
-    Without the distributed optimizer a rank owns everything; with it, only its 1/dp shard of every bucket, so
-    master weights and both Adam moments take 12/dp bytes per parameter instead of 12. With
-    ``master_weights=False`` AdamW updates the parameter buffer in place in its own dtype (no copies).
-    """
-
-    def __init__(self, buckets: list[GradBuckets], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, master_weights: bool = True, lr_scale_of=None) -> None:
-        """``buckets``: one ``GradBuckets`` per reduction group (dense params over dp×cp, experts over edp).
-        ``lr_scale_of(param) -> float`` (optional) puts parameters in per-scale groups whose ``"lr_scale"`` the
-        trainer multiplies the scheduled learning rate by (e.g. a VLM's projector at 10x)."""
-        self.buckets = buckets
-        self.master_weights = master_weights
-        self.pieces: list[_Piece] = []
-        for owner in buckets:
-            for b in owner.buckets:
-                own_start, own_end = owner.owned_range(b)
-                for p in b.params:
-                    s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
-                    if s < e:
-                        view = owner.param_buffer[s:e]
-                        master = view.detach().float().clone() if master_weights else view
-                        self.pieces.append(_Piece(p, owner, b, s, e, master))
-        scale_of = lr_scale_of or (lambda p: 1.0)
-        # groups from every parameter (not only the pieces owned here), so all data-parallel ranks agree on them
-        scales = sorted({float(scale_of(p)) for owner in buckets for b in owner.buckets for p in b.params})
-        groups = []
-        for scale in scales:
-            mine = [pc for pc in self.pieces if float(scale_of(pc.param)) == scale]
-            groups += [{"params": [pc.master for pc in mine if pc.param.ndim >= 2], "weight_decay": weight_decay},
-                       {"params": [pc.master for pc in mine if pc.param.ndim < 2], "weight_decay": 0.0}]
-            if lr_scale_of is not None:
-                groups[-2]["lr_scale"] = groups[-1]["lr_scale"] = scale
-        device = buckets[0].grad_buffer.device
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
-                                           fused=True if device.type == "cuda" else None)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def piece_grads(self) -> list[tuple[_Piece, torch.Tensor]]:
-        return [(pc, pc.owner.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for pc, grad in self.piece_grads():
-            pc.master.grad = grad
-        self.optimizer.step()
-        for pc in self.pieces:
-            pc.master.grad = None
-            if self.master_weights:
-                pc.owner.param_buffer[pc.start:pc.end].copy_(pc.master)
-        for owner in self.buckets:
-            owner.gather_params()
-
-    def gather_full_params(self) -> None:
-        """Collective: every parameter whole on every rank (a no-op unless FP8 parameter gathers left some stale;
-        ``GradBuckets.gather_full_params``). The checkpoint writer calls it before reading the weights."""
-        for owner in self.buckets:
-            owner.gather_full_params()
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-

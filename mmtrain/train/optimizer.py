@@ -1,0 +1,97 @@
+"""The optimizer: AdamW over fp32 master copies of the parameter shards this rank owns in its ``GradBuckets``
+(``mmtrain.parallel.grad_buckets``), then the updated weights all-gathered over the data-parallel ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mmtrain.parallel.grad_buckets import GradBuckets, Bucket
+
+
+@dataclass
+class _Piece:
+    param: nn.Parameter
+    owner: GradBuckets
+    bucket: Bucket
+    start: int  # buffer range of this piece (inside the owned range)
+    end: int
+    master: torch.Tensor  # fp32 copy of the piece, what AdamW updates
+
+
+class MixedPrecisionAdamW:
+    """AdamW over fp32 master copies of the parameter pieces this rank owns; model params may be bf16.
+
+    Without the distributed optimizer a rank owns everything; with it, only its 1/dp shard of every bucket, so
+    master weights and both Adam moments take 12/dp bytes per parameter instead of 12. With
+    ``master_weights=False`` AdamW updates the parameter buffer in place in its own dtype (no copies).
+    """
+
+    def __init__(self, buckets: list[GradBuckets], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, master_weights: bool = True, lr_scale_of=None) -> None:
+        """``buckets``: one ``GradBuckets`` per reduction group (dense params over dp×cp, experts over edp).
+        ``lr_scale_of(param) -> float`` (optional) puts parameters in per-scale groups whose ``"lr_scale"`` the
+        trainer multiplies the scheduled learning rate by (e.g. a VLM's projector at 10x)."""
+        self.buckets = buckets
+        self.master_weights = master_weights
+        self.pieces: list[_Piece] = []
+        for owner in buckets:
+            for b in owner.buckets:
+                own_start, own_end = owner.owned_range(b)
+                for p in b.params:
+                    s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
+                    if s < e:
+                        view = owner.param_buffer[s:e]
+                        master = view.detach().float().clone() if master_weights else view
+                        self.pieces.append(_Piece(p, owner, b, s, e, master))
+        scale_of = lr_scale_of or (lambda p: 1.0)
+        # groups from every parameter (not only the pieces owned here), so all data-parallel ranks agree on them
+        scales = sorted({float(scale_of(p)) for owner in buckets for b in owner.buckets for p in b.params})
+        groups = []
+        for scale in scales:
+            mine = [pc for pc in self.pieces if float(scale_of(pc.param)) == scale]
+            groups += [{"params": [pc.master for pc in mine if pc.param.ndim >= 2], "weight_decay": weight_decay},
+                       {"params": [pc.master for pc in mine if pc.param.ndim < 2], "weight_decay": 0.0}]
+            if lr_scale_of is not None:
+                groups[-2]["lr_scale"] = groups[-1]["lr_scale"] = scale
+        # fused (CUDA and CPU kernels): the only AdamW that skips an update on a device-side flag (``found_inf``)
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def piece_grads(self) -> list[tuple[_Piece, torch.Tensor]]:
+        return [(pc, pc.owner.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
+
+    @torch.no_grad()
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """AdamW on this rank's pieces, then the weights gathered over data-parallel ranks. ``skip``: a 0-dim
+        device tensor, non-zero to leave weights, moments and the step count as they are (a non-finite step,
+        decided on the device, so no host sync); the copies and gathers then move unchanged values."""
+        for pc, grad in self.piece_grads():
+            pc.master.grad = grad
+        if skip is not None:
+            self.optimizer.found_inf = skip.float()  # what the fused kernel reads (GradScaler's hook)
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.__dict__.pop("found_inf", None)
+        for pc in self.pieces:
+            pc.master.grad = None
+            if self.master_weights:
+                pc.owner.param_buffer[pc.start:pc.end].copy_(pc.master)
+        for owner in self.buckets:
+            owner.gather_params()
+
+    def gather_full_params(self) -> None:
+        """Collective: every parameter whole on every rank (a no-op unless FP8 parameter gathers left some stale;
+        ``GradBuckets.gather_full_params``). The checkpoint writer calls it before reading the weights."""
+        for owner in self.buckets:
+            owner.gather_full_params()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+

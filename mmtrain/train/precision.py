@@ -1,0 +1,62 @@
+"""Training precision as a layer of the step: what BF16/FP32 (nothing) and FP8 do at the loop's fixed points.
+
+``precision_for(stage, cfg, mesh)`` is the only place the trainer looks at FP8: it returns a ``Precision``
+(``StepHooks`` plus the two set-up calls the gradient buckets need), and the loop calls it without knowing
+which one it has. FP8 (``stage.fp8_runtime``, set by ``train/build.py``): delayed-scaling amaxes after backward,
+the FP8 weight copies marked stale after the optimizer step, and with ``fp8.param_gather`` the FP8 weights in
+buckets of their own that are all-gathered in FP8 (docs/fp8.md).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mmtrain.model import fp8_param_gather
+from mmtrain.model.fp8 import Fp8Runtime
+from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.grad_buckets import GradBuckets
+from mmtrain.train.step_hooks import StepHooks
+from mmtrain.utils.log import get_logger
+
+
+class Precision(StepHooks):
+    """BF16 / FP32 weights: nothing to do at any point."""
+
+    def bucket_options(self) -> dict:
+        """Extra keyword arguments of the dense parameters' ``GradBuckets`` (e.g. weights in buckets of their own)."""
+        return {}
+
+    def attach(self, dense_buckets: GradBuckets) -> None:
+        """Called once the dense parameters' buckets exist (before the optimizer)."""
+
+
+class Fp8Precision(Precision):
+    """FP8 linears (native or Transformer Engine) and, with ``fp8.param_gather``, the FP8 parameter gather."""
+
+    def __init__(self, runtime: Fp8Runtime, cfg, mesh: ParallelMesh) -> None:
+        self.runtime, self.mesh = runtime, mesh
+        self.gathered = fp8_param_gather.gather_weights(runtime, cfg, mesh.size("dp_cp"))
+
+    def bucket_options(self) -> dict:
+        return {"separate_params": self.gathered}
+
+    def attach(self, dense_buckets: GradBuckets) -> None:
+        if self.gathered:  # attaches itself to the buckets (gathers) and the runtime (no re-cast from partial BF16)
+            fp8_param_gather.Fp8ParamGather(dense_buckets, self.runtime, self.mesh.tp_group)
+
+    def start(self) -> None:
+        get_logger("train").info(self.runtime.describe())
+        self.runtime.weights_changed()  # from here on the loop says when the FP8 weight copies are stale
+
+    def after_backward(self, step: int) -> None:
+        # delayed scaling: the step's amaxes, one scale for each tensor over tp x dp x cp
+        self.runtime.after_backward([self.mesh.tp_group, self.mesh.dp_cp_group])
+
+    def after_optimizer_step(self, step: int) -> None:
+        self.runtime.weights_changed()
+
+
+def precision_for(stage: nn.Module, cfg, mesh: ParallelMesh) -> Precision:
+    """The precision layer of a built stage: FP8 when ``build`` gave it an ``fp8_runtime``, else plain."""
+    runtime = getattr(stage, "fp8_runtime", None)
+    return Fp8Precision(runtime, cfg, mesh) if runtime is not None else Precision()

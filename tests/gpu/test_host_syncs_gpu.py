@@ -1,0 +1,50 @@
+"""No host sync on a non-logging step, by CUDA's own detection (skipped without CUDA): steps 2..N that are not
+logging steps run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call
+(``.item()``, a blocking device-to-host copy, ``nonzero``, ...). Step 1 is left out: first-step set-up (optimizer
+state, FP8 buffer sizing, compile) may sync once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmtrain.config import GPTRunConfig, load_config
+from mmtrain.parallel import ParallelDims, init_distributed
+from mmtrain.train import loop
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+BASE = ["data.mock=true", "data.seq_length=256", "train.device=cuda", "train.steps=8", "train.micro_batch_size=2",
+        "checkpoint.save_final=false", "model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=512",
+        "model.num_attention_heads=4", "model.vocab_size=1024", "logging.log_every=4",
+        "train.global_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    init_distributed("nccl", torch.device("cuda", 0))
+    return ParallelDims(world_size=1).build()
+
+
+@pytest.mark.parametrize("extra", [["train.precision=bf16"], ["train.precision=bf16", "optim.master_weights=false"],
+                                   ["train.precision=fp8", "fp8.backend=native"]])
+def test_non_logging_steps_do_not_sync(tmp_path, mesh, extra, monkeypatch):
+    if "train.precision=fp8" in extra and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    step = loop._Run.step
+    checked = []
+
+    def step_under_sync_detection(self, n):
+        strict = n > 1 and n % 4 != 0 and n != self.cfg.train.steps
+        torch.cuda.set_sync_debug_mode("error" if strict else "default")
+        try:
+            return step(self, n)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            if strict:
+                checked.append(n)
+    monkeypatch.setattr(loop._Run, "step", step_under_sync_detection)
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={tmp_path}", *extra])
+    result = loop.train_gpt(cfg, mesh, torch.device("cuda", 0))
+    assert checked == [2, 3, 5, 6, 7]
+    assert len(result.losses) == 8 and all(torch.isfinite(torch.tensor(result.losses)))

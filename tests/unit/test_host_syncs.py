@@ -1,0 +1,60 @@
+"""A training step reads nothing back from the device except at logging steps (issue #17): loss, token count,
+grad norm, the NaN/Inf flag and the preemption flag stay on the device in between. On the CPU a read-back is no
+real sync, so this counts the calls that would be one on a GPU (tests/gpu/test_host_syncs_gpu.py checks CUDA's
+own sync detection)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmtrain.config import GPTRunConfig, load_config
+from mmtrain.parallel import ParallelDims
+from mmtrain.testing import run_distributed
+from mmtrain.train import loop
+
+BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=10",
+        "train.micro_batch_size=2", "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
+        "model.num_attention_heads=4", "model.vocab_size=64", "checkpoint.save_final=false", "logging.log_every=5"]
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")  # a device read on a GPU
+
+
+def _count_reads(rank: int, world_size: int, run_dir: str, extra: list[str]):
+    seen: list[tuple[int, str]] = []
+    current = {"step": 0}
+    step = loop._Run.step
+
+    def counted_step(self, n):
+        current["step"] = n
+        return step(self, n)
+    loop._Run.step = counted_step
+
+    def wrap(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            seen.append((current["step"], name))
+            return original(self, *args, **kwargs)
+        return read
+    for name in READS:
+        setattr(torch.Tensor, name, wrap(name))
+    if "train.precision=fp8" in extra:
+        from mmtrain.train import build
+
+        build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", *extra])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+    result = loop.train_gpt(cfg, mesh, torch.device("cpu"))
+    return seen, result.losses
+
+
+@pytest.mark.parametrize("extra", [[], ["optim.grad_clip=1e-3", "optim.master_weights=false"],
+                                   ["train.precision=fp8", "fp8.recipe=delayed"]])
+def test_no_device_reads_on_non_logging_steps(tmp_path, extra):
+    seen, losses = run_distributed(_count_reads, 1, str(tmp_path), extra)[0]
+    off_steps = [(s, name) for s, name in seen if s and s % 5]
+    assert off_steps == [], f"device reads on non-logging steps: {off_steps[:10]}"
+    assert {s for s, _ in seen if s} == {5, 10}  # the logging steps read the numbers of every step back
+    assert len(losses) == 10 and all(torch.isfinite(torch.tensor(losses)))
+    rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 10  # still one metrics row per step
