@@ -31,7 +31,7 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
                           f"for text in data.seq_length ({d.seq_length})")
     a = cfg.model.audio
     longest = int(media.max_audio_seconds * a.sample_rate)  # samples of the longest clip the media path keeps
-    frames = (longest // a.hop_length + 1 + 1) // 2  # centred spectrogram frames, halved by the stride-2 stem
+    frames = (longest // a.hop_length + 1) // 2  # spectrogram frames (Whisper's count), halved by the stride-2 stem
     if a.enabled and frames > a.max_frames:
         raise ConfigError(f"media.max_audio_seconds ({media.max_audio_seconds}) gives clips of {frames} encoder "
                           f"positions, more than model.audio.max_frames ({a.max_frames}); lower "

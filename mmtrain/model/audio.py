@@ -75,8 +75,9 @@ class AudioEncoder(nn.Module):
         init_by_name(self, seed, prefix, self.cfg.init_std, self.cfg.num_layers)
 
     def log_mel(self, audio_MT: torch.Tensor) -> torch.Tensor:
-        """(M, n_mels, frames) Whisper-scaled log-mel features, fp32."""
-        mel = self.features.to(audio_MT.device)(audio_MT.float())
+        """(M, n_mels, frames) Whisper-scaled log-mel features, fp32: ``samples // hop_length`` frames, as Whisper
+        has (the centred spectrogram's last frame dropped), so 30 s at 10 ms hops is 3000 frames, 1500 positions."""
+        mel = self.features.to(audio_MT.device)(audio_MT.float())[..., :-1]
         log = mel.clamp(min=1e-10).log10()
         log = torch.maximum(log, log.amax(dim=(1, 2), keepdim=True) - 8.0)
         return (log + 4.0) / 4.0
@@ -92,8 +93,8 @@ class AudioEncoder(nn.Module):
                              f"than model.audio.max_frames={c.max_frames}; cut clips shorter "
                              "(media.max_audio_seconds) or raise max_frames")
         x = x + self.positions[:frames].to(x.dtype)
-        # valid positions: the spectrogram's centred frames (len // hop + 1), halved (rounded up) by the stem
-        valid = (lengths_M.to(x.device) // c.hop_length + 1 + 1) // 2
+        # valid positions: the clip's spectrogram frames (len // hop), halved (rounded up) by the stem
+        valid = (lengths_M.to(x.device) // c.hop_length + 1) // 2
         keep_MF = torch.arange(frames, device=x.device)[None] < valid[:, None]
         mask = keep_MF[:, None, None, :]  # (M, 1, 1, F): every query sees the clip's valid frames only
         for layer in self.layers.values():

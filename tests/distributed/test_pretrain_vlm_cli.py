@@ -159,7 +159,7 @@ def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):
                                     "'data.mm_num_image_tokens=16': the media path reads model.tokens_per_image"),
     ("data.mm_tokenizer=t.model", "it is now media.tokenizer"),
     ("data.seq_length=4", "the model's 4 placeholder tokens per image"),
-    ("media.max_audio_seconds=40", "media.max_audio_seconds (40.0) gives clips of 2001 encoder positions, more than "
+    ("media.max_audio_seconds=40", "media.max_audio_seconds (40.0) gives clips of 2000 encoder positions, more than "
                                    "model.audio.max_frames (1500)"),
     ("model.language.num_attention_heads=3", "model.language.hidden_size (64) must be divisible by"),
     ("data.prefixes=[x]", "data.prefixes is for GPT runs"),

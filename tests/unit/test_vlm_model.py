@@ -97,6 +97,22 @@ def test_vision_variants_audio_shapes_and_tiles():
     assert tile_image(torch.rand(3, 20, 20), 16, 1).shape == (1, 3, 16, 16)
 
 
+def test_a_full_length_default_clip_fits_the_default_audio_encoder():
+    """Whisper's frame count (samples // hop): 30 s at 16 kHz is 3000 frames, 1500 positions = max_frames (the
+    centred spectrogram's extra frame used to make it 1501 and the encoder refused the clip)."""
+    from dataclasses import replace
+
+    from mmtrain.config.media_schema import MediaConfig
+    from mmtrain.config.vlm_schema import AudioConfig
+
+    cfg = replace(AudioConfig(), hidden_size=8, num_layers=1, num_attention_heads=2, ffn_hidden_size=16)
+    samples = int(MediaConfig().max_audio_seconds * cfg.sample_rate)
+    audio = AudioEncoder(cfg)
+    audio.init_weights(0)
+    assert audio.log_mel(torch.randn(1, samples)).shape[-1] == samples // cfg.hop_length == 2 * cfg.max_frames
+    assert audio(torch.randn(1, samples), torch.tensor([samples])).shape == (1, cfg.num_tokens, cfg.hidden_size)
+
+
 def test_pixel_shuffle_merges_neighbouring_patches():
     grid = torch.arange(16, dtype=torch.float32).view(1, 16, 1)  # 4x4 grid, value = patch index
     out = pixel_shuffle(grid, 2)
