@@ -13,9 +13,11 @@ import collections
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 from dataprep.errors import PrepError
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
@@ -159,6 +161,26 @@ def _pipeline(blocks, options: EncodeOptions, workers: int, tokenizer=None):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _unwritable(prefix: str, exc: OSError) -> PrepError:
+    return PrepError(f"cannot write the output {prefix}: {exc.filename or prefix}: {exc.strerror or exc}; "
+                     "choose an --output-prefix in a folder you can write to (with free space)")
+
+
+def _check_writable(prefix: str) -> None:
+    """Fail early, and without creating anything, when PREFIX's folder cannot be written: try a temporary file
+    in the nearest folder that exists (a missing folder is made later, when the outputs are written)."""
+    folder = Path(prefix).absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(folder))
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise _unwritable(prefix, exc) from None
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     keys = tuple(args.json_keys)
@@ -169,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     prefix = os.fspath(args.output_prefix)
     prefixes = key_prefixes(prefix, keys)
     files, skipped = find_inputs(args.input, exclude=output_paths(prefix, list(prefixes.values())))
+    _check_writable(prefix)  # before the tokenizer loads and workers start
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
                                add_special_tokens=args.add_special_tokens, merge_file=args.merge_file)
     if args.append_eod and tokenizer.eod_id is None:
@@ -218,8 +241,7 @@ def run(args: argparse.Namespace) -> int:
         if rejects is not None:
             rejects.abort()
         if isinstance(exc, OSError):
-            raise PrepError(f"cannot write the output {prefix}: {exc.filename or prefix}: {exc.strerror or exc}; "
-                            "choose an --output-prefix in a folder you can write to (with free space)") from None
+            raise _unwritable(prefix, exc) from None
         raise
     finally:
         if results is not None:

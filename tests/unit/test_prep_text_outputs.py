@@ -131,6 +131,16 @@ def test_output_under_a_file_is_one_line(tmp_path, sp_model, capsys):
     assert f"cannot write the output {src / 'ds'}: {src}:" in line, line
 
 
+def test_an_unwritable_output_is_found_before_the_tokenizer_loads(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "hello"}) + "\n")
+    assert prep(["text", "--input", str(src), "--output-prefix", str(src / "ds"), "--tokenizer",
+                 str(tmp_path / "no-such.model")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("cannot write the output") or "cannot write the output" in line, line
+    assert not (src.parent / "ds").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_unwritable_output_folder_is_one_line(tmp_path, sp_model, capsys):
     src = tmp_path / "in.jsonl"
