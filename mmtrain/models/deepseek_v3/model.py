@@ -158,11 +158,17 @@ class GroupLimitedRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts (``moe.Experts``: w_up (E, D, 2F) [gate | up], w_down (E, F, D)) plus shared experts."""
+    """Routed experts (``moe.Experts``: w_up (E, D, 2F) [gate | up], w_down (E, F, D)) plus shared experts.
+    Marked ``is_moe_layer`` with the attributes the expert-parallel plan and ``update_router_biases`` use
+    (``dispatch``, ``token_groups``, ``step_load``, ``bias_update_rate``, ``router.expert_bias``)."""
+
+    is_moe_layer = True
 
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
         self.num_experts = cfg.n_routed_experts
+        self.bias_update_rate = cfg.bias_update_rate
+        self.token_groups: list = []  # no balance loss here: the selection bias balances (no group needed)
         self.router = GroupLimitedRouter(cfg)
         self.experts = Experts(_swiglu_shape(cfg, cfg.moe_intermediate_size), cfg.n_routed_experts)
         self.shared = MLP(_swiglu_shape(cfg, cfg.shared_intermediate_size)) if cfg.n_shared_experts else None
