@@ -115,10 +115,9 @@ def _check_deepseek_v3_shape(m: ModelConfig, p, mk: str) -> None:
             raise ConfigError(f"{mk}.{f.name}={getattr(m, f.name)!r} is a Llama-family field but {mk}.family="
                               f"deepseek_v3; set the shape under {mk}.deepseek_v3 instead")
     s, sk = m.deepseek_v3.check(prefix=f"{mk}.deepseek_v3."), f"{mk}.deepseek_v3"
-    for key, size in (("tp", p.tp), ("cp", p.cp)):  # its MLA plans for these are not wired yet (issue #17)
-        if size > 1:
-            raise ConfigError(f"parallel.{key}={size} is not supported for {mk}.family=deepseek_v3 yet; use "
-                              "parallel.pp, parallel.ep and data parallelism")
+    if p.cp > 1:  # MLA's context-parallel attention is not wired yet (issue #17)
+        raise ConfigError(f"parallel.cp={p.cp} is not supported for {mk}.family=deepseek_v3 yet; use parallel.tp, "
+                          "parallel.pp, parallel.ep and data parallelism")
     for key in ("num_attention_heads", "vocab_size", "intermediate_size"):
         if getattr(s, key) % p.tp:
             raise ConfigError(f"{sk}.{key} ({getattr(s, key)}) must be divisible by parallel.tp ({p.tp})")

@@ -1,5 +1,6 @@
 """The DeepSeek-V3 family (``model.family: deepseek_v3``) trains through the shared loop: one process learns,
-and PP2, EP2 (over dp2) and DP2 train exactly like one process -- same losses over the steps and the same
+and TP2 (with and without sequence parallelism), PP2, EP2 (over dp2), DP2 and their mixes train exactly like one
+process -- same losses over the steps and the same
 weights and routing biases after them (fp32, CPU, gloo; to 2e-5 of each tensor's norm). The shared machinery
 reads the family's sharding spec only; nothing under parallel/ or train/ names this family."""
 
@@ -9,7 +10,10 @@ import pytest
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config
+from mmtrain.models.deepseek_v3.config import load_deepseek_v3_config
+from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 from mmtrain.parallel import ParallelDims
+from mmtrain.parallel.tensor import tp_shard_of
 from mmtrain.testing import run_distributed
 from mmtrain.train.loop import train_gpt
 
@@ -35,7 +39,7 @@ def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
     result = train_gpt(cfg, mesh, torch.device("cpu"))
     state = {k: v.detach().clone() for k, v in result.model.state_dict().items()}  # with the routing biases
-    return result.losses, state, tuple(mesh.coord)
+    return result.losses, state, tuple(mesh.coord), mesh.dims.tp
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +48,17 @@ def one_process(tmp_path_factory):
 
 
 def test_one_process_trains_the_deepseek_family(one_process):
-    losses, state, _ = one_process
+    losses, state, _, _ = one_process
     assert losses[-1] < losses[0] - 0.1
     assert "layers.1.mlp.router.expert_bias" in state and "layers.0.attn.kv_up.weight" in state
     assert state["layers.1.mlp.router.expert_bias"].abs().max() > 0  # balanced by the loop's step hook
 
 
 LAYOUTS = [
+    (2, ["parallel.tp=2"]),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+    (4, ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"]),
     (2, ["parallel.pp=2"]),
     (2, ["parallel.pp=2", "parallel.pipeline_layers=[2,1]"]),
     (2, ["parallel.dp=2"]),
@@ -61,18 +69,19 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("world_size,layout", LAYOUTS, ids=lambda v: ",".join(v) if isinstance(v, list) else str(v))
 def test_layout_matches_one_process(world_size, layout, one_process, tmp_path):
-    ref_losses, ref_state, _ = one_process
+    ref_losses, ref_state, _, _ = one_process
+    spec = DeepseekV3Model(load_deepseek_v3_config(TINY, ["model.vocab_size=64"])).sharding_spec()
     runs = run_distributed(_train, world_size, str(tmp_path), layout)
-    for losses, _, _ in runs:
+    for losses, _, _, _ in runs:
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
     ep = next((int(o.split("=")[1]) for o in layout if o.startswith("parallel.ep=")), 1)
     seen = set()
-    for _, state, coord in runs:
+    for _, state, coord, tp in runs:  # coord: RankCoord (tp, cp, dp, pp, ep, edp)
         for name, value in state.items():
-            full = ref_state[name]
-            if value.shape != full.shape:  # this EP rank's slice of the experts (dim 0)
+            full = tp_shard_of(name, ref_state[name], spec, coord[0], tp)  # this TP rank's piece
+            if spec[name].expert_dim is not None:  # this EP rank's slice of the experts
                 local = full.shape[0] // ep
-                full = full.narrow(0, coord[4] * local, local)  # RankCoord: (tp, cp, dp, pp, ep, edp)
+                full = full.narrow(0, coord[4] * local, local)
             # relative to the tensor's norm (as tests/distributed/test_gpt_parallel_equivalence.py): Adam's
             # g/sqrt(v) lets fp32 reduction-order noise move single elements by ~1e-6; a sharding bug moves >1e-3
             rel = ((value - full).norm() / full.norm().clamp_min(1e-12)).item()

@@ -33,7 +33,8 @@ def test_the_shipped_deepseek_config_selects_the_family_and_its_shape():
     (TINY, ["model.deepseek_v3.routed_scaling_factor=nan"], r"model\.deepseek_v3\.routed_scaling_factor must be a finite number"),
     (TINY, ["parallel.pp=4"], r"model\.deepseek_v3\.num_layers \(3\) must be >= parallel\.pp"),
     (TINY, ["model.family=gpt"], r"model\.family"),
-    (TINY, ["parallel.tp=2"], r"parallel\.tp=2 is not supported for model\.family=deepseek_v3"),
+    (TINY, ["parallel.cp=2"], r"parallel\.cp=2 is not supported for model\.family=deepseek_v3"),
+    (TINY, ["parallel.tp=8"], r"model\.deepseek_v3\.num_attention_heads \(4\) must be divisible by parallel\.tp"),
     (TINY, ["train.precision=fp8", "train.device=cuda"], r"train\.precision=fp8 supports model\.family=llama"),
 ])
 def test_bad_family_configs_name_the_key(path, overrides, match):
