@@ -88,3 +88,24 @@ def test_layout_matches_one_process(world_size, layout, one_process, tmp_path):
             assert rel < 2e-5, f"{layout}: {name} at {coord} differs by {rel:.2e} (relative to its norm)"
             seen.add(name)
     assert seen == set(ref_state)  # every tensor of the model was compared on some stage
+
+
+CHECKPOINT = ["checkpoint.save_every=3", "checkpoint.keep_last=0"]
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    ((4, ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2"]), (2, ["parallel.pp=2"])),
+    ((2, ["parallel.pp=2"]), (2, ["parallel.dp=2", "parallel.ep=2"])),
+], ids=["tp2dp2ep2-to-pp2", "pp2-to-dp2ep2"])
+def test_resume_at_another_layout(tmp_path, saved, loaded):
+    """Save at step 3 at one layout, resume at another: the continuation matches the run that kept its layout
+    (weights, routing biases and Adam state resharded from the family's spec)."""
+    import shutil
+
+    (n_saved, saved_layout), (n_loaded, loaded_layout) = saved, loaded
+    full = run_distributed(_train, n_saved, str(tmp_path / "a"), [*saved_layout, *CHECKPOINT])[0][0]
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000003", tmp_path / "b" / "checkpoints" / "step_00000003")
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step_00000003\n")
+    tail = run_distributed(_train, n_loaded, str(tmp_path / "b"), [*loaded_layout, *CHECKPOINT])[0][0]
+    torch.testing.assert_close(torch.tensor(tail), torch.tensor(full[3:]), rtol=1e-5, atol=0)
