@@ -109,3 +109,34 @@ def test_resume_at_another_layout(tmp_path, saved, loaded):
     (tmp_path / "b" / "checkpoints" / "latest").write_text("step_00000003\n")
     tail = run_distributed(_train, n_loaded, str(tmp_path / "b"), [*loaded_layout, *CHECKPOINT])[0][0]
     torch.testing.assert_close(torch.tensor(tail), torch.tensor(full[3:]), rtol=1e-5, atol=0)
+
+
+def _logits_after_load(rank: int, world_size: int, ckpt: str, run_dir: str, ids: torch.Tensor):
+    cfg = load_config(GPTRunConfig, f"{ckpt}/model.yaml", [
+        "data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=0",
+        "train.micro_batch_size=1", "parallel.tp=2", f"checkpoint.load={ckpt}", f"logging.run_dir={run_dir}"])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+    with torch.no_grad():
+        return train_gpt(cfg, mesh, torch.device("cpu")).model.eval()(ids)
+
+
+def test_converted_hf_weights_start_a_tp2_run_with_hf_logits(tmp_path):
+    """DeepseekV3ForCausalLM -> weights-only checkpoint at PP2 -> a TP2 run of its model.yaml: HF's logits."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV3ForCausalLM")
+    from mmtrain.convert.convert import hf_to_mmtrain
+
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+        n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64, tie_word_embeddings=False)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    hf_to_mmtrain(tmp_path / "hf", tmp_path / "ckpt", tp=1, pp=2)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    logits = run_distributed(_logits_after_load, 2, str(tmp_path / "ckpt"), str(tmp_path / "run"), ids)[0]
+    assert (logits - expected).abs().max().item() < 1e-4
