@@ -140,3 +140,12 @@ def test_converted_hf_weights_start_a_tp2_run_with_hf_logits(tmp_path):
         expected = hf(ids).logits
     logits = run_distributed(_logits_after_load, 2, str(tmp_path / "ckpt"), str(tmp_path / "run"), ids)[0]
     assert (logits - expected).abs().max().item() < 1e-4
+
+
+def test_virtual_pipeline_stages_match_one_process(tmp_path):
+    """Interleaved 1F1B (pp2 x virtual_pp2 needs four layers): the same losses as one process."""
+    four = ["model.deepseek_v3.num_layers=4"]
+    ref = run_distributed(_train, 1, str(tmp_path / "one"), four)[0][0]
+    for losses, _, _, _ in run_distributed(_train, 2, str(tmp_path / "vpp"),
+                                           [*four, "parallel.pp=2", "parallel.virtual_pp=2"]):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
