@@ -1,6 +1,6 @@
 """DeepSeek-V3-style model training throughput on one device (no parallelism), one JSON line per run.
 
-    python bench/deepseek_v3_tokens.py [--model configs/deepseek_v3/tiny.yaml] [--batch 4] [--seq 512] \\
+    python bench/deepseek_v3_tokens.py [--model configs/models/deepseek-v3-tiny.yaml] [--batch 4] [--seq 512] \\
         [model.key=value ...]
     # e.g. a DeepSeek-V2-Lite-like width on one H200:
     python bench/deepseek_v3_tokens.py --batch 2 --seq 4096 model.hidden_size=2048 model.num_layers=4 \\
@@ -38,7 +38,7 @@ BF16_CEILING_TFLOPS = 736.0  # measured H200 dense bf16 matmul ceiling (bench/tr
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(REPO / "configs/deepseek_v3/tiny.yaml"))
+    ap.add_argument("--model", default=str(REPO / "configs/models/deepseek-v3-tiny.yaml"))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)

@@ -10,22 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
+from mmtrain.config.fields import doc
 
-def doc(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with a default and its help text (mutable defaults are copied per instance).
-
-    Numeric fields declare their range here: ``ge``/``gt`` (lower bound, inclusive/exclusive) and ``le``/``lt``
-    (upper bound); ``mmtrain.config.ranges`` checks every field (each element of a list, each value of a
-    mapping) against them, and refuses NaN and infinities in any float field."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+__all__ = ["doc"]  # re-exported: the other schema modules declare their fields with it
 
 
 @dataclass
 class ModelConfig:
-    """Shape of the decoder-only language model (Llama family by default)."""
+    """Shape of the decoder-only language model: a Llama-family shape (the fields below), or another family's
+    shape in its own section, chosen by ``family``."""
 
+    family: Literal["llama", "deepseek_v3"] = doc(
+        "llama", "Model family (mmtrain/models/<family>/): llama (the shape fields of this section) or "
+                 "deepseek_v3 (the shape is model.deepseek_v3; the Llama shape fields must then keep their defaults).")
     name: str = doc("tiny", "Free-form name of the shape, shown in logs (e.g. llama3.2-1b).")
     num_layers: int = doc(2, "Number of transformer blocks.", ge=1)
     hidden_size: int = doc(64, "Width of the residual stream.", ge=1)
@@ -57,9 +55,17 @@ class ModelConfig:
     moe_grouped_gemm: bool = doc(True, "Run experts as one grouped GEMM (torch._grouped_mm on Hopper, bf16); "
                                        "else a loop over experts.")
 
+    deepseek_v3: DeepseekV3Config = field(default_factory=DeepseekV3Config, metadata={
+        "help": "The DeepSeek-V3-style shape (MLA attention, sigmoid-routed MoE), used when family is deepseek_v3."})
+
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    def shape(self) -> "ModelConfig | DeepseekV3Config":
+        """The chosen family's shape: what family-neutral code reads ``name``, ``vocab_size``, ``hidden_size``
+        and ``num_layers`` from."""
+        return self.deepseek_v3 if self.family == "deepseek_v3" else self
 
 
 @dataclass

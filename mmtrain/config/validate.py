@@ -5,9 +5,12 @@ Each check names the keys involved and the values, so the fix is obvious from th
 
 from __future__ import annotations
 
+import dataclasses
+
+from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.ranges import check_ranges
-from mmtrain.config.schema import GPTRunConfig
+from mmtrain.config.schema import GPTRunConfig, ModelConfig
 
 
 def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> None:
@@ -25,6 +28,54 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if t.exit_at_step > t.steps:
         raise ConfigError(f"train.exit_at_step ({t.exit_at_step}) is past train.steps ({t.steps}); the run would "
                           "never stop there")
+    if m.family == "deepseek_v3":
+        _check_deepseek_v3_shape(m, p, mk)
+    else:
+        _check_llama_shape(m, p, mk)
+    layers_key = f"{mk}.deepseek_v3.num_layers" if m.family == "deepseek_v3" else f"{mk}.num_layers"
+    if m.shape().num_layers < p.pp * p.virtual_pp:
+        raise ConfigError(f"{layers_key} ({m.shape().num_layers}) must be >= parallel.pp * parallel.virtual_pp "
+                          f"({p.pp} * {p.virtual_pp})")
+    if p.virtual_pp > 1 and p.pp == 1:
+        raise ConfigError("parallel.virtual_pp > 1 needs parallel.pp > 1")
+    if p.pipeline_layers and len(p.pipeline_layers) != p.pp * p.virtual_pp:
+        raise ConfigError(f"parallel.pipeline_layers has {len(p.pipeline_layers)} entries; it needs one per (virtual) "
+                          f"stage: parallel.pp * parallel.virtual_pp = {p.pp * p.virtual_pp}")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+    if p.cp > 1 and d.seq_length % (2 * p.cp):
+        raise ConfigError(f"data.seq_length ({d.seq_length}) must be divisible by 2 * parallel.cp ({2 * p.cp}) "
+                          "for load-balanced context parallelism")
+    if p.sequence_parallel and (d.seq_length // p.cp) % p.tp:
+        raise ConfigError(f"data.seq_length / parallel.cp ({d.seq_length // p.cp}) must be divisible by parallel.tp "
+                          f"({p.tp}) with sequence parallelism")
+    if not d.mock and not d.prefixes and not d.blend:
+        raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
+    _validate_data(d)
+    if t.precision == "fp8" and t.device == "cpu":
+        raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
+    if t.precision == "fp8" and m.family != "llama":
+        raise ConfigError(f"train.precision=fp8 supports {mk}.family=llama only (got {m.family}); use bf16")
+    if t.precision == "fp8":
+        _validate_fp8(cfg, mk)
+    if world_size is not None:
+        from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
+
+        dims = ParallelDims.from_config(p, world_size)
+        if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dims.dp):
+            raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                              f"train.micro_batch_size * dp ({t.micro_batch_size} * {dims.dp})")
+        num_micro = (t.global_batch_size or t.micro_batch_size * dims.dp) // (t.micro_batch_size * dims.dp)
+        if p.virtual_pp > 1 and num_micro % p.pp:
+            raise ConfigError(f"with parallel.virtual_pp > 1 the micro-batches per step ({num_micro}) must be a "
+                              f"multiple of parallel.pp ({p.pp}); raise train.global_batch_size")
+
+
+def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:
+    """A Llama-family shape against itself and the TP/EP layout; the DeepSeek section must be left alone."""
+    if m.deepseek_v3 != DeepseekV3Config():
+        raise ConfigError(f"{mk}.deepseek_v3 is set but {mk}.family=llama ignores it; set {mk}.family=deepseek_v3 "
+                          f"or remove the {mk}.deepseek_v3 section")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"{mk}.hidden_size ({m.hidden_size}) must be divisible by "
                           f"{mk}.num_attention_heads ({m.num_attention_heads})")
@@ -45,9 +96,6 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if m.vocab_size % p.tp:
         raise ConfigError(f"{mk}.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}); "
                           "pad the vocabulary")
-    if m.num_layers < p.pp * p.virtual_pp:
-        raise ConfigError(f"{mk}.num_layers ({m.num_layers}) must be >= parallel.pp * parallel.virtual_pp "
-                          f"({p.pp} * {p.virtual_pp})")
     if m.num_experts:
         if not 1 <= m.moe_top_k <= m.num_experts:
             raise ConfigError(f"{mk}.moe_top_k ({m.moe_top_k}) must be between 1 and {mk}.num_experts "
@@ -56,37 +104,32 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
             raise ConfigError(f"{mk}.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
     elif p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model ({mk}.num_experts > 0)")
-    if p.virtual_pp > 1 and p.pp == 1:
-        raise ConfigError("parallel.virtual_pp > 1 needs parallel.pp > 1")
-    if p.pipeline_layers and len(p.pipeline_layers) != p.pp * p.virtual_pp:
-        raise ConfigError(f"parallel.pipeline_layers has {len(p.pipeline_layers)} entries; it needs one per (virtual) "
-                          f"stage: parallel.pp * parallel.virtual_pp = {p.pp * p.virtual_pp}")
-    if p.sequence_parallel and p.tp == 1:
-        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
-    if p.cp > 1 and d.seq_length % (2 * p.cp):
-        raise ConfigError(f"data.seq_length ({d.seq_length}) must be divisible by 2 * parallel.cp ({2 * p.cp}) "
-                          "for load-balanced context parallelism")
-    if p.sequence_parallel and (d.seq_length // p.cp) % p.tp:
-        raise ConfigError(f"data.seq_length / parallel.cp ({d.seq_length // p.cp}) must be divisible by parallel.tp "
-                          f"({p.tp}) with sequence parallelism")
-    if not d.mock and not d.prefixes and not d.blend:
-        raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
-    _validate_data(d)
-    if t.precision == "fp8" and t.device == "cpu":
-        raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
-    if t.precision == "fp8":
-        _validate_fp8(cfg, mk)
-    if world_size is not None:
-        from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
 
-        dims = ParallelDims.from_config(p, world_size)
-        if t.global_batch_size and t.global_batch_size % (t.micro_batch_size * dims.dp):
-            raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                              f"train.micro_batch_size * dp ({t.micro_batch_size} * {dims.dp})")
-        num_micro = (t.global_batch_size or t.micro_batch_size * dims.dp) // (t.micro_batch_size * dims.dp)
-        if p.virtual_pp > 1 and num_micro % p.pp:
-            raise ConfigError(f"with parallel.virtual_pp > 1 the micro-batches per step ({num_micro}) must be a "
-                              f"multiple of parallel.pp ({p.pp}); raise train.global_batch_size")
+
+def _check_deepseek_v3_shape(m: ModelConfig, p, mk: str) -> None:
+    """A DeepSeek-V3 shape (``{mk}.deepseek_v3``) against itself and the TP/EP layout; the Llama shape fields
+    must keep their defaults, so a value put there by mistake is not silently ignored."""
+    default = ModelConfig()
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in ("family", "deepseek_v3") and getattr(m, f.name) != getattr(default, f.name):
+            raise ConfigError(f"{mk}.{f.name}={getattr(m, f.name)!r} is a Llama-family field but {mk}.family="
+                              f"deepseek_v3; set the shape under {mk}.deepseek_v3 instead")
+    s, sk = m.deepseek_v3.check(prefix=f"{mk}.deepseek_v3."), f"{mk}.deepseek_v3"
+    if p.cp > 1:  # MLA's context-parallel attention is not wired yet (issue #17)
+        raise ConfigError(f"parallel.cp={p.cp} is not supported for {mk}.family=deepseek_v3 yet; use parallel.tp, "
+                          "parallel.pp, parallel.ep and data parallelism")
+    for key in ("num_attention_heads", "vocab_size", "intermediate_size"):
+        if getattr(s, key) % p.tp:
+            raise ConfigError(f"{sk}.{key} ({getattr(s, key)}) must be divisible by parallel.tp ({p.tp})")
+    if s.shared_intermediate_size % p.tp:
+        raise ConfigError(f"{sk}.n_shared_experts * {sk}.moe_intermediate_size ({s.shared_intermediate_size}) "
+                          f"must be divisible by parallel.tp ({p.tp})")
+    has_moe = s.first_k_dense_replace < s.num_layers
+    if p.ep > 1 and not has_moe:
+        raise ConfigError(f"parallel.ep={p.ep} needs MoE layers ({sk}.first_k_dense_replace < "
+                          f"{sk}.num_layers)")
+    if has_moe and s.n_routed_experts % p.ep:
+        raise ConfigError(f"{sk}.n_routed_experts ({s.n_routed_experts}) must be divisible by parallel.ep ({p.ep})")
 
 
 def _validate_data(d) -> None:

@@ -15,6 +15,9 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
     ``lr_scale``)."""
     p, d, media = cfg.parallel, cfg.data, cfg.media
     check_ranges(cfg)  # every numeric field, the VLM model's and media's included, named by its own key
+    if cfg.model.language.family != "llama":  # the VLM's language model is the Llama-family GPT
+        raise ConfigError(f"model.language.family={cfg.model.language.family}: a VLM run's language model must be "
+                          "model.language.family=llama")
     check_language_run(cfg.language_run(), world_size, model_key="model.language")
     check_vlm_model(cfg.model, tp=p.tp)
     if p.virtual_pp > 1:

@@ -10,7 +10,7 @@ import torch
 from mmtrain.convert.checkpoint_io import ConvertError
 from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
 from mmtrain.convert.hf_files import HFFolderError
-from mmtrain.models.llama.hf_adapter import UnsupportedHFConfig
+from mmtrain.models.registry import hf_errors
 from mmtrain.utils.dcp_storage import CheckpointFormatError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -18,8 +18,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mmtrain.convert",
-                                     description="Convert Hugging Face Llama/Qwen2/Mixtral folders to and from "
-                                                 "mmtrain checkpoints.")
+                                     description="Convert Hugging Face Llama/Qwen2/Mixtral and DeepSeek-V3 folders "
+                                                 "to and from mmtrain checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     to_ours = sub.add_parser("hf-to-mmtrain", help="HF folder (config.json + safetensors) -> weights-only checkpoint")
     to_ours.add_argument("--hf", required=True, help="Hugging Face model folder")
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ConvertError, UnsupportedHFConfig, HFFolderError, CheckpointFormatError, FileNotFoundError) as exc:
+    except (ConvertError, *hf_errors(), HFFolderError, CheckpointFormatError, FileNotFoundError) as exc:
         print(f"python -m mmtrain.convert {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -25,8 +25,7 @@ import yaml
 import mmtrain
 from mmtrain.config.loader import apply_mapping
 from mmtrain.config.schema import GPTRunConfig, ModelConfig, ParallelConfig
-from mmtrain.models.llama.model import GPTModel
-from mmtrain.models.llama.spec import llama_sharding_spec
+from mmtrain.models.registry import model_family
 from mmtrain.models.spec import ShardingSpec
 from mmtrain.parallel.global_chunks import (
     Shard,
@@ -42,11 +41,12 @@ from mmtrain.utils.atomic import atomic_write_text
 from mmtrain.utils.dcp_io import Chunk, load_chunks, save_chunks, saved_tensors
 from mmtrain.utils.dcp_storage import CheckpointFormatError, DamagedFileError, read_checksums
 
-# ModelConfig fields that change what the weights compute; a run loading weights must agree on all of them.
-ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                       "vocab_size", "norm", "norm_eps", "activation", "rope_theta", "rope_scaling_factor",
-                       "tie_embeddings", "add_bias", "qkv_bias", "qk_norm", "num_experts", "moe_top_k",
-                       "moe_ffn_hidden_size", "moe_router", "moe_shared_ffn_hidden_size")
+
+
+def _architecture(cfg: ModelConfig) -> dict[str, Any]:
+    """The model config fields that change what the weights compute (the family's; a run loading weights
+    must agree on all of them)."""
+    return {"family": cfg.family, **model_family(cfg).architecture(cfg)}
 
 
 class ConvertError(ValueError):
@@ -67,9 +67,9 @@ def _rank_of(tp_rank: int, pp_rank: int, tp: int, cp: int = 1, dp: int = 1) -> i
 def _stage_state(cfg: ModelConfig, pp: int, stage: int,
                  pipeline_layers: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The state dict (meta tensors: no memory, exact names and shapes) of pipeline stage ``stage``."""
-    ranges = stage_layer_ranges(cfg.num_layers, pp, pipeline_layers)
+    ranges = stage_layer_ranges(cfg.shape().num_layers, pp, pipeline_layers)
     with torch.device("meta"):
-        model = GPTModel(cfg, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
+        model = model_family(cfg).build_stage(cfg, ranges[stage], stage == 0, stage == pp - 1)
     return model.state_dict()
 
 
@@ -92,7 +92,7 @@ def _iter_rank_states(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, 
                      pipeline_layers: list[int] | None = None) -> RankStates:
     """((tp_rank, pp_rank), that rank's model state dict) for a TP x PP layout, one rank at a time (so writing
     a large model holds one rank's shards besides the full tensors)."""
-    spec = llama_sharding_spec(cfg)
+    spec = model_family(cfg).sharding_spec(cfg)
     for stage in range(pp):
         state = _stage_state(cfg, pp, stage, pipeline_layers)
         for r in range(tp):
@@ -125,7 +125,7 @@ def merge_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], cfg: Mo
     """Full tensors from {(tp_rank, pp_rank): state dict}. A tied model's last-stage output copy is dropped."""
     tp = 1 + max(r for r, _ in shards)
     pp = 1 + max(s for _, s in shards)
-    spec = llama_sharding_spec(cfg)
+    spec = model_family(cfg).sharding_spec(cfg)
     full: dict[str, torch.Tensor] = {}
     for stage in range(pp):
         for name in shards[(0, stage)]:
@@ -146,7 +146,7 @@ def _layout_chunks(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp:
     """The chunks (views of ``full``) that the ranks of a TP x PP run hold, as a training checkpoint stores them
     (replicated values once)."""
     chunks: dict[tuple, Chunk] = {}
-    spec = llama_sharding_spec(cfg)
+    spec = model_family(cfg).sharding_spec(cfg)
     for stage in range(pp):
         for name, t in _stage_state(cfg, pp, stage, pipeline_layers).items():
             if stored_name(name, spec) != name:
@@ -245,14 +245,15 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     folder = _resolve_checkpoint_folder(path)
     meta, cfg, _ = _read_checkpoint_meta(folder)
     if run_model_cfg is not None:
-        differ = [f"model.{k}: run {getattr(run_model_cfg, k)!r}, checkpoint {getattr(cfg, k)!r}"
-                  for k in ARCHITECTURE_FIELDS if getattr(run_model_cfg, k) != getattr(cfg, k)]
+        ours, theirs = _architecture(run_model_cfg), _architecture(cfg)
+        differ = [f"model.{k}: run {ours.get(k)!r}, checkpoint {theirs.get(k)!r}"
+                  for k in {**theirs, **ours} if ours.get(k) != theirs.get(k)]
         if differ:
             raise ConvertError(f"{path} does not fit this run's model config (include its model.yaml): "
                                + "; ".join(differ))
     saved = _checked_read(folder, "checkpoint.load", verify, lambda: saved_tensors(folder, verify))
     own = model.state_dict()
-    spec = llama_sharding_spec(cfg)  # the checkpoint's model (its config says what it holds)
+    spec = model_family(cfg).sharding_spec(cfg)  # the checkpoint's model (its config says what it holds)
     shard = shard_of(mesh)
     for name, t in own.items():
         key = f"model.{stored_name(name, spec)}"

@@ -8,8 +8,7 @@ import torch
 
 from mmtrain.convert.checkpoint_io import read_full_state, write_weights_checkpoint
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder
-from mmtrain.models.llama.hf_adapter import (UnsupportedHFConfig, hf_config_from_model_config, hf_state_from_mmtrain,
-                                             mmtrain_state_from_hf, model_config_from_hf)
+from mmtrain.models.registry import family_for_hf, model_family
 
 
 def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
@@ -18,12 +17,13 @@ def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
     folder. Tensors keep their stored dtype."""
     hf_config = read_hf_config(hf_dir)
     hf_tensors = read_hf_tensors(hf_dir)  # every file read (and checked) before its values are interpreted
+    adapter = family_for_hf(hf_config).hf  # by model_type
     try:
-        cfg = model_config_from_hf(hf_config)
+        cfg = adapter.config_from_hf(hf_config)
     except KeyError as exc:
-        raise UnsupportedHFConfig(f"{Path(hf_dir) / 'config.json'}: no {exc.args[0]!r} (not a complete "
-                                  "Llama/Qwen2/Mixtral config)") from None
-    full = mmtrain_state_from_hf(hf_tensors, cfg)
+        raise adapter.errors()[0](f"{Path(hf_dir) / 'config.json'}: no {exc.args[0]!r} (not a complete "
+                                  f"{'/'.join(adapter.model_types)} config)") from None
+    full = adapter.state_from_hf(hf_tensors, cfg)
     return write_weights_checkpoint(out, full, cfg, tp, pp, pipeline_layers,
                                     extra_meta={"hf_config": hf_config, "converted_from": str(hf_dir)})
 
@@ -32,10 +32,11 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
     """Convert an mmtrain checkpoint (a step folder or a checkpoints root with ``latest``; weights-only or from
     training, any TP/PP) into a Hugging Face folder ``out``. ``dtype`` casts floating tensors when given."""
     full, cfg, meta = read_full_state(ckpt)
-    tensors = hf_state_from_mmtrain(full, cfg)
+    adapter = model_family(cfg).hf
+    tensors = adapter.state_to_hf(full, cfg)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    hf_config = hf_config_from_model_config(cfg, base=meta.get("hf_config"))
+    hf_config = adapter.config_to_hf(cfg, meta.get("hf_config"))
     some = next(iter(tensors.values()))
     # "torch_dtype" for transformers 4, "dtype" for transformers 5
     hf_config["torch_dtype"] = hf_config["dtype"] = str(some.dtype).removeprefix("torch.")

@@ -94,7 +94,7 @@ def build_gpt_samples_from_config(cfg, split: str, dp_size: int, *, index_builde
     if not entries:
         raise BlendSpecError(f"{spec.source}: no {split} blend; add a '{split}:' list")
     every_split = spec.datasets if spec.per_split is None else [e for es in spec.per_split.values() for e in es]
-    infos = check_text_datasets(every_split, cfg.model.vocab_size, log)  # tokenizers must agree across splits
+    infos = check_text_datasets(every_split, cfg.model.shape().vocab_size, log)  # tokenizers must agree across splits
     infos = [i for i in infos if i.where in {e.where for e in entries}]
     eod_id = _common_eod_id(infos, d)
     size = samples_needed(cfg, split, dp_size)

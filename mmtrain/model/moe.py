@@ -137,6 +137,11 @@ class MoELayer(nn.Module):
         self.token_groups: list = []  # groups over which one micro-batch's tokens are split (SP, CP)
         self.step_load: torch.Tensor | None = None  # tokens per expert, accumulated over a step (for logs/bias)
 
+    @property
+    def bias_update_rate(self) -> float:
+        """Per-step change of the selection bias toward balance (``update_router_biases``); 0: no bias."""
+        return self.cfg.moe_bias_update_rate if self.cfg.moe_router == "sigmoid" else 0.0
+
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         shape = x_BSD.shape
         x = x_BSD.reshape(-1, shape[-1])

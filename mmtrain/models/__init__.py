@@ -1,5 +1,7 @@
 """Model families, one folder each: the single-device model, its HF adapter, its sharding spec, its shapes.
 
-``mmtrain.model`` holds the Llama-family GPT the trainer runs today; families added here (``deepseek_v3``) are
-single-device for now, their parallel wiring pending (docs/model-families.md).
+A run picks one by ``model.family``; ``registry`` (``mmtrain.models.registry.model_family``) maps the name to
+the family's stage builder, FLOPs and MoE flag, which is all the trainer knows of a family
+(docs/model-families.md). ``llama`` is the Llama-family GPT (also ``mmtrain.model.GPTModel``), ``deepseek_v3``
+the MLA + sigmoid-MoE family.
 """

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 TP_PLACEMENTS = ("column", "row", "vocab", "replicated")
 PARTIAL_GRAD = ("never", "always", "sequence_parallel")
 REDUCE_GROUPS = ("dp_cp", "edp")
+TP_INPUTS = ("auto", "copy", "local")
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,12 @@ class ParamSpec:
     TP-replicated tensor whose gradient each TP rank holds only part of, summed over TP: ``never``, ``always``
     (e.g. per-head QK-norm weights), ``sequence_parallel`` (each TP rank saw only its slice of the sequence).
     ``tied_to``: a copy of another tensor (a tied embedding's copy on the last pipeline stage): stored under that
-    name, its gradient summed with it. ``buffer``: not a parameter (no gradient)."""
+    name, its gradient summed with it. ``buffer``: not a parameter (no gradient). ``tp_input``: how a linear's
+    input enters the TP region (copied over TP, or gathered along the sequence under SP; in backward its gradient
+    is summed): ``auto`` = column linears copy their input, the others do not; ``copy`` = a replicated linear
+    that opens the region for the column linears after it (MLA's ``q_down``/``kv_down``: their outputs feed
+    per-head ``q_up``/``kv_up``, so their gradients are partial over TP); ``local`` = a column linear whose
+    input is already in the region (``q_up``/``kv_up``: not copied again)."""
 
     tp: str = "replicated"
     dim: int | None = None
@@ -46,6 +52,7 @@ class ParamSpec:
     tp_partial_grad: str = "never"
     tied_to: str | None = None
     buffer: bool = False
+    tp_input: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tp not in TP_PLACEMENTS:
@@ -56,6 +63,10 @@ class ParamSpec:
         if self.grad_reduce_group not in REDUCE_GROUPS:
             raise ValueError(f"ParamSpec.grad_reduce_group={self.grad_reduce_group!r}; expected one of "
                              f"{', '.join(REDUCE_GROUPS)}")
+        if self.tp_input not in TP_INPUTS or (self.tp_input == "copy" and self.tp != "replicated") or (
+                self.tp_input == "local" and self.tp != "column"):
+            raise ValueError(f"ParamSpec.tp_input={self.tp_input!r} with tp={self.tp!r}; expected auto, copy "
+                             "(replicated) or local (column)")
         if self.dim is None and self.tp != "replicated":
             object.__setattr__(self, "dim", 1 if self.tp == "row" else 0)
 

@@ -118,7 +118,8 @@ def apply_expert_parallel(model: nn.Module, group, token_groups: list = ()) -> n
 @torch.no_grad()
 def update_router_biases(model: nn.Module, groups: list) -> dict[str, torch.Tensor]:
     """After a step: sum each MoE layer's expert load over ``groups`` (ranks that saw different tokens),
-    nudge sigmoid routers' biases toward balance (DeepSeek-V3), and return the loads for logging (float
+    nudge the selection bias (``router.expert_bias``) of layers with a ``bias_update_rate`` toward balance
+    (DeepSeek-V3's auxiliary-loss-free balancing), and return the loads for logging (float
     tensors on the device, read at logging steps only: no host sync here)."""
     loads = {}
     for name, module in model.named_modules():
@@ -128,8 +129,9 @@ def update_router_biases(model: nn.Module, groups: list) -> dict[str, torch.Tens
         for g in groups:
             if g is not None and dist.get_world_size(g) > 1:
                 dist.all_reduce(load, group=g)
-        if module.cfg.moe_router == "sigmoid" and module.cfg.moe_bias_update_rate:
-            module.router.expert_bias += module.cfg.moe_bias_update_rate * torch.sign(load.mean() - load)
+        rate = getattr(module, "bias_update_rate", 0.0)  # the layer's own: 0 for routers without a selection bias
+        if rate:
+            module.router.expert_bias += rate * torch.sign(load.mean() - load)
         loads[name] = load
         module.step_load = None
     return loads

@@ -35,10 +35,11 @@ class ColumnParallelLinear(nn.Module):
     """Output features split over TP; input replicated (or gathered along the sequence under SP)."""
 
     def __init__(self, full: nn.Linear, group, sequence_parallel: bool, parts: tuple[int, ...] = (),
-                 unit: int = 1) -> None:
+                 unit: int = 1, copy_input: bool = True) -> None:
         super().__init__()
         n, r = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.copy_input = copy_input  # False: the input is already in the TP region (spec tp_input "local")
         self.part_sizes = tuple(parts) or (full.out_features,)  # fused blocks (the spec's), each split n ways
         self.weight = nn.Parameter(_shard_parts(full.weight.data, self.part_sizes, r, n, unit=unit))
         self.bias = (nn.Parameter(_shard_parts(full.bias.data, self.part_sizes, r, n, unit=unit))
@@ -46,8 +47,26 @@ class ColumnParallelLinear(nn.Module):
         self.matmul = F.linear  # an F.linear-like hook: FP8 (mmtrain.model.fp8) swaps in its own matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
+        if self.copy_input:
+            x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
         return self.matmul(x, self.weight, self.bias)
+
+
+class RegionEntryLinear(nn.Module):
+    """A replicated linear that opens a TP region (spec ``tp_input: copy``): whole weight, input copied over TP
+    (gathered along the sequence under SP) so the gradient reaching its input is summed over TP; the column
+    linears after it take its output as is (``tp_input: local``)."""
+
+    def __init__(self, full: nn.Linear, group, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = full.weight
+        self.bias = full.bias
+        self.part_sizes = getattr(full, "part_sizes", (full.out_features,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -154,10 +173,12 @@ def _sharded_module(module: nn.Module, spec, group, sp: bool) -> nn.Module | Non
     """The TP replacement of ``module`` per its weight's spec entry, or None when it stays whole."""
     if isinstance(module, nn.Embedding) and spec.tp == "vocab":
         return _VocabParallelEmbedding(module, group, sp)
+    if isinstance(module, nn.Linear) and spec.tp_input == "copy":
+        return RegionEntryLinear(module, group, sp)
     if not isinstance(module, nn.Linear) or spec.tp == "replicated":
         return None
     if spec.tp == "column":
-        return ColumnParallelLinear(module, group, sp, spec.parts, spec.unit)
+        return ColumnParallelLinear(module, group, sp, spec.parts, spec.unit, copy_input=spec.tp_input != "local")
     if spec.tp == "row":
         return RowParallelLinear(module, group, sp)
     # vocab-split output layer: a plain linear on this rank's vocabulary rows (the head copies/gathers its input)

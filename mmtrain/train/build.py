@@ -1,5 +1,6 @@
-"""Build this rank's piece of the GPT: its pipeline stage (or, with virtual stages, its chunks), initialized as
-the whole model would be, then sharded over tensor/context/expert parallelism and moved to the device."""
+"""Build this rank's piece of the language model (the family ``model.family`` names, from
+``mmtrain.models.registry``): its pipeline stage (or, with virtual stages, its chunks), initialized as the whole
+model would be, then sharded over tensor/context/expert parallelism and moved to the device."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch import nn
 
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.model.fp8 import Fp8Runtime, apply_fp8, resolve_fp8_backend
-from mmtrain.models.llama.model import GPTModel
+from mmtrain.models.registry import model_family
 from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import apply_expert_parallel
@@ -21,7 +22,7 @@ class StageChunks(nn.Module):
     GPTModel stage for everything but the forward: parameters keep their global names (``embed``,
     ``layers.<i>``, ``norm``, ``output``), so gradients, the optimizer and checkpoints need not care."""
 
-    def __init__(self, chunks: list[GPTModel]) -> None:
+    def __init__(self, chunks: list[nn.Module]) -> None:
         super().__init__()
         self.chunks = chunks  # a plain list: the modules below register them under their global names
         self.cfg = chunks[0].cfg
@@ -37,12 +38,14 @@ class StageChunks(nn.Module):
 
 
 def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, int], pre: bool, post: bool,
-                 fp8_backend: str | None = None) -> GPTModel:
-    model = GPTModel(cfg.model, layer_range, pre_process=pre, post_process=post)
+                 fp8_backend: str | None = None) -> nn.Module:
+    family = model_family(cfg.model)
+    has_experts = family.has_routed_experts(cfg.model)
+    model = family.build_stage(cfg.model, layer_range, pre, post)
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
     apply_context_parallel(model, mesh.cp_group)
-    if cfg.model.num_experts:
+    if has_experts:
         sp = cfg.parallel.sequence_parallel and mesh.dims.tp > 1
         apply_expert_parallel(model, mesh.ep_group, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
     if fp8_backend is not None:
@@ -55,13 +58,13 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
             if fp8_backend == "te":  # TE modules run their own kernels; dynamo does not trace them
                 block.attn_norm.compile()
                 block.mlp_norm.compile()
-            elif cfg.model.num_experts:  # data-dependent token counts per expert: compile the dense parts only
+            elif has_experts:  # data-dependent token counts per expert: compile the dense parts only
                 block.attn_norm.compile()
                 block.attn.compile()
                 block.mlp_norm.compile()
             else:
                 block.compile()
-    if cfg.train.compile and mesh.dims.tp == 1 and model.head is not None:  # fuses fp32 upcast, log-softmax, backward
+    if cfg.train.compile and mesh.dims.tp == 1 and getattr(model, "head", None) is not None:  # fuses fp32 upcast, log-softmax, backward
         if model.head_matmul is not None:  # FP8 head: its casts of the (huge) logits gradient fuse with the loss
             model.head_loss = torch.compile(model.head_loss)
         else:
@@ -69,12 +72,12 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
     return model
 
 
-def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> GPTModel | StageChunks:
+def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> nn.Module:
     """This rank's model: its pipeline stage (or virtual-stage chunks) with whole-model initial values, sharded
     over tensor, context and expert parallelism per ``mesh``, FP8 linears for ``train.precision: fp8`` (then
     ``stage.fp8_runtime`` is set), with recompute/compile flags, on ``device``."""
     pp, stage, v = mesh.dims.pp, mesh.coord.pp, cfg.parallel.virtual_pp
-    ranges = stage_layer_ranges(cfg.model.num_layers, pp * v, cfg.parallel.pipeline_layers)
+    ranges = stage_layer_ranges(cfg.model.shape().num_layers, pp * v, cfg.parallel.pipeline_layers)
     fp8_backend = resolve_fp8_backend(cfg, device) if cfg.train.precision == "fp8" else None
     chunks = []
     for c in range(v):

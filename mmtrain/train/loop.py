@@ -19,7 +19,7 @@ import torch.distributed as dist
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.loader import MicroBatches
-from mmtrain.models.llama.model import GPTModel, flops_per_token
+from mmtrain.models.registry import model_family
 from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.grad_buckets import GradBuckets
@@ -42,7 +42,7 @@ def _build_samples(cfg: GPTRunConfig, split: str, dp_size: int, index_builder: b
         from mmtrain.data.mock import MockGPTSamples
 
         seed = cfg.data.seed + {"train": 0, "valid": 1, "test": 2}[split]
-        return MockGPTSamples(cfg.model.vocab_size, cfg.data.seq_length, seed)
+        return MockGPTSamples(cfg.model.shape().vocab_size, cfg.data.seq_length, seed)
     from mmtrain.data.blend import build_gpt_samples_from_config
 
     return build_gpt_samples_from_config(cfg, split, dp_size, index_builder=index_builder)
@@ -64,11 +64,11 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)
     val_losses: dict[int, float] = field(default_factory=dict)
     preempted: bool = False
-    model: GPTModel | None = None
+    model: torch.nn.Module | None = None
     optimizer: MixedPrecisionAdamW | None = None
 
 
-def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
+def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
                       device: torch.device, buckets: list[GradBuckets] | None, eod_id: int | None = None) -> torch.Tensor:
     """Forward (and backward when ``buckets`` is given) over micro-batches; returns [sum of token losses, loss
     tokens] as seen by this rank (non-zero on the last pipeline stage only)."""
@@ -77,7 +77,7 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
     d = cfg.data
     packed = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
 
-    def forward_step(i: int, received: torch.Tensor | None, module: GPTModel = stage) -> torch.Tensor:
+    def forward_step(i: int, received: torch.Tensor | None, module: torch.nn.Module = stage) -> torch.Tensor:
         tokens = micro_batches[i].to(device, non_blocking=True)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         B, S = inputs.shape
@@ -107,7 +107,7 @@ def run_micro_batches(stage: GPTModel, micro_batches: list[torch.Tensor], mesh: 
 
     mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
     schedule_micro_batches(forward_step, len(micro_batches), stage, mesh, cfg, device, buckets,
-                           (mbs, S, cfg.model.hidden_size))
+                           (mbs, S, cfg.model.shape().hidden_size))
     return stats
 
 
@@ -173,13 +173,14 @@ class StepTask:
     routed_experts: bool = False
 
 
-def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage: GPTModel,
+def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage: torch.nn.Module,
              eod_id: int | None) -> StepTask:
-    flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
+    family = model_family(cfg.model)
+    flops_tok = family.flops_per_token(cfg.model, cfg.data.seq_length)
     gbs = global_batch_size(cfg, mesh.dims.dp)
     return StepTask(
         forward_backward=lambda micro, buckets: run_micro_batches(stage, micro, mesh, cfg, device, buckets, eod_id),
-        step_flops=lambda stats: gbs * cfg.data.seq_length * flops_tok, routed_experts=cfg.model.num_experts > 0)
+        step_flops=lambda stats: gbs * cfg.data.seq_length * flops_tok, routed_experts=family.has_routed_experts(cfg.model))
 
 
 @torch.no_grad()
@@ -214,7 +215,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         val_batches = MicroBatches(_build_samples(cfg, "valid", dims.dp, index_builder), cfg.train.micro_batch_size,
                                    mesh.coord.dp, dims.dp)
     return train_model(cfg, mesh, device, stage, batches, val_batches, _gpt_task(cfg, mesh, device, stage, eod_id),
-                       found, model_name=cfg.model.name, lr_schedule=lr_schedule)
+                       found, model_name=cfg.model.shape().name, lr_schedule=lr_schedule)
 
 
 def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.Module, batches, val_batches,

@@ -25,7 +25,7 @@ from mmtrain.models.deepseek_v3.spec import sharding_of, size_of  # noqa: E402
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
-TINY_YAML = REPO / "configs" / "deepseek_v3" / "tiny.yaml"
+TINY_YAML = REPO / "configs" / "models" / "deepseek-v3-tiny.yaml"
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,

@@ -62,7 +62,7 @@ def test_llama_spec_has_one_entry_per_tensor_and_fused_parts_add_up(shape):
 
 @pytest.mark.parametrize("q_lora_rank,tied", [(32, False), (None, True)])
 def test_deepseek_v3_spec_uses_the_same_type(q_lora_rank, tied):
-    cfg = dataclasses.replace(load_deepseek_v3_config(ROOT / "configs/deepseek_v3/tiny.yaml"),
+    cfg = dataclasses.replace(load_deepseek_v3_config(ROOT / "configs/models/deepseek-v3-tiny.yaml"),
                               q_lora_rank=q_lora_rank, tie_word_embeddings=tied)
     model = DeepseekV3Model(cfg)
     spec = model.sharding_spec()

@@ -4,7 +4,8 @@ Public (loaded lazily): ``DeepseekV3Config`` and ``load_deepseek_v3_config`` (co
 (model.py), ``state_dict_from_hf`` / ``state_dict_to_hf`` / ``config_from_hf`` / ``config_to_hf``
 (hf_adapter.py), ``SHARDING_SPEC`` / ``deepseek_v3_sharding_spec`` (spec.py),
 ``count_parameters`` / ``flops_per_token`` (flops.py).
-Single-device; the parallel wiring is pending.
+A run selects it with ``model.family: deepseek_v3`` (``mmtrain.models.registry``); TP/SP/PP/DP/EP come from
+its sharding spec.
 """
 
 from mmtrain.utils.lazy import lazy_exports

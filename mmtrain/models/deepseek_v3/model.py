@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
-from mmtrain.model.head import token_cross_entropy
+from mmtrain.model.head import LossHead
 from mmtrain.models.llama.model import document_causal_mask
 from mmtrain.model.layers import MLP, RMSNorm
 from mmtrain.model.moe import Experts, local_dispatch
@@ -115,8 +115,8 @@ class LatentAttention(nn.Module):
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.cfg
-        B, S = x_BSD.shape[:2]
         q = self.q_proj(x_BSD) if c.q_lora_rank is None else self.q_up(self.q_norm(self.q_down(x_BSD)))
+        B, S = q.shape[:2]  # the whole sequence: under sequence parallelism the projections gathered it
         q_nope, q_rope = q.view(B, S, -1, c.qk_head_dim).split((c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1)
         latent, k_rope = self.kv_down(x_BSD).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
         kv = self.kv_up(self.kv_norm(latent)).view(B, S, -1, c.qk_nope_head_dim + c.v_head_dim)
@@ -158,11 +158,17 @@ class GroupLimitedRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts (``moe.Experts``: w_up (E, D, 2F) [gate | up], w_down (E, F, D)) plus shared experts."""
+    """Routed experts (``moe.Experts``: w_up (E, D, 2F) [gate | up], w_down (E, F, D)) plus shared experts.
+    Marked ``is_moe_layer`` with the attributes the expert-parallel plan and ``update_router_biases`` use
+    (``dispatch``, ``token_groups``, ``step_load``, ``bias_update_rate``, ``router.expert_bias``)."""
+
+    is_moe_layer = True
 
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
         self.num_experts = cfg.n_routed_experts
+        self.bias_update_rate = cfg.bias_update_rate
+        self.token_groups: list = []  # no balance loss here: the selection bias balances (no group needed)
         self.router = GroupLimitedRouter(cfg)
         self.experts = Experts(_swiglu_shape(cfg, cfg.moe_intermediate_size), cfg.n_routed_experts)
         self.shared = MLP(_swiglu_shape(cfg, cfg.shared_intermediate_size)) if cfg.n_shared_experts else None
@@ -175,9 +181,10 @@ class DeepseekMoE(nn.Module):
         load = torch.bincount(ids.flatten(), minlength=self.num_experts)
         self.step_load = load if self.step_load is None else self.step_load + load
         out = self.dispatch(x, weights, ids, self.experts, self.num_experts)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out.view_as(x_BSD)
+        out = out.view_as(x_BSD)
+        if self.shared is not None:  # (B, S, D): under sequence parallelism its TP linears gather the sequence
+            out = out + self.shared(x_BSD)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -215,7 +222,7 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post_process else None
         own_output = post_process and not (cfg.tie_word_embeddings and pre_process)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
-        self.loss_fn = token_cross_entropy  # a TP plan swaps in the vocab-parallel cross-entropy
+        self.head = LossHead() if post_process else None  # the TP plan swaps in its vocab-parallel head
         self.sequence_parallel = False  # the layout a TP plan applied (resolves the spec's partial gradients)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
@@ -262,8 +269,9 @@ class DeepseekV3Model(nn.Module):
             x = layer(x, cos, sin, attn_mask)
         if not self.post_process:
             return x
-        logits = F.linear(self.norm(x), self.output_weight())
-        return logits if labels_BS is None else self.loss_fn(logits, labels_BS)
+        x = self.head.prepare(self.norm(x))
+        logits = self.head.logits(x, self.output_weight())
+        return self.head.full_logits(logits) if labels_BS is None else self.head.loss(logits, labels_BS)
 
     @torch.no_grad()
     def update_routing_biases(self, groups: list = ()) -> dict[str, list[int]]:

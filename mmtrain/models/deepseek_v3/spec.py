@@ -49,22 +49,25 @@ class TensorSharding:
     grad_reduce: str = "dp_cp"
     tp_partial_grad: str = "never"  # never | always | sequence_parallel
     buffer: bool = False  # not a parameter: no gradient (the routing bias moves by expert load)
+    tp_input: str = "auto"  # copy: opens the TP region (latent down-projections); local: inside it (up-projections)
 
 
 _L = r"layers\.\d+\."
 SHARDING_SPEC: tuple[TensorSharding, ...] = (
     TensorSharding(r"embed\.weight", "vocab", dim=0),
-    TensorSharding(r"output\.weight", "column", dim=0),
+    TensorSharding(r"output\.weight", "vocab", dim=0),  # the head strategy copies/gathers its input
     TensorSharding(r"norm\.weight", "replicated", tp_partial_grad="sequence_parallel"),
     TensorSharding(_L + r"(attn_norm|mlp_norm)\.weight", "replicated", tp_partial_grad="sequence_parallel"),
     # MLA: replicated down-projections and latent norms (partial gradients), per-head up-projections
-    TensorSharding(_L + r"attn\.q_down\.weight", "replicated", tp_partial_grad="always"),
+    TensorSharding(_L + r"attn\.q_down\.weight", "replicated", tp_partial_grad="always", tp_input="copy"),
     TensorSharding(_L + r"attn\.q_norm\.weight", "replicated", tp_partial_grad="always"),
     TensorSharding(_L + r"attn\.kv_down\.weight", "replicated", dim=0, parts=("kv_lora_rank", "qk_rope_head_dim"),
-                   tp_partial_grad="always"),
+                   tp_partial_grad="always", tp_input="copy"),
     TensorSharding(_L + r"attn\.kv_norm\.weight", "replicated", tp_partial_grad="always"),
-    TensorSharding(_L + r"attn\.(q_up|q_proj)\.weight", "column", dim=0, unit="qk_head_dim"),
-    TensorSharding(_L + r"attn\.kv_up\.weight", "column", dim=0, unit="qk_nope_head_dim+v_head_dim"),
+    TensorSharding(_L + r"attn\.q_up\.weight", "column", dim=0, unit="qk_head_dim", tp_input="local"),
+    TensorSharding(_L + r"attn\.q_proj\.weight", "column", dim=0, unit="qk_head_dim"),  # copies its input
+    TensorSharding(_L + r"attn\.kv_up\.weight", "column", dim=0, unit="qk_nope_head_dim+v_head_dim",
+                   tp_input="local"),
     TensorSharding(_L + r"attn\.proj\.weight", "row", dim=1, unit="v_head_dim"),
     # dense SwiGLU MLP (first layers) and shared experts: [gate | up] column, down row
     TensorSharding(_L + r"mlp\.up\.weight", "column", dim=0, parts=("intermediate_size", "intermediate_size")),
@@ -100,7 +103,8 @@ def _param_spec(rule: TensorSharding, cfg: DeepseekV3Config, tied_to: str | None
     unit = size_of(rule.unit, cfg) if rule.unit else 1
     return ParamSpec(rule.tp, dim=rule.dim, parts=tuple(size_of(p, cfg) for p in rule.parts), unit=unit,
                      expert_dim=rule.expert_dim, grad_reduce_group=rule.grad_reduce,
-                     tp_partial_grad=rule.tp_partial_grad, tied_to=tied_to, buffer=rule.buffer)
+                     tp_partial_grad=rule.tp_partial_grad, tied_to=tied_to, buffer=rule.buffer,
+                     tp_input=rule.tp_input)
 
 
 def deepseek_v3_sharding_spec(cfg: DeepseekV3Config, names: list[str]) -> ShardingSpec:

@@ -1,0 +1,171 @@
+"""Model families by ``model.family``: what the trainer needs of each, so that it names no family's classes.
+
+A family is a ``ModelFamily``: ``build_stage(model_cfg, layer_range, pre_process, post_process)`` makes one
+pipeline stage (global layer names, not yet initialized: the caller runs ``init_weights(seed)``),
+``flops_per_token(model_cfg, seq_length)`` its training FLOPs per token, ``has_routed_experts(model_cfg)``
+whether it has MoE layers (the expert-parallel plan and the router-bias balancing apply),
+``sharding_spec(model_cfg)`` the whole model's spec (checkpoints, the HF bridge), ``architecture(model_cfg)``
+the fields that change what the weights compute (a run loading weights must agree on all), and ``hf``: its
+Hugging Face adapter (``HFAdapter``). Adding a family is one entry in ``FAMILIES`` and a ``Literal`` value of
+``ModelConfig.family``. Imports happen on first use, so the registry stays cheap to import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mmtrain.config.schema import ModelConfig
+from mmtrain.models.spec import ShardingSpec
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A family's Hugging Face bridge on full tensors: ``model_types`` (HF ``model_type`` values it reads),
+    ``config_from_hf(config.json mapping) -> ModelConfig``, ``config_to_hf(model_cfg, base)``,
+    ``state_from_hf(hf tensors, model_cfg)``, ``state_to_hf(full tensors, model_cfg)``; ``errors()``: the
+    exception classes its refusals raise (one-line messages naming the key)."""
+
+    model_types: tuple[str, ...]
+    config_from_hf: Callable[[dict[str, Any]], ModelConfig]
+    config_to_hf: Callable[[ModelConfig, dict[str, Any] | None], dict[str, Any]]
+    state_from_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
+    state_to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
+    errors: Callable[[], tuple[type[Exception], ...]]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    build_stage: Callable[[ModelConfig, tuple[int, int], bool, bool], nn.Module]
+    flops_per_token: Callable[[ModelConfig, int], float]
+    has_routed_experts: Callable[[ModelConfig], bool]
+    sharding_spec: Callable[[ModelConfig], ShardingSpec]
+    architecture: Callable[[ModelConfig], dict[str, Any]]
+    hf: HFAdapter
+
+
+def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool) -> nn.Module:
+    from mmtrain.models.llama.model import GPTModel
+
+    return GPTModel(m, layer_range, pre_process=pre, post_process=post)
+
+
+def _llama_flops(m: ModelConfig, seq_length: int) -> float:
+    from mmtrain.models.llama.model import flops_per_token
+
+    return flops_per_token(m, seq_length)
+
+
+def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool) -> nn.Module:
+    from mmtrain.models.deepseek_v3.model import DeepseekV3Model
+
+    return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post)
+
+
+def _deepseek_v3_flops(m: ModelConfig, seq_length: int) -> float:
+    from mmtrain.models.deepseek_v3.flops import flops_per_token
+
+    return flops_per_token(m.deepseek_v3, seq_length)
+
+
+def _llama_spec(m: ModelConfig) -> ShardingSpec:
+    from mmtrain.models.llama.spec import llama_sharding_spec
+
+    return llama_sharding_spec(m)
+
+
+# Llama shape fields that change what the weights compute (not name, init_std, routing-bias or loss settings)
+LLAMA_ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                             "num_query_groups", "vocab_size", "norm", "norm_eps", "activation", "rope_theta",
+                             "rope_scaling_factor", "tie_embeddings", "add_bias", "qkv_bias", "qk_norm",
+                             "num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_router",
+                             "moe_shared_ffn_hidden_size")
+
+
+def _llama_hf() -> HFAdapter:
+    def lazy(name):
+        def call(*args):
+            from mmtrain.models.llama import hf_adapter
+
+            return getattr(hf_adapter, name)(*args)
+        return call
+
+    def errors():
+        from mmtrain.models.llama.hf_adapter import UnsupportedHFConfig
+
+        return (UnsupportedHFConfig,)
+    return HFAdapter(("llama", "qwen2", "mixtral"), lazy("model_config_from_hf"),
+                     lazy("hf_config_from_model_config"), lazy("mmtrain_state_from_hf"),
+                     lazy("hf_state_from_mmtrain"), errors)
+
+
+def _deepseek_v3_spec(m: ModelConfig) -> ShardingSpec:
+    from mmtrain.models.deepseek_v3.model import DeepseekV3Model
+
+    with torch.device("meta"):
+        return DeepseekV3Model(m.deepseek_v3).sharding_spec()
+
+
+def _deepseek_v3_architecture(m: ModelConfig) -> dict[str, Any]:
+    shape = dataclasses.asdict(m.deepseek_v3)
+    for key in ("name", "init_std", "bias_update_rate"):  # naming, initialization and balancing only
+        shape.pop(key)
+    return {f"deepseek_v3.{k}": v for k, v in shape.items()}
+
+
+def _deepseek_v3_hf() -> HFAdapter:
+    def config_from_hf(hf):
+        from mmtrain.models.deepseek_v3.hf_adapter import config_from_hf as read
+
+        return ModelConfig(family="deepseek_v3", deepseek_v3=read(hf))
+
+    def config_to_hf(m, base=None):
+        from mmtrain.models.deepseek_v3.hf_adapter import config_to_hf as write
+
+        return write(m.deepseek_v3, base)
+
+    def state_from_hf(tensors, m):
+        from mmtrain.models.deepseek_v3.hf_adapter import state_dict_from_hf
+
+        return state_dict_from_hf(tensors, m.deepseek_v3)
+
+    def state_to_hf(full, m):
+        from mmtrain.models.deepseek_v3.hf_adapter import state_dict_to_hf
+
+        return state_dict_to_hf(full, m.deepseek_v3)
+
+    def errors():
+        from mmtrain.models.deepseek_v3.hf_adapter import HFAdapterError
+
+        return (HFAdapterError,)
+    return HFAdapter(("deepseek_v3",), config_from_hf, config_to_hf, state_from_hf, state_to_hf, errors)
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "llama": ModelFamily(_llama_stage, _llama_flops, lambda m: m.num_experts > 0, _llama_spec,
+                         lambda m: {k: getattr(m, k) for k in LLAMA_ARCHITECTURE_FIELDS}, _llama_hf()),
+    "deepseek_v3": ModelFamily(_deepseek_v3_stage, _deepseek_v3_flops,
+                               lambda m: m.deepseek_v3.first_k_dense_replace < m.deepseek_v3.num_layers,
+                               _deepseek_v3_spec, _deepseek_v3_architecture, _deepseek_v3_hf()),
+}
+
+
+def model_family(m: ModelConfig) -> ModelFamily:
+    """The family ``m.family`` names (the config's ``Literal`` already refused any other name)."""
+    return FAMILIES[m.family]
+
+
+def family_for_hf(hf_config: dict[str, Any]) -> ModelFamily:
+    """The family whose adapter reads this HF ``config.json`` (by ``model_type``); the Llama family otherwise,
+    whose adapter names what it cannot read."""
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
+    return next((f for f in FAMILIES.values() if model_type in f.hf.model_types), FAMILIES["llama"])
+
+
+def hf_errors() -> tuple[type[Exception], ...]:
+    """Every family adapter's refusal classes (for one-line CLI errors)."""
+    return tuple(e for f in FAMILIES.values() for e in f.hf.errors())
