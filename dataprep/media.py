@@ -29,8 +29,7 @@ from dataprep.errors import PrepError
 from dataprep.jsonl import jsonl_line
 from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
 from dataprep.media_manifest import Reject, input_fingerprint, is_val, iter_rows
-from dataprep.media_shards import (NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta,
-                                   write_text)
+from dataprep.media_shards import NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta
 from mmtrain.utils.atomic import atomic_write_text, fsync_dir
 
 STATE_FILE = ".mmtrain-prep-state.json"
@@ -419,7 +418,7 @@ def _finish(args, out: Path, shards: list[ShardRecord], index: dict, done_keys: 
         "options": settings, "sample_type": sample_type, "subflavor": subflavor, "counts": summary,
         "total_bytes": sum(s.bytes for s in shards), "shards": [s.to_json() for s in ordered],
     }
-    write_text(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     (out / STATE_FILE).unlink(missing_ok=True)
     if final_out is not None:
         _swap_in(out, final_out)
@@ -441,4 +440,4 @@ def _finish(args, out: Path, shards: list[ShardRecord], index: dict, done_keys: 
 
 def _write_rejects(out: Path, rejects: list[Reject], source_order: dict[str, int]) -> None:
     rejects.sort(key=lambda r: (source_order.get(r.source, len(source_order)), r.line))
-    write_text(out / "rejects.jsonl", "".join(jsonl_line(r.to_json()) for r in rejects))
+    atomic_write_text(out / "rejects.jsonl", "".join(jsonl_line(r.to_json()) for r in rejects))

@@ -24,24 +24,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmtrain.utils.atomic import atomic_open, atomic_write_text, file_mode, fsync_dir
+from mmtrain.utils.atomic import atomic_open, atomic_write_text, fsync_dir
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's customary record size; the archive is padded to it like GNU tar does
 SPLITS = ("train", "val")
 NV_META = ".nv-meta"
 IMAGE_FIELD_MAP = "jpg,png,webp,gif,bmp,tiff"
-
-
-def _file_mode() -> int:
-    return file_mode()  # read without os.umask's set-and-restore, which races with other threads' files
-
-
-def write_text(path: Path, text: str) -> None:
-    """Atomic write with a normal file mode: the temp file behind an atomic write is private (0600), but
-    shards and their metadata are read by other users' training jobs."""
-    atomic_write_text(path, text)
-    os.chmod(path, _file_mode())
 
 
 def shard_name(split: str, index: int) -> str:
@@ -232,7 +221,6 @@ def write_tar_index(path: Path, samples: list[ScannedSample], end: int) -> None:
     offsets = [s.offset for s in samples] + [end]
     with atomic_open(path.with_suffix(".tar.idx"), "wb") as f:
         f.write(struct.pack(f"<{len(offsets)}Q", *offsets))
-    os.chmod(path.with_suffix(".tar.idx"), _file_mode())
 
 
 # The index.sqlite layout energon 7 reads (tables `samples` and `sample_parts` with their lookup indexes).
@@ -273,8 +261,7 @@ def _write_sqlite(meta_dir: Path, shard_scans: list[tuple[str, list[ScannedSampl
         db.close()
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
-    os.chmod(tmp, _file_mode())
-    os.replace(tmp, final)
+    os.replace(tmp, final)  # sqlite created the file with the umask's mode
 
 
 def _energon_version() -> str | None:
@@ -312,15 +299,15 @@ def write_energon_meta(out_dir: Path, shards: list[ShardRecord], sample_type: st
         scans.append((rec.name, samples))
     _write_sqlite(meta_dir, scans)
     info = {"energon_version": _energon_version(), "shard_counts": {r.name: r.samples for r in ordered}}
-    write_text(meta_dir / ".info.json", json.dumps(info, indent=2) + "\n")
+    atomic_write_text(meta_dir / ".info.json", json.dumps(info, indent=2) + "\n")
     lines = ["split_parts:"]
     for split in SPLITS:
         names = [r.name for r in ordered if r.split == split]
         lines.append(f"  {split}:" + ("" if names else " []"))
         lines.extend(f"  - {n}" for n in names)
     lines.append("exclude: []")
-    write_text(meta_dir / "split.yaml", "\n".join(lines) + "\n")
-    write_text(meta_dir / "dataset.yaml", dataset_yaml(sample_type, subflavor))
-    write_text(meta_dir / "crude.yaml", dataset_yaml("crude", subflavor))
+    atomic_write_text(meta_dir / "split.yaml", "\n".join(lines) + "\n")
+    atomic_write_text(meta_dir / "dataset.yaml", dataset_yaml(sample_type, subflavor))
+    atomic_write_text(meta_dir / "crude.yaml", dataset_yaml("crude", subflavor))
     digest = hashlib.sha256("".join(f"{r.name}:{r.sha256}\n" for r in ordered).encode()).hexdigest()
-    write_text(meta_dir / "index.uuid", str(uuid.uuid5(uuid.NAMESPACE_URL, "mmtrain-prep:" + digest)))
+    atomic_write_text(meta_dir / "index.uuid", str(uuid.uuid5(uuid.NAMESPACE_URL, "mmtrain-prep:" + digest)))

@@ -49,19 +49,17 @@ class GradBuckets:
 
     def __init__(self, params: list[nn.Parameter], group, distributed_optimizer: bool, param_dtype: torch.dtype,
                  bucket_elems: int = 40_000_000, late_params: list[nn.Parameter] = (), overlap: bool = True,
-                 grad_dtype: torch.dtype = torch.float32, separate_params: list[nn.Parameter] = (),
-                 fp8_params: list[nn.Parameter] = ()) -> None:
+                 grad_dtype: torch.dtype = torch.float32, separate_params: list[nn.Parameter] = ()) -> None:
         """``separate_params``: put in buckets of their own (``Bucket.separate``), each padded to a multiple of
         16 x dp elements so that, in a one-byte copy of these buckets, every weight and every shard starts 16-byte
-        aligned (what FP8 GEMMs need). Empty (the default): the layout does not change. ``fp8_params``: its
-        former name (the same)."""
+        aligned (what FP8 GEMMs need). Empty (the default): the layout does not change."""
         self.group = group
         self.dp = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
         self.sharded = distributed_optimizer and self.dp > 1
         self.overlap = overlap
         late_ids = {id(p) for p in late_params}
-        separate_ids = {id(p) for p in [*separate_params, *fp8_params]}
+        separate_ids = {id(p) for p in separate_params}
         ordered = [p for p in reversed(params) if id(p) not in late_ids]  # backward visits the last layers first
         groups: list[tuple[list[nn.Parameter], bool, bool]] = []  # (params, late, separate)
         current: dict[bool, list[nn.Parameter]] = {False: [], True: []}  # filled side by side: separate or not
