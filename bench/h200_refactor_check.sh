@@ -3,24 +3,24 @@
 # (.device/before: `git archive <commit> | tar -x -C .device/before`) and on this tree, interleaved; then the
 # DeepSeek-V3-style model's tokens/s and MFU; then the GPU tests.
 # Usage, from the repo root, carrying .device (before/ and whl/: xxhash + pytest wheels for Python 3.12):
-#   bash bench/h200_refactor_check.sh
+#   bash bench/h200_refactor_check.sh   (ROUNDS=1 SKIP_DEEPSEEK=1 SKIP_TESTS=1 for the rows alone)
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 ROWS=(bf16 "fp8 native delayed fast-bwd fp8-head")
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in before after; do
     dir=.; [ $tree = before ] && dir=.device/before
     echo "### round $round, $tree"
     (cd "$dir" && timeout 200 python3 bench/fp8_h200.py --only "${ROWS[@]}" --steps "${STEPS:-12}" 2>&1 | tail -8)
   done
 done
-echo "### deepseek-v3-style (V2-Lite-like width, 4 layers), bf16, 2 x 4096"
+[ "${SKIP_DEEPSEEK:-0}" = 1 ] || { echo "### deepseek-v3-style (V2-Lite-like width, 4 layers), bf16, 2 x 4096"
 timeout 120 python3 bench/deepseek_v3_tokens.py --batch 2 --seq 4096 model.hidden_size=2048 model.num_layers=4 \
   model.num_attention_heads=16 model.q_lora_rank=null model.kv_lora_rank=512 model.qk_nope_head_dim=128 \
   model.qk_rope_head_dim=64 model.v_head_dim=128 model.n_routed_experts=64 model.num_experts_per_tok=6 \
   model.n_shared_experts=2 model.moe_intermediate_size=1408 model.intermediate_size=10944 \
-  model.n_group=1 model.topk_group=1 model.vocab_size=102400 2>&1 | tail -2
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -4
+  model.n_group=1 model.topk_group=1 model.vocab_size=102400 2>&1 | tail -2; }
+[ "${SKIP_TESTS:-0}" = 1 ] || timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -4
