@@ -91,10 +91,10 @@ def run_entry(prog: str, cls: type, validate: Callable[..., None], check_data: C
         check_writable_run_dir(cfg.logging.run_dir)
     except (ConfigError, LayoutError, BlendSpecError) as exc:
         return _startup_error(prog, str(exc), rank, local_rank)
-    return _run(prog, cfg, train)
+    return _run(prog, cfg, train, rank, local_rank)
 
 
-def _run(prog: str, cfg: Any, train: Callable[[], Callable[..., Any]]) -> int:
+def _run(prog: str, cfg: Any, train: Callable[[], Callable[..., Any]], env_rank: int, local_rank: int) -> int:
     from mmtrain.config import save_config
     from mmtrain.convert.checkpoint_io import ConvertError
     from mmtrain.data.blend_spec import BlendSpecError
@@ -106,7 +106,10 @@ def _run(prog: str, cfg: Any, train: Callable[[], Callable[..., Any]]) -> int:
     from mmtrain.utils.dcp_storage import CheckpointFormatError
     from mmtrain.utils.log import setup_logging
 
-    device = pick_device(cfg.train.device)
+    try:
+        device = pick_device(cfg.train.device)
+    except RuntimeError as exc:  # train.device=cuda without a visible GPU
+        return _startup_error(prog, str(exc), env_rank, local_rank)
     rank, world_size = init_distributed(cfg.parallel.backend, device, cfg.parallel.collective_timeout_s)
     log = setup_logging(rank)
     try:

@@ -106,3 +106,15 @@ def test_a_config_path_outside_the_repository_points_at_the_bundled_one(tmp_path
     assert proc.stderr.strip() == (f"mmtrain.pretrain_gpt: config error: config file not found: {tmp_path}/configs/"
                                    "gpt/tiny_cpu.yaml; the bundled one is mmtrain:configs/gpt/tiny_cpu.yaml (found "
                                    "from any folder)")
+
+
+def test_cuda_device_without_a_gpu_is_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    proc = _probe("mmtrain.pretrain_gpt", "--config", "mmtrain:configs/gpt/tiny_cpu_mock.yaml", "train.device=cuda",
+                  f"logging.run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.stderr.strip() == ("mmtrain.pretrain_gpt: config error: train.device=cuda but no CUDA device is "
+                                   "visible; use train.device=cpu or auto")
+    assert proc.stdout.strip().endswith(" 2")
