@@ -82,7 +82,8 @@ def section_help(cls: type, section: str) -> str:
     if section in ("top", "") and _leaf_fields(cls):
         sub, prefix, title = cls, "", "top-level keys"
     elif section in known:
-        sub, prefix, title = known[section], section + ".", f"{section}: {_first_sentence(known[section].__doc__ or '')}"
+        sub, prefix = known[section], section + "."
+        title = f"{section}: {_first_sentence(sub.__doc__ or '')}"
     else:
         names = ", ".join(([] if not _leaf_fields(cls) else ["top"]) + list(known))
         raise ConfigError(f"--help-config {section}: no such config section; sections: {names}")
@@ -93,7 +94,8 @@ def section_help(cls: type, section: str) -> str:
         head = f"  {prefix}{f.name}  ({_type_name(hints[f.name])}, default {_default(f)!r}"
         head += f", range {bounds})" if bounds else ")"
         lines.append(head)
-        lines += textwrap.wrap(f.metadata.get("help", "").replace("``", "`"), _WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        text = f.metadata.get("help", "").replace("``", "`")
+        lines += textwrap.wrap(text, _WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
     nested = [f.name for f in dataclasses.fields(sub) if dataclasses.is_dataclass(hints[f.name])]
     if nested:
         lines += ["", "  sections inside: " + ", ".join(f"{prefix}{n} (--help-config {prefix}{n})" for n in nested)]

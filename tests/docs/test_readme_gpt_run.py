@@ -42,8 +42,9 @@ def test_readme_one_process_command_learns_on_the_demo_shards(tmp_path):
 
 
 def test_the_quickstart_config_names_missing_shards_before_starting(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config", "mmtrain:configs/gpt/tiny_cpu.yaml"],
-                          cwd=tmp_path, env=guide_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
+                           "mmtrain:configs/gpt/tiny_cpu.yaml"], cwd=tmp_path, env=guide_env(), capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"mmtrain.pretrain_gpt: config error: data.prefixes[0]: indexed dataset {tmp_path}/runs/demo/data/corpus not "

@@ -26,7 +26,8 @@ def _probe(module: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedPro
                           timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
 
 
-@pytest.mark.parametrize("module, cls", [("mmtrain.pretrain_gpt", GPTRunConfig), ("mmtrain.pretrain_vlm", VLMRunConfig)])
+@pytest.mark.parametrize("module, cls", [("mmtrain.pretrain_gpt", GPTRunConfig),
+                                         ("mmtrain.pretrain_vlm", VLMRunConfig)])
 def test_help_imports_no_torch_and_lists_sections_keys_and_a_torchrun_example(module, cls):
     proc = _probe(module, "--help")
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY [] 0", proc.stdout[-500:] + proc.stderr
