@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus = write_sample_jsonl(out / "data" / "corpus.jsonl", num_docs=args.docs)
     print(f"=== sample corpus: {corpus} ({args.docs} documents, {corpus.stat().st_size / 1e6:.2f} MB)", flush=True)
 
-    train_overrides = ["data.mock=true"]
+    train_overrides = ["data.mock=true", "data.prefixes=[]"]
     if _have("dataprep.text") and _have("dataprep.tokenizer_train"):
         tok = out / "tokenizer" / "sp"
         _step("train a SentencePiece tokenizer", [py, "-m", "dataprep", "train-tokenizer", "--input", str(corpus),
@@ -60,9 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "--output-prefix", str(prefix), "--tokenizer", f"{tok}.model",
                                                "--append-eod", "--workers", "2"])
         _step("verify the shards", [py, "-m", "dataprep", "verify", str(prefix)])
-        # packed documents: positions restart and attention stops at each end-of-document token
-        train_overrides = ["data.mock=false", f"data.prefixes=[{prefix}]", "data.reset_position_ids=true",
-                           "data.reset_attention_mask=true", "data.eod_mask_loss=true", "train.eval_every=50"]
+        # the shards configs/gpt/tiny_cpu.yaml reads (packed documents), wherever --out put them
+        train_overrides = [f"data.prefixes=[{prefix}]", "train.eval_every=50"]
     else:
         print("=== (mmtrain-prep text is not built yet: training on mock tokens)", flush=True)
 

@@ -1,4 +1,4 @@
-"""Markers by folder (unit / distributed / gpu); GPU tests skip cleanly without CUDA."""
+"""Markers by folder (unit / distributed / gpu / docs); GPU tests skip cleanly without CUDA."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-_KINDS = ("unit", "distributed", "gpu")
+_KINDS = ("unit", "distributed", "gpu", "docs")
 
 
 def pytest_sessionstart(session):

@@ -24,19 +24,41 @@ class ConfigError(ValueError):
 
 
 INCLUDE_KEY = "include"
+BUNDLED_PREFIX = "mmtrain:"  # `mmtrain:configs/gpt/tiny_cpu.yaml`: the configs/ shipped with mmtrain, from any folder
+
+
+def bundled_root() -> Path:
+    """The folder holding the ``configs/`` that came with this mmtrain: the source checkout (``pip install -e``)
+    or, in an installed wheel, the package itself."""
+    package = Path(__file__).resolve().parents[1]
+    return package.parent if (package.parent / "configs").is_dir() else package
+
+
+def resolve_config_path(path: str | os.PathLike, base: Path | None = None) -> Path:
+    """A config path as written: ``mmtrain:REL`` is REL under ``bundled_root()``; another relative path is
+    relative to ``base`` (the including file's folder), or to the working folder without one."""
+    text = os.fspath(path)
+    if text.startswith(BUNDLED_PREFIX):
+        return bundled_root() / text[len(BUNDLED_PREFIX):]
+    return Path(text) if base is None else base / text
 
 
 # ---------------------------------------------------------------------------------------------- YAML files
 def read_yaml_with_includes(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a YAML mapping; files named under ``include:`` (a path or list, relative to this file) load first
-    and this file's keys are merged on top of them, recursively for nested mappings."""
-    path = Path(path).resolve()
+    """Read a YAML mapping; files named under ``include:`` (a path or list, relative to this file, or
+    ``mmtrain:configs/...`` for the bundled configs) load first and this file's keys are merged on top of them,
+    recursively for nested mappings."""
+    original, path = path, resolve_config_path(path).resolve()
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
         raise ConfigError(f"include cycle: {cycle}")
     if not path.is_file():
         where = f" (included from {_chain[-1]})" if _chain else ""
-        raise ConfigError(f"config file not found: {path}{where}")
+        hint = ""
+        text = os.fspath(original)
+        if not text.startswith(BUNDLED_PREFIX) and not os.path.isabs(text) and (bundled_root() / text).is_file():
+            hint = f"; the bundled one is {BUNDLED_PREFIX}{text} (found from any folder)"
+        raise ConfigError(f"config file not found: {path}{where}{hint}")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -52,7 +74,7 @@ def read_yaml_with_includes(path: str | os.PathLike, _chain: tuple[Path, ...] = 
         raise ConfigError(f"{path}: '{INCLUDE_KEY}' must be a path or a list of paths")
     merged: dict[str, Any] = {}
     for inc in includes:
-        merged = _deep_merge(merged, read_yaml_with_includes(path.parent / inc, (*_chain, path)))
+        merged = _deep_merge(merged, read_yaml_with_includes(resolve_config_path(inc, path.parent), (*_chain, path)))
     return _deep_merge(merged, data)
 
 

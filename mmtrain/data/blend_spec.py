@@ -158,8 +158,10 @@ def _check_entries(entries: list[BlendEntry], where: str) -> None:
         else:
             missing = [str(p) for p in (idx_path(e.path), bin_path(e.path)) if not p.is_file()]
             if missing:
+                base = ("the folder the run starts in; make it with mmtrain-prep text" if where == "data.prefixes"
+                        else "the spec file")
                 raise BlendSpecError(f"{e.where}: indexed dataset {e.path} not found (missing {', '.join(missing)}); "
-                                     "give the prefix without .bin/.idx, relative to the spec file")
+                                     f"give the prefix without .bin/.idx, relative to {base}")
 
 
 def load_blend_spec(path: str | os.PathLike) -> BlendSpec:
@@ -167,7 +169,7 @@ def load_blend_spec(path: str | os.PathLike) -> BlendSpec:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise BlendSpecError(f"{path}: blend spec not found (data.blend)") from None
+        raise BlendSpecError(f"{path}: blend spec not found (data.blend; looked for {path.resolve()})") from None
     except yaml.YAMLError as exc:
         raise BlendSpecError(f"{path}: not valid YAML ({exc})") from None
     if isinstance(raw, (str, list)):  # a bare Megatron blend

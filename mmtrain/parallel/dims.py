@@ -54,6 +54,14 @@ class RankCoord(NamedTuple):
     edp: int
 
 
+def _layout_fix(world_size: int, model: int, **sizes: int) -> str:
+    """What to change when the world size is not a multiple of tp*pp*cp: the process count, or the sizes."""
+    procs = model * -(-world_size // model)  # the next multiple of tp*pp*cp
+    smaller = " ".join(f"parallel.{name}=1" for name, size in sizes.items() if size > 1)
+    return (f"; start a multiple of {model} processes (torchrun --nproc_per_node {procs}, or that many over the "
+            f"nodes) or make tp*pp*cp divide {world_size} (e.g. {smaller})")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
@@ -69,9 +77,11 @@ class ParallelDims:
             if not isinstance(size, int) or size < 1:
                 raise LayoutError(f"parallel.{name} must be a positive integer, got {size!r}")
         if self.tp * self.pp * self.cp * self.dp != self.world_size:
+            total = self.tp * self.pp * self.cp * self.dp
             raise LayoutError(
-                f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {self.tp * self.pp * self.cp * self.dp} "
-                f"does not equal the world size {self.world_size}")
+                f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {total} does not equal the world size "
+                f"{self.world_size}; start {total} processes (torchrun --nproc_per_node {total}, or that many over "
+                f"the nodes) or change the sizes (parallel.dp=0 infers dp)")
         if (self.dp * self.cp) % self.ep:
             raise LayoutError(f"parallel.ep ({self.ep}) must divide dp*cp = {self.dp}*{self.cp} = "
                               f"{self.dp * self.cp}: experts are sharded over the data- and context-parallel ranks")
@@ -87,7 +97,8 @@ class ParallelDims:
             raise LayoutError(f"tp, pp and cp must be >= 1, got tp={tp} pp={pp} cp={cp}")
         if dp == 0:
             if world_size % model:
-                raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model}")
+                raise LayoutError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model}"
+                                  f"{_layout_fix(world_size, model, tp=tp, pp=pp, cp=cp)}")
             dp = world_size // model
         return cls(world_size=world_size, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep)
 

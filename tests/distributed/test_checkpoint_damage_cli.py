@@ -16,7 +16,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def _pretrain(run_dir: Path, *overrides: str) -> subprocess.Popen:
     """Every run has train.steps=2 (a resume keeps the schedule): the first saves steps 1 and 2."""
     return subprocess.Popen([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
-                             str(REPO / "configs/gpt/tiny_cpu.yaml"), f"logging.run_dir={run_dir}",
+                             str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), f"logging.run_dir={run_dir}",
                              "train.steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=0", *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 

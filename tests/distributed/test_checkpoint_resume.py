@@ -51,7 +51,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
     import sys
     from pathlib import Path
 
-    config = Path(__file__).resolve().parents[2] / "configs/gpt/tiny_cpu.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs/gpt/tiny_cpu_mock.yaml"
     args = ["train.steps=14", "checkpoint.save_every=2", "checkpoint.keep_last=0", "logging.log_every=1"]
     cmd = lambda d: [sys.executable, "-u", "-m", "mmtrain.pretrain_gpt", "--config", str(config), *args,  # noqa: E731
                      f"logging.run_dir={d}"]

@@ -65,7 +65,7 @@ def test_nan_between_logging_steps_is_skipped_on_the_device_and_reported_at_the_
 
 
 def test_sigterm_saves_and_exits_zero_then_restart_resumes(tmp_path):
-    cmd = [sys.executable, "-u", "-m", "mmtrain.pretrain_gpt", "--config", str(REPO / "configs/gpt/tiny_cpu.yaml"),
+    cmd = [sys.executable, "-u", "-m", "mmtrain.pretrain_gpt", "--config", str(REPO / "configs/gpt/tiny_cpu_mock.yaml"),
            "train.steps=100000", f"logging.run_dir={tmp_path}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []

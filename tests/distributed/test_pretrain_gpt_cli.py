@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
-           "-m", "mmtrain.pretrain_gpt", "--config", str(REPO / "configs/gpt/tiny_cpu.yaml"), *args]
+           "-m", "mmtrain.pretrain_gpt", "--config", str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), *args]
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1",
                           **{k: v for k, v in __import__("os").environ.items() if k != "OMP_NUM_THREADS"}})
 
@@ -37,7 +37,7 @@ def test_bad_config_is_a_clean_error(tmp_path):
     # both commands at once: each mostly imports torch, and there are two cores
     bad_layout, typo = (subprocess.Popen([sys.executable, "-m", "mmtrain.pretrain_gpt", *args], stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, text=True)
-                        for args in (["--config", str(REPO / "configs/gpt/tiny_cpu.yaml"), "parallel.tp=3"],
+                        for args in (["--config", str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), "parallel.tp=3"],
                                      ["optim.lrr=1"]))
     _, stderr = bad_layout.communicate(timeout=120)
     assert bad_layout.returncode == 2
@@ -53,7 +53,7 @@ def test_bad_numeric_value_and_unwritable_run_dir_are_one_line_exit_2(tmp_path):
              ([f"logging.run_dir={tmp_path / 'a_file' / 'run'}"],
               f"config error: logging.run_dir={tmp_path / 'a_file' / 'run'}: cannot write there (Not a directory")]
     procs = [subprocess.Popen([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
-                               str(REPO / "configs/gpt/tiny_cpu.yaml"), *args], stdout=subprocess.PIPE,
+                               str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for args, _ in cases]
     for proc, (_, message) in zip(procs, cases):
         _, stderr = proc.communicate(timeout=120)
@@ -64,7 +64,8 @@ def test_bad_numeric_value_and_unwritable_run_dir_are_one_line_exit_2(tmp_path):
 def test_resume_with_another_schedule_is_one_line_exit_2(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
-                               str(REPO / "configs/gpt/tiny_cpu.yaml"), "train.steps=4", f"logging.run_dir={tmp_path}",
+                               str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), "train.steps=4",
+                               f"logging.run_dir={tmp_path}",
                                "model.num_layers=1", *args], capture_output=True, text=True, timeout=300, check=False)
 
     first = run("train.exit_at_step=2")

@@ -66,7 +66,7 @@ def _train(rank: int, world_size: int, mask: int, run_dir: str, prefix: str) -> 
     os.umask(mask)  # ranks fork from a server started before the test set the umask
     from mmtrain.pretrain_gpt import main
 
-    return main(["--config", str(Path(__file__).resolve().parents[2] / "configs/gpt/tiny_cpu.yaml"),
+    return main(["--config", str(Path(__file__).resolve().parents[2] / "configs/gpt/tiny_cpu_mock.yaml"),
                  "data.mock=false", f"data.prefixes=[{prefix}]", "data.seq_length=16", "train.steps=2",
                  "train.micro_batch_size=2", "model.vocab_size=320", "checkpoint.save_every=1",
                  "checkpoint.keep_last=0", f"logging.run_dir={run_dir}"])
