@@ -14,7 +14,7 @@ the counts: ``moe.Experts``). ``AllToAllDispatch`` with exact splits must hand `
 sizes: ONE read-back of the (send, receive) row counts per MoE layer and micro-batch. ``padded=True`` sends
 every rank a fixed block of ``N · min(K, experts per rank)`` rows instead — the worst case, so no assignment is
 dropped — and keeps the counts on the device (no sync), for ``ep · min(K, E / ep) / K`` times the all-to-all
-bytes (2x for 8 experts, top-2, EP2) and the padding's gathers. docs/parallelism.md#expert-parallelism compares
+bytes (2x for 8 experts, top-2, EP2) and the padding's gathers. docs/expert-parallel.md compares
 the two. Padded splits need every EP rank's micro-batch to hold the same number of tokens (fixed micro-batch
 size and sequence length: always so in training).
 
