@@ -121,8 +121,11 @@ def _capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: floa
     if not capacity_factor:
         return None
     capacity = math.ceil(capacity_factor * ids_NK.numel() / num_experts)
-    onehot = F.one_hot(ids_NK.flatten(), num_experts)
-    position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1
+    flat = ids_NK.flatten()
+    order = flat.argsort(stable=True)  # by expert, in (token, k) order inside each: the arrival order
+    counts = count_per_expert(flat, num_experts)
+    rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+    position = torch.empty_like(flat).scatter_(0, order, rank_in_expert)
     return (position < capacity).view_as(ids_NK)
 
 

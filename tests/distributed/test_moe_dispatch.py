@@ -54,6 +54,14 @@ def test_local_dispatch_equals_per_token_reference(shape, shared):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_capacity_keeps_the_first_arrivals_of_each_expert():
+    from mmtrain.model.moe import _capacity_mask
+
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])  # expert 0 gets 4 assignments, capacity 2
+    keep = _capacity_mask(ids, 4, 1.0)
+    assert keep.tolist() == [[True, True], [True, True], [False, True], [True, False]]
+
+
 def test_capacity_drops_assignments_and_zeroes_them():
     cfg = _cfg(16, 8, moe_capacity_factor=0.5)
     layer = _layer(cfg)
@@ -64,9 +72,9 @@ def test_capacity_drops_assignments_and_zeroes_them():
     assert torch.isfinite(x.grad).all() and torch.isfinite(layer.experts.w_up.grad).all()
 
 
-def _ep2_vs_local(rank: int, world_size: int, shape: str, padded: bool, overlap: bool):
+def _ep2_vs_local(rank: int, world_size: int, shape: str, padded: bool, overlap: bool, capacity: float = 0.0):
     hidden, ffn = SHAPES[shape]
-    cfg = _cfg(hidden, ffn, moe_shared_ffn_hidden_size=8)
+    cfg = _cfg(hidden, ffn, moe_shared_ffn_hidden_size=8, moe_capacity_factor=capacity)
     group = dist.new_group(list(range(world_size)))
     x_all = torch.randn(world_size, 3, 7, hidden, generator=torch.Generator().manual_seed(5))
     reference = _layer(cfg)
@@ -102,10 +110,12 @@ class _Holder(torch.nn.Module):
                 for name, _ in self.named_parameters()}
 
 
-@pytest.mark.parametrize("shape,padded,overlap", [("grouped", False, False), ("grouped", True, False),
-                                                  ("grouped", False, True), ("loop", True, True)])
-def test_ep2_dispatch_equals_one_process(shape, padded, overlap):
-    assert run_distributed(_ep2_vs_local, 2, shape, padded, overlap) == [True, True]
+@pytest.mark.parametrize("shape,padded,overlap,capacity", [
+    ("grouped", False, False, 0.0), ("grouped", True, False, 0.0), ("grouped", False, True, 0.0),
+    ("loop", True, True, 0.0), ("grouped", False, False, 0.75), ("grouped", True, True, 0.75),
+    ("loop", False, False, 0.75)])
+def test_ep2_dispatch_equals_one_process(shape, padded, overlap, capacity):
+    assert run_distributed(_ep2_vs_local, 2, shape, padded, overlap, capacity) == [True, True]
 
 
 def _wrong_dispatch(rank: int, world_size: int):
