@@ -78,15 +78,21 @@ class _Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``num_local`` expert MLPs stored stacked: w_up (E, D, 2F|F), w_down (E, F, D)."""
+    """This rank's expert MLPs — experts ``[first, first + num_local)`` of ``num_total`` — stored stacked:
+    w_up (E_local, D, 2F|F), w_down (E_local, F, D)."""
 
-    def __init__(self, cfg: ModelConfig, num_local: int) -> None:
+    def __init__(self, cfg: ModelConfig, num_local: int, first: int = 0, num_total: int | None = None) -> None:
         super().__init__()
+        self.first, self.num_total = first, num_total or num_local
         self.gated = cfg.activation == "swiglu"
         f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.w_up = nn.Parameter(torch.empty(num_local, cfg.hidden_size, f * (2 if self.gated else 1)))
         self.w_down = nn.Parameter(torch.empty(num_local, f, cfg.hidden_size))
         self.grouped_gemm = cfg.moe_grouped_gemm
+
+    def own_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a whole-model tensor (experts on dim 0): what init draws from."""
+        return full.narrow(0, self.first, self.w_up.shape[0])
 
     def _use_grouped_gemm(self, x_MD: torch.Tensor) -> bool:
         """torch's grouped GEMM: bf16 on CUDA 9.0+, or the CPU; rows of 16-byte multiples (its stride rule)."""
@@ -137,7 +143,8 @@ class MoELayer(nn.Module):
         self.cfg = cfg
         self.dispatch = dispatch or LocalDispatch()  # a strategy object (mmtrain.parallel.moe_dispatch)
         self.router = _Router(cfg)
-        self.experts = Experts(cfg, cfg.num_experts)
+        first, count = self.dispatch.expert_range(cfg.num_experts)  # only this rank's experts (local: all)
+        self.experts = Experts(cfg, count, first, cfg.num_experts)
         self.shared = None
         if cfg.moe_shared_ffn_hidden_size:
             shared_cfg = type(cfg)(**{**cfg.__dict__, "ffn_hidden_size": cfg.moe_shared_ffn_hidden_size})

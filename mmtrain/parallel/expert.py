@@ -1,11 +1,11 @@
 """Expert parallelism: each rank of the ``ep`` group holds ``num_experts / ep`` experts; tokens travel to
 their experts and back with all-to-all (``mmtrain.parallel.moe_dispatch``).
 
-Two pieces, both explicit: ``expert_dispatch(ep_group, ...)`` makes the token-dispatch strategy an MoE layer
-takes at construction (``LocalDispatch`` at EP 1, ``AllToAllDispatch`` over the group otherwise), and
-``apply_expert_parallel`` keeps this rank's slice of every tensor the model's sharding spec splits over EP
-(after whole-model init, so every layout starts from the same values), checking the layers were built with a
-dispatch over the same group.
+``expert_dispatch(ep_group, ...)`` makes the token-dispatch strategy an MoE layer takes at construction
+(``LocalDispatch`` at EP 1, ``AllToAllDispatch`` over the group otherwise). The strategy names the experts this
+rank holds (``expert_range``): the layer builds only those, and the model's ``init_weights`` gives them the
+whole model's values for them, so every layout starts from the same weights. ``apply_expert_parallel`` only
+checks a built model against the group; nothing is swapped in.
 
 Expert weights are replicated over the ``edp`` group (the ranks holding the same experts), so their gradients
 are reduced there, not over all data-parallel ranks (``GradBuckets`` per group, see ``mmtrain.train.loop``).
@@ -34,28 +34,17 @@ def expert_dispatch(ep_group, token_groups: list = (), padded: bool = False,
 
 
 def apply_expert_parallel(model: nn.Module, group) -> nn.Module:
-    """Keep this rank's slice of every tensor the model's sharding spec splits over EP (``group``). Which group
-    reduces the expert gradients (``edp``), and that they are partial over TP under sequence parallelism, is
-    the spec's business (``mmtrain.train.grads``). The MoE layers must have been built with
-    ``expert_dispatch(group, ...)``: a layer whose dispatch spans another EP size is an error."""
+    """Check that ``model`` was built for expert parallelism over ``group``: every MoE layer took
+    ``expert_dispatch(group, ...)`` at construction, so it holds only this rank's experts (initialized as the
+    whole model's slice) and routes over the group. Which group reduces the expert gradients (``edp``), and that
+    they are partial over TP under sequence parallelism, is the sharding spec's business (``mmtrain.train.grads``);
+    nothing on the model is changed here."""
     ep = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if ep > 1 else 0
     for name, module in model.named_modules():
         dispatch = getattr(module, "dispatch", None) if getattr(module, "is_moe_layer", False) else None
         if dispatch is not None and dispatch.ep_size != ep:
             raise ValueError(f"{name}: built with a token dispatch over {dispatch.ep_size} expert-parallel ranks, "
                              f"but parallel.ep={ep}; build the model with expert_dispatch(mesh.ep_group)")
-    spec = model.sharding_spec()
-    for name, full in list(model.named_parameters()):  # every tensor the spec slices over EP
-        dim = spec[name].expert_dim
-        if dim is None:
-            continue
-        if full.shape[dim] % ep:
-            raise ValueError(f"{name}: {full.shape[dim]} experts cannot be split over parallel.ep={ep} "
-                             "(model.num_experts must be divisible by parallel.ep)")
-        local = full.shape[dim] // ep
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, nn.Parameter(full.data.narrow(dim, rank * local, local).clone()))
     return model
 
 

@@ -109,6 +109,10 @@ class LocalDispatch:
     def __init__(self, token_groups: list = ()) -> None:
         self.token_groups = [g for g in token_groups if g is not None and dist.get_world_size(g) > 1]
 
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """(first, count): the experts this rank holds, which the layer builds (and nothing more)."""
+        return 0, num_experts
+
     def __call__(self, x_ND: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, experts,
                  num_experts: int, keep_NK: torch.Tensor | None = None,
                  side_work: Callable[[], torch.Tensor] | None = None):
@@ -127,8 +131,15 @@ class AllToAllDispatch(LocalDispatch):
 
     def __init__(self, group, token_groups: list = (), padded: bool = False, overlap_side_work: bool = False):
         super().__init__(token_groups)
-        self.group, self.ep_size = group, dist.get_world_size(group)
+        self.group, self.ep_size, self.ep_rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.padded, self.overlap_side_work = padded, overlap_side_work
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts cannot be split over parallel.ep={self.ep_size} "
+                             "(model.num_experts must be divisible by parallel.ep)")
+        local = num_experts // self.ep_size
+        return self.ep_rank * local, local
 
     def __call__(self, x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, side_work=None):
         ep, local = self.ep_size, num_experts // self.ep_size

@@ -1,6 +1,7 @@
 """Token dispatch strategies (mmtrain.parallel.moe_dispatch): the local dispatch equals a per-token reference;
 the EP2 all-to-all dispatch — exact and padded splits, with and without the shared expert overlapped — gives
-the one-process outputs and gradients; a layer built with the wrong dispatch is refused by the EP plan."""
+the one-process outputs and gradients, each rank building only its experts; a layer built with the wrong
+dispatch is refused by the EP plan."""
 
 from __future__ import annotations
 
@@ -82,7 +83,12 @@ def _ep2_vs_local(rank: int, world_size: int, shape: str, padded: bool, overlap:
     ref_out = torch.stack([reference(x_ref[r]) for r in range(world_size)])
     ref_out.square().sum().backward()
 
-    layer = _layer(cfg, expert_dispatch(group, padded=padded, overlap_shared=overlap))
+    layer = MoELayer(cfg, expert_dispatch(group, padded=padded, overlap_shared=overlap))
+    assert layer.experts.w_up.shape[0] == cfg.num_experts // world_size  # built with this rank's experts only
+    whole = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(layer.experts.own_slice(whole[name]) if name.startswith("experts.") else whole[name])
     apply_expert_parallel(layer_holder := _Holder(layer), group)
     x = x_all[rank].clone().requires_grad_()
     out = layer(x)
@@ -97,17 +103,11 @@ def _ep2_vs_local(rank: int, world_size: int, shape: str, padded: bool, overlap:
 
 
 class _Holder(torch.nn.Module):
-    """A one-layer 'model' with the sharding spec the EP plan reads (the experts split on dim 0)."""
+    """A one-layer 'model' for the EP plan's check."""
 
     def __init__(self, layer: MoELayer) -> None:
         super().__init__()
         self.layer = layer
-
-    def sharding_spec(self):
-        from mmtrain.models.spec import ParamSpec
-
-        return {name: ParamSpec(expert_dim=0 if ".experts." in name else None)
-                for name, _ in self.named_parameters()}
 
 
 @pytest.mark.parametrize("shape,padded,overlap,capacity", [

@@ -173,7 +173,8 @@ class DeepseekMoE(nn.Module):
         self.bias_update_rate = cfg.bias_update_rate
         self.dispatch = dispatch or LocalDispatch()
         self.router = GroupLimitedRouter(cfg)
-        self.experts = Experts(_swiglu_shape(cfg, cfg.moe_intermediate_size), cfg.n_routed_experts)
+        first, count = self.dispatch.expert_range(cfg.n_routed_experts)  # only this rank's experts
+        self.experts = Experts(_swiglu_shape(cfg, cfg.moe_intermediate_size), count, first, cfg.n_routed_experts)
         self.shared = MLP(_swiglu_shape(cfg, cfg.shared_intermediate_size)) if cfg.n_shared_experts else None
         self.step_load: torch.Tensor | None = None  # tokens per expert since the last bias update
 
@@ -250,7 +251,11 @@ class DeepseekV3Model(nn.Module):
             seed_name = "embed.weight" if name == "output.weight" and self.cfg.tie_word_embeddings else name
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(seed_name.encode()))
             scale = std / (2 * self.cfg.num_layers) ** 0.5 if name.endswith(_OUTPUT_PROJECTIONS) else std
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
+            owner = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(owner, Experts):  # this rank's experts of the whole model's values
+                p.copy_(owner.own_slice(torch.randn((owner.num_total, *p.shape[1:]), generator=g) * scale))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
         for module in self.modules():
             if isinstance(module, GroupLimitedRouter):
                 module.expert_bias.zero_()

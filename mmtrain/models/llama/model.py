@@ -16,6 +16,7 @@ from torch import nn
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.head import LossHead
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
+from mmtrain.model.moe import Experts
 from mmtrain.models.llama.spec import llama_sharding_spec
 from mmtrain.models.spec import ShardingSpec
 from mmtrain.parallel.moe_dispatch import LocalDispatch
@@ -80,7 +81,11 @@ class GPTModel(nn.Module):
                 if name == "output.weight" and self.cfg.tie_embeddings:
                     name_for_seed = "embed.weight"  # a tied copy starts equal to the embedding
                     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name_for_seed.encode()))
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
+                owner = self.get_submodule(name.rpartition(".")[0])
+                if isinstance(owner, Experts):  # this rank's experts of the whole model's values
+                    p.copy_(owner.own_slice(torch.randn((owner.num_total, *p.shape[1:]), generator=g) * scale))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * scale)
 
     # ------------------------------------------------------------------------------------------ forward
     @property
