@@ -61,7 +61,8 @@ def _ranged(module: nn.Module, name: str) -> None:
     module.register_forward_pre_hook(lambda m, a: open_ranges["fwd"].append(enter(name + ".fwd", None)))
     module.register_forward_hook(lambda m, a, o: leave(open_ranges["fwd"].pop()))
     module.register_full_backward_pre_hook(lambda m, g: open_ranges["bwd"].append(enter(name + ".bwd", None)))
-    module.register_full_backward_hook(lambda m, gi, go: leave(open_ranges["bwd"].pop()) if open_ranges["bwd"] else None)
+    module.register_full_backward_hook(
+        lambda m, gi, go: leave(open_ranges["bwd"].pop()) if open_ranges["bwd"] else None)
 
 
 def main() -> None:
@@ -137,8 +138,8 @@ def main() -> None:
         # the CPU-side range (the kernels launched inside it), not the GPU timeline's copy of the annotation
         if base in totals and e.name.endswith((".fwd", ".bwd")) and e.device_type == torch.autograd.DeviceType.CPU:
             totals[base] += t
-        elif any(k in e.name.lower() for k in A2A_KEYS) and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA):
-            a2a += t if cuda else 0.0  # CPU: the c10d op's time (outermost op only, below)
+        elif cuda and e.device_type == torch.autograd.DeviceType.CUDA and any(k in e.name.lower() for k in A2A_KEYS):
+            a2a += t  # the NCCL kernels
     if not cuda:  # gloo runs the exchange inside the c10d ops: count the outermost one of each nesting
         a2a = sum(e.cpu_time_total for e in prof.events() if any(k in e.name.lower() for k in A2A_KEYS)
                   and not (e.cpu_parent and any(k in e.cpu_parent.name.lower() for k in A2A_KEYS))) / 1e3 / a.steps
