@@ -3,7 +3,7 @@ one of these strategy objects at construction (``LocalDispatch`` by default); ``
 ``expert_dispatch`` picks the one for a mesh. Both strategies share one shape:
 
 1. permute: one stable sort of the N·K assignments by expert id, then ONE gather of the token rows (an assignment
-   over its expert's capacity sorts after every expert and is never computed);
+   over its expert's capacity sorts after every expert and is never computed nor sent);
 2. run the experts on rows grouped by expert: counts per expert stay a device tensor (the grouped GEMM takes
    its group offsets on the device);
 3. unpermute: ONE gather by the inverse permutation back to (token, k) order, and the routing-weighted sum over
