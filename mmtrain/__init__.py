@@ -10,7 +10,7 @@ Configuration
     validate_vlm_config, ConfigError
 Models and parallel plans
     GPTModel, VLMModel, build_gpt_stage, build_vlm_stage, apply_tensor_parallel, apply_context_parallel,
-    apply_expert_parallel
+    apply_expert_parallel, expert_dispatch (the MoE layers' token dispatch, passed in at construction)
 Forward-backward schedule
     run_micro_batches, reduce_loss_stats
 Gradients and optimizer
@@ -43,7 +43,7 @@ _PUBLIC = {
     "ConfigError": "mmtrain.config.loader", "validate_gpt_config": "mmtrain.config.validate",
     "GPTModel": "mmtrain.models.llama.model", "build_gpt_stage": "mmtrain.train.build",
     "apply_tensor_parallel": "mmtrain.parallel.tensor", "apply_context_parallel": "mmtrain.parallel.context",
-    "apply_expert_parallel": "mmtrain.parallel.expert",
+    "apply_expert_parallel": "mmtrain.parallel.expert", "expert_dispatch": "mmtrain.parallel.expert",
     "run_micro_batches": "mmtrain.train.loop", "reduce_loss_stats": "mmtrain.train.loop",
     "GradBuckets": "mmtrain.parallel.grad_buckets", "MixedPrecisionAdamW": "mmtrain.train.optimizer",
     "finalize_grads": "mmtrain.train.grads", "clip_grad_norm": "mmtrain.train.grads", "lr_at": "mmtrain.train.lr",
@@ -65,7 +65,7 @@ __all__ = ["CheckpointWriter", "ConfigError", "GPTModel", "GPTRunConfig", "GPTSa
            "MultimodalBatch", "ParallelDims", "ParallelMesh", "VLMModel", "VLMModelConfig", "VLMRunConfig",
            "apply_context_parallel", "apply_expert_parallel", "apply_tensor_parallel",
            "build_gpt_samples_from_config", "build_gpt_stage", "build_multimodal_loader", "build_vlm_stage",
-           "clip_grad_norm", "finalize_grads", "find_checkpoint", "init_distributed", "load_checkpoint",
+           "clip_grad_norm", "expert_dispatch", "finalize_grads", "find_checkpoint", "init_distributed", "load_checkpoint",
            "load_config", "load_model_weights_only", "lr_at", "pick_device", "reduce_loss_stats",
            "run_micro_batches", "save_checkpoint", "save_config", "shutdown_distributed", "train_gpt", "train_vlm",
            "validate_gpt_config", "validate_vlm_config"]

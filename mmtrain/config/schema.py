@@ -77,6 +77,12 @@ class ParallelConfig:
     cp: int = doc(1, "Context-parallel size (splits each sequence).", ge=1)
     dp: int = doc(0, "Data-parallel size; 0 infers it as world_size / (tp*pp*cp).", ge=0)
     ep: int = doc(1, "Expert-parallel size; experts are sharded over the dp*cp ranks, so ep must divide dp*cp.", ge=1)
+    ep_dispatch: Literal["exact", "padded"] = doc(
+        "exact", "Expert-parallel all-to-all splits: exact (the tokens each rank routes; one host read of the "
+                 "counts per MoE layer and micro-batch) or padded (a fixed worst-case block per rank: no host sync, "
+                 "never drops a token, up to ep*min(top_k, experts per rank)/top_k times the bytes).")
+    ep_overlap_shared: bool = doc(False, "Run the shared experts while the expert-parallel all-to-all carries "
+                                         "the tokens (asynchronous exchange); same results.")
     sequence_parallel: bool = doc(False, "Shard norms and residuals along the sequence over the TP group.")
     pipeline_layers: list[int] = doc([], "Layers per pipeline stage, e.g. [3, 5, 5, 3]; empty splits evenly.", ge=1)
     virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.", ge=1)

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.mlp import MLP
 from mmtrain.model.moe import MoELayer
+from mmtrain.parallel.moe_dispatch import LocalDispatch
 
 
 class RMSNorm(nn.Module):
@@ -125,14 +126,15 @@ class Attention(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm block. ``causal=False`` builds an encoder block (bidirectional attention) with the same
-    parameter layout, so the TP plan shards it the same way."""
+    parameter layout, so the TP plan shards it the same way. ``moe_dispatch``: the MoE layer's token-dispatch
+    strategy (``mmtrain.parallel.moe_dispatch``; default local) when ``cfg.num_experts``."""
 
-    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, causal: bool = True, moe_dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, causal)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MoELayer(cfg) if cfg.num_experts else MLP(cfg)
+        self.mlp = MoELayer(cfg, moe_dispatch) if cfg.num_experts else MLP(cfg)
         self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,11 +1,13 @@
 """Mixture of experts, for one device: router, experts (grouped GEMM), optional shared expert, MoE layer.
 
-The layer hands (tokens, routing) to ``self.dispatch``; the default runs every expert locally. The expert-
-parallel plan (``mmtrain.parallel.expert``) keeps only this rank's experts and swaps in an all-to-all dispatch.
+The layer hands (tokens, routing) to its token-dispatch strategy, taken at construction
+(``mmtrain.parallel.moe_dispatch``): ``LocalDispatch`` (the default) runs every expert here, the
+expert-parallel ``AllToAllDispatch`` sends tokens to the ranks holding their experts (the EP plan then keeps
+only this rank's experts). The dispatch also runs the shared expert, so it can overlap it with the all-to-all.
 Routing runs in fp32. Auxiliary losses (load balancing, z-loss) are added through the gradient
 (``_AttachAuxLoss``) in *sum form* — N·loss for a micro-batch of N tokens — so the trainer's "sum of token losses
 / global tokens" normalization turns them into a token-weighted mean. When a micro-batch's tokens are split over
-ranks (sequence or context parallelism), ``token_groups`` names those groups: expert loads are summed over them
+ranks (sequence or context parallelism), the dispatch's ``token_groups`` names those groups: expert loads are summed over them
 so the balance loss sees the whole micro-batch, and each rank contributes the gradient of its own tokens.
 """
 
@@ -20,7 +22,7 @@ from torch import nn
 
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.mlp import MLP, swiglu_or_gelu
-from mmtrain.parallel.expert import permute_by_expert, unpermute_and_combine
+from mmtrain.parallel.moe_dispatch import LocalDispatch, count_per_expert
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -61,7 +63,7 @@ class _Router(nn.Module):
             weights = scores.gather(1, ids)
             weights = weights / weights.sum(dim=-1, keepdim=True)
             balance_probs = scores / scores.sum(dim=-1, keepdim=True)
-        load = torch.bincount(ids.flatten(), minlength=c.num_experts)
+        load = count_per_expert(ids.flatten(), c.num_experts)
         aux = logits.new_zeros(())
         if c.moe_aux_loss_coeff:  # Switch balance loss E * sum_i f_i * P_i, times the tokens of the micro-batch
             full_load = load.float()
@@ -76,28 +78,48 @@ class _Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``num_local`` expert MLPs stored stacked: w_up (E, D, 2F|F), w_down (E, F, D)."""
+    """This rank's expert MLPs — experts ``[first, first + num_local)`` of ``num_total`` — stored stacked:
+    w_up (E_local, D, 2F|F), w_down (E_local, F, D)."""
 
-    def __init__(self, cfg: ModelConfig, num_local: int) -> None:
+    def __init__(self, cfg: ModelConfig, num_local: int, first: int = 0, num_total: int | None = None) -> None:
         super().__init__()
+        self.first, self.num_total = first, num_total or num_local
         self.gated = cfg.activation == "swiglu"
         f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.w_up = nn.Parameter(torch.empty(num_local, cfg.hidden_size, f * (2 if self.gated else 1)))
         self.w_down = nn.Parameter(torch.empty(num_local, f, cfg.hidden_size))
         self.grouped_gemm = cfg.moe_grouped_gemm
 
-    def forward(self, x_MD: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x_MD`` holds the tokens of expert 0, then expert 1, ... (``counts`` of each)."""
-        use_grouped = (self.grouped_gemm and x_MD.is_cuda and x_MD.dtype == torch.bfloat16
-                       and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x_MD.device)[0] >= 9)
-        if use_grouped:
-            offs = torch.tensor(counts, device=x_MD.device).cumsum(0).to(torch.int32)
-            h = swiglu_or_gelu(torch._grouped_mm(x_MD, self.w_up, offs=offs), self.gated)
-            return torch._grouped_mm(h, self.w_down, offs=offs)
-        outs = []
-        for e, part in enumerate(x_MD.split(counts)):
-            outs.append(swiglu_or_gelu(part @ self.w_up[e], self.gated) @ self.w_down[e])
-        return torch.cat(outs) if outs else x_MD.new_zeros(0, self.w_down.shape[-1])
+    def own_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a whole-model tensor (experts on dim 0): what init draws from."""
+        return full.narrow(0, self.first, self.w_up.shape[0])
+
+    def _use_grouped_gemm(self, x_MD: torch.Tensor) -> bool:
+        """torch's grouped GEMM: bf16 on CUDA 9.0+, or the CPU; rows of 16-byte multiples (its stride rule)."""
+        if not self.grouped_gemm or not hasattr(F, "grouped_mm"):
+            return False
+        if any(n * x_MD.element_size() % 16 for n in (x_MD.shape[-1], self.w_down.shape[1])):
+            return False
+        if x_MD.is_cuda:
+            return x_MD.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_MD.device)[0] >= 9
+        return x_MD.device.type == "cpu"
+
+    def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, valid_M: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_MD`` holds the rows of expert 0, then expert 1, ... (``counts_E`` of each, a device tensor), then
+        rows of no expert (padding, dropped assignments; ``valid_M`` False there), whose outputs are zero."""
+        if self._use_grouped_gemm(x_MD):  # group offsets stay on the device: no host read
+            offs = counts_E.cumsum(0).to(torch.int32)
+            if valid_M is not None:  # rows past the last group are never computed: keep their gradients zero
+                x_MD = x_MD.masked_fill(~valid_M[:, None], 0)
+            h = swiglu_or_gelu(F.grouped_mm(x_MD, self.w_up, offs=offs), self.gated)
+            y = F.grouped_mm(h, self.w_down, offs=offs)
+            return y if valid_M is None else y.masked_fill(~valid_M[:, None], 0)
+        counts = counts_E.tolist()  # the per-expert loop needs host split sizes (a device read on a GPU)
+        rest = x_MD.shape[0] - sum(counts)
+        parts = x_MD.split([*counts, rest])
+        outs = [swiglu_or_gelu(part @ self.w_up[e], self.gated) @ self.w_down[e] for e, part in enumerate(parts[:-1])]
+        outs.append(x_MD.new_zeros(rest, self.w_down.shape[-1]))
+        return torch.cat(outs)
 
 
 def _capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor | None:
@@ -105,36 +127,28 @@ def _capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: floa
     if not capacity_factor:
         return None
     capacity = math.ceil(capacity_factor * ids_NK.numel() / num_experts)
-    onehot = F.one_hot(ids_NK.flatten(), num_experts)
-    position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1
+    flat = ids_NK.flatten()
+    order = flat.argsort(stable=True)  # by expert, in (token, k) order inside each: the arrival order
+    counts = count_per_expert(flat, num_experts)
+    rank_in_expert = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+    position = torch.empty_like(flat).scatter_(0, order, rank_in_expert)
     return (position < capacity).view_as(ids_NK)
-
-
-def local_dispatch(x_ND: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, experts: Experts,
-                   num_experts: int, keep_NK: torch.Tensor | None = None) -> torch.Tensor:
-    """Sort assignments by expert, run the experts, scatter back and combine with the routing weights (every
-    expert on this device; ``mmtrain.parallel.expert``'s all-to-all dispatch has the same signature)."""
-    order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
-    counts = counts.tolist()
-    kept = sum(counts[:num_experts])
-    y_sorted = experts(x_ND[order[:kept] // ids_NK.shape[1]], counts[:num_experts])
-    return unpermute_and_combine(y_sorted, order, weights_NK, x_ND)
 
 
 class MoELayer(nn.Module):
     is_moe_layer = True  # how the expert-parallel plan finds these layers without importing model code
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.dispatch = dispatch or LocalDispatch()  # a strategy object (mmtrain.parallel.moe_dispatch)
         self.router = _Router(cfg)
-        self.experts = Experts(cfg, cfg.num_experts)
+        first, count = self.dispatch.expert_range(cfg.num_experts)  # only this rank's experts (local: all)
+        self.experts = Experts(cfg, count, first, cfg.num_experts)
         self.shared = None
         if cfg.moe_shared_ffn_hidden_size:
             shared_cfg = type(cfg)(**{**cfg.__dict__, "ffn_hidden_size": cfg.moe_shared_ffn_hidden_size})
             self.shared = MLP(shared_cfg)
-        self.dispatch = local_dispatch  # replaced by the expert-parallel plan
-        self.token_groups: list = []  # groups over which one micro-batch's tokens are split (SP, CP)
         self.step_load: torch.Tensor | None = None  # tokens per expert, accumulated over a step (for logs/bias)
 
     @property
@@ -145,12 +159,13 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         shape = x_BSD.shape
         x = x_BSD.reshape(-1, shape[-1])
-        weights, ids, aux, load = self.router(x, self.token_groups)
+        weights, ids, aux, load = self.router(x, self.dispatch.token_groups)
         self.step_load = load if self.step_load is None else self.step_load + load
         keep = _capacity_mask(ids, self.cfg.num_experts, self.cfg.moe_capacity_factor)
-        out = self.dispatch(x, weights, ids, self.experts, self.cfg.num_experts, keep)
-        if self.shared is not None:
-            out = out + self.shared(x)
+        shared = (lambda: self.shared(x)) if self.shared is not None else None
+        out, shared_out = self.dispatch(x, weights, ids, self.experts, self.cfg.num_experts, keep, shared)
+        if shared_out is not None:
+            out = out + shared_out
         if torch.is_grad_enabled() and aux.requires_grad:
             out = _AttachAuxLoss.apply(out, aux, 1.0)
         return out.view(shape)

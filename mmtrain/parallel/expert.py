@@ -1,11 +1,11 @@
 """Expert parallelism: each rank of the ``ep`` group holds ``num_experts / ep`` experts; tokens travel to
-their experts and back with all-to-all.
+their experts and back with all-to-all (``mmtrain.parallel.moe_dispatch``).
 
-Dispatch for one MoE layer (dropless by default):
-1. permute: sort this rank's (token, k) assignments by global expert id;
-2. exchange counts (all-to-all of a (ep, local experts) count matrix), then the tokens themselves with variable
-   splits; the received tokens arrive grouped by source rank, then by expert — re-sort them by local expert;
-3. run the local experts (one grouped GEMM), undo the re-sort, all-to-all back, unpermute, weight and sum.
+``expert_dispatch(ep_group, ...)`` makes the token-dispatch strategy an MoE layer takes at construction
+(``LocalDispatch`` at EP 1, ``AllToAllDispatch`` over the group otherwise). The strategy names the experts this
+rank holds (``expert_range``): the layer builds only those, and the model's ``init_weights`` gives them the
+whole model's values for them, so every layout starts from the same weights. ``apply_expert_parallel`` only
+checks a built model against the group; nothing is swapped in.
 
 Expert weights are replicated over the ``edp`` group (the ranks holding the same experts), so their gradients
 are reduced there, not over all data-parallel ranks (``GradBuckets`` per group, see ``mmtrain.train.loop``).
@@ -15,103 +15,36 @@ Experts are not split over tensor parallelism (Megatron's expert-TP = 1): with T
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+from mmtrain.parallel.moe_dispatch import AllToAllDispatch, LocalDispatch
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+def expert_dispatch(ep_group, token_groups: list = (), padded: bool = False,
+                    overlap_shared: bool = False) -> LocalDispatch:
+    """The token-dispatch strategy for MoE layers on this rank: local at EP 1, all-to-all over ``ep_group``
+    otherwise (``padded``: fixed worst-case splits, no host sync; ``overlap_shared``: shared experts run while
+    the tokens travel). ``token_groups``: the groups a micro-batch's tokens are split over (TP under sequence
+    parallelism, CP), for the balance loss."""
+    if ep_group is None or dist.get_world_size(ep_group) == 1:
+        return LocalDispatch(token_groups)
+    return AllToAllDispatch(ep_group, token_groups, padded=padded, overlap_side_work=overlap_shared)
 
 
-def permute_by_expert(ids_NK: torch.Tensor, num_experts: int, keep_NK: torch.Tensor | None = None):
-    """Order of the (token, k) assignments sorted by expert (dropped ones last) and tokens per expert (E + 1,);
-    ``order[:kept] // K`` are the token rows to gather."""
-    flat_ids = ids_NK.flatten()
-    if keep_NK is not None:  # dropped assignments go to a virtual expert past the end and are zeroed
-        flat_ids = torch.where(keep_NK.flatten(), flat_ids, num_experts)
-    return flat_ids.argsort(stable=True), torch.bincount(flat_ids, minlength=num_experts + 1)
-
-
-def unpermute_and_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights_NK: torch.Tensor,
-                          like_ND: torch.Tensor) -> torch.Tensor:
-    """Scatter expert outputs back to their (token, k) slots and sum them with the routing weights."""
-    N, K = weights_NK.shape
-    y = like_ND.new_zeros(N * K, like_ND.shape[-1]).index_copy(0, order[:len(y_sorted)], y_sorted.to(like_ND.dtype))
-    return (y.view(N, K, -1) * weights_NK[..., None].to(y.dtype)).sum(dim=1)
-
-
-def _ep_dispatch(x_ND, weights_NK, ids_NK, experts, num_experts, keep_NK=None, *, group):
-    ep = dist.get_world_size(group)
-    local = num_experts // ep
-    order, counts = permute_by_expert(ids_NK, num_experts, keep_NK)
-    kept = int(counts[:num_experts].sum())
-    send_counts = counts[:num_experts].view(ep, local)  # [destination rank, its local expert]
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)  # [source rank, my local expert]
-    send_splits = send_counts.sum(dim=1).tolist()
-    recv_splits = recv_counts.sum(dim=1).tolist()
-    x_recv = all_to_all(x_ND[order[:kept] // ids_NK.shape[1]], recv_splits, send_splits, group)
-    # received: grouped by source rank, then local expert -> regroup by local expert, then source rank
-    rc = recv_counts.tolist()
-    starts, pos = [], 0
-    for src in range(ep):
-        row = []
-        for e in range(local):
-            row.append(pos)
-            pos += rc[src][e]
-        starts.append(row)
-    regroup = [torch.arange(starts[src][e], starts[src][e] + rc[src][e]) for e in range(local) for src in range(ep)]
-    regroup = torch.cat(regroup).to(x_ND.device) if regroup else torch.zeros(0, dtype=torch.long, device=x_ND.device)
-    per_expert = recv_counts.sum(dim=0).tolist()
-    y_local = experts(x_recv[regroup], per_expert)
-    y_recv = torch.empty_like(y_local).index_copy(0, regroup, y_local) if len(regroup) else y_local
-    y_sorted = all_to_all(y_recv, send_splits, recv_splits, group)
-    return unpermute_and_combine(y_sorted, order, weights_NK, x_ND)
-
-
-def apply_expert_parallel(model: nn.Module, group, token_groups: list = ()) -> nn.Module:
-    """Keep this rank's slice of every MoE layer's experts and route tokens over ``group`` (all-to-all). Which
-    group reduces the expert gradients (``edp``), and that they are partial over TP under sequence parallelism,
-    is the model's sharding spec's business (``mmtrain.train.grads``). ``token_groups``:
-    the groups a micro-batch's tokens are split over (TP under sequence parallelism, CP) for the balance loss."""
+def apply_expert_parallel(model: nn.Module, group) -> nn.Module:
+    """Check that ``model`` was built for expert parallelism over ``group``: every MoE layer took
+    ``expert_dispatch(group, ...)`` at construction, so it holds only this rank's experts (initialized as the
+    whole model's slice) and routes over the group. Which group reduces the expert gradients (``edp``), and that
+    they are partial over TP under sequence parallelism, is the sharding spec's business (``mmtrain.train.grads``);
+    nothing on the model is changed here."""
     ep = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if ep > 1 else 0
-    spec = model.sharding_spec()
-    for name, full in list(model.named_parameters()):  # every tensor the spec slices over EP
-        dim = spec[name].expert_dim
-        if dim is None:
-            continue
-        if full.shape[dim] % ep:
-            raise ValueError(f"{name}: {full.shape[dim]} experts cannot be split over parallel.ep={ep} "
-                             "(model.num_experts must be divisible by parallel.ep)")
-        local = full.shape[dim] // ep
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, nn.Parameter(full.data.narrow(dim, rank * local, local).clone()))
-    for module in model.modules():
-        if not getattr(module, "is_moe_layer", False):
-            continue
-        module.token_groups = [g for g in token_groups if g is not None and dist.get_world_size(g) > 1]
-        if ep > 1:
-            module.dispatch = partial(_ep_dispatch, group=group)
+    for name, module in model.named_modules():
+        dispatch = getattr(module, "dispatch", None) if getattr(module, "is_moe_layer", False) else None
+        if dispatch is not None and dispatch.ep_size != ep:
+            raise ValueError(f"{name}: built with a token dispatch over {dispatch.ep_size} expert-parallel ranks, "
+                             f"but parallel.ep={ep}; build the model with expert_dispatch(mesh.ep_group)")
     return model
 
 

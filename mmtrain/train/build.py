@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmtrain.config.schema import GPTRunConfig
+from mmtrain.config.schema import GPTRunConfig, ParallelConfig
 from mmtrain.model.fp8 import Fp8Runtime, apply_fp8, resolve_fp8_backend
 from mmtrain.models.registry import model_family
 from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
-from mmtrain.parallel.expert import apply_expert_parallel
+from mmtrain.parallel.expert import apply_expert_parallel, expert_dispatch
 from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import apply_tensor_parallel
 
@@ -37,17 +37,25 @@ class StageChunks(nn.Module):
         return self.chunks[0].sharding_spec()
 
 
+def moe_dispatch_for(parallel: ParallelConfig, mesh: ParallelMesh):
+    """The MoE layers' token-dispatch strategy for this rank: over the mesh's EP group, the balance loss summed
+    over the groups one micro-batch's tokens are split over (TP under sequence parallelism, CP)."""
+    sp = parallel.sequence_parallel and mesh.dims.tp > 1
+    return expert_dispatch(mesh.ep_group, token_groups=[mesh.tp_group if sp else None, mesh.cp_group],
+                           padded=parallel.ep_dispatch == "padded", overlap_shared=parallel.ep_overlap_shared)
+
+
 def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, int], pre: bool, post: bool,
                  fp8_backend: str | None = None) -> nn.Module:
     family = model_family(cfg.model)
     has_experts = family.has_routed_experts(cfg.model)
-    model = family.build_stage(cfg.model, layer_range, pre, post)
+    model = family.build_stage(cfg.model, layer_range, pre, post,
+                               moe_dispatch=moe_dispatch_for(cfg.parallel, mesh) if has_experts else None)
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
     apply_context_parallel(model, mesh.cp_group)
     if has_experts:
-        sp = cfg.parallel.sequence_parallel and mesh.dims.tp > 1
-        apply_expert_parallel(model, mesh.ep_group, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
+        apply_expert_parallel(model, mesh.ep_group)
     if fp8_backend is not None:
         apply_fp8(model, cfg, mesh, fp8_backend)
     mode = cfg.train.activation_checkpointing

@@ -27,6 +27,7 @@ from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import apply_expert_parallel
 from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import apply_tensor_parallel
+from mmtrain.train.build import moe_dispatch_for
 
 
 def _shard_spliced(x_BSD: torch.Tensor, cp: int, cp_rank: int, tp_group, sequence_parallel: bool) -> torch.Tensor:
@@ -42,7 +43,7 @@ def _apply_vlm_parallel(model: VLMModel, mesh: ParallelMesh, sequence_parallel: 
     apply_tensor_parallel(lm, mesh.tp_group, sp)
     apply_context_parallel(lm, mesh.cp_group)
     if lm.cfg.num_experts:
-        apply_expert_parallel(lm, mesh.ep_group, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
+        apply_expert_parallel(lm, mesh.ep_group)
     for encoder in (model.vision, model.audio):
         if encoder is not None:
             apply_tensor_parallel(encoder, mesh.tp_group, False)
@@ -64,7 +65,9 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
         raise ConfigError("parallel.virtual_pp > 1 is not supported for the VLM; use plain pipeline stages")
     pp, stage = mesh.dims.pp, mesh.coord.pp
     ranges = stage_layer_ranges(cfg.model.language.num_layers, pp, p.pipeline_layers)
-    model = VLMModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1)
+    dispatch = moe_dispatch_for(p, mesh) if cfg.model.language.num_experts else None
+    model = VLMModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1,
+                     moe_dispatch=dispatch)
     model.init_weights(t.seed)
     _apply_vlm_parallel(model, mesh, p.sequence_parallel)
     mode = t.activation_checkpointing

@@ -64,6 +64,8 @@ LAYOUTS = [
     (2, ["parallel.dp=2"]),
     (2, ["parallel.dp=2", "parallel.ep=2"]),
     (4, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]),
+    # fixed worst-case all-to-all splits, the shared expert run while the tokens travel
+    (2, ["parallel.dp=2", "parallel.ep=2", "parallel.ep_dispatch=padded", "parallel.ep_overlap_shared=true"]),
 ]
 
 

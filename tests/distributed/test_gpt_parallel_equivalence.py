@@ -75,6 +75,8 @@ MOE_LAYOUTS = [
     (4, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"], MOE),
     (2, ["parallel.dp=2", "parallel.ep=2"], [*MOE, "model.moe_router=sigmoid", "model.moe_shared_ffn_hidden_size=32",
                                               "model.moe_z_loss_coeff=1e-3"]),
+    (4, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+         "parallel.ep_dispatch=padded", "parallel.ep_overlap_shared=true"], [*MOE, "model.moe_shared_ffn_hidden_size=32"]),
 ]
 
 

@@ -19,7 +19,8 @@ BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.d
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")  # a device read on a GPU
 
 
-def _count_reads(rank: int, world_size: int, run_dir: str, extra: list[str]):
+def _count_reads(rank: int, world_size: int, run_dir: str, extra: list[str], model_file: str | None = None,
+                 base: list[str] = BASE):
     seen: list[tuple[int, str]] = []
     current = {"step": 0}
     step = loop._Run.step
@@ -42,7 +43,7 @@ def _count_reads(rank: int, world_size: int, run_dir: str, extra: list[str]):
         from mmtrain.train import build
 
         build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
-    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", *extra])
+    cfg = load_config(GPTRunConfig, model_file, [*base, f"logging.run_dir={run_dir}", *extra])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
     result = loop.train_gpt(cfg, mesh, torch.device("cpu"))
     return seen, result.losses
@@ -58,3 +59,43 @@ def test_no_device_reads_on_non_logging_steps(tmp_path, extra):
     assert len(losses) == 10 and all(torch.isfinite(torch.tensor(losses)))
     rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 10  # still one metrics row per step
+
+
+MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32", "model.moe_router=sigmoid",
+       "model.moe_shared_ffn_hidden_size=32", "model.moe_bias_update_rate=1e-3"]
+DEEPSEEK = ("configs/models/deepseek-v3-tiny.yaml",
+            [b for b in BASE if not b.startswith("model.")] + ["model.deepseek_v3.vocab_size=64"])
+
+
+def _off_step_reads(seen) -> list[tuple[int, str]]:
+    return [(s, name) for s, name in seen if s and s % 5]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_moe_reads_nothing_on_non_logging_steps(tmp_path, family):
+    """MoE layers (router, local dispatch, grouped GEMM, router-bias balancing) keep their counts on the device."""
+    model_file, base = DEEPSEEK if family == "deepseek_v3" else (None, BASE)
+    extra = [] if family == "deepseek_v3" else MOE
+    seen, losses = run_distributed(_count_reads, 1, str(tmp_path), extra, model_file, base)[0]
+    assert _off_step_reads(seen) == []
+    assert len(losses) == 10 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_ep2_padded_all_to_all_reads_nothing_on_non_logging_steps(tmp_path):
+    """parallel.ep_dispatch=padded: fixed splits, so the expert-parallel exchange needs no counts on the host."""
+    extra = [*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.ep_dispatch=padded", "parallel.ep_overlap_shared=true"]
+    for seen, losses in run_distributed(_count_reads, 2, str(tmp_path), extra):
+        assert _off_step_reads(seen) == []
+        assert len(losses) == 10
+
+
+def test_ep2_exact_all_to_all_reads_the_split_sizes_once_per_layer(tmp_path):
+    """parallel.ep_dispatch=exact (the default): all_to_all_single takes host split sizes, read back once per MoE
+    layer and micro-batch (the documented sync), and nothing else."""
+    extra = [*MOE, "parallel.dp=2", "parallel.ep=2"]
+    for seen, _ in run_distributed(_count_reads, 2, str(tmp_path), extra):
+        off = _off_step_reads(seen)
+        assert {name for _, name in off} == {"tolist"}
+        per_step = {s: sum(1 for t, _ in off if t == s) for s, _ in off}
+        assert set(per_step) == {1, 2, 3, 4, 6, 7, 8, 9}
+        assert len(set(per_step.values())) == 1 and next(iter(per_step.values())) % 2 == 0  # 2 MoE layers

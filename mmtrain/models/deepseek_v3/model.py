@@ -35,9 +35,10 @@ from mmtrain.config.schema import ModelConfig
 from mmtrain.model.head import LossHead
 from mmtrain.models.llama.model import document_causal_mask
 from mmtrain.model.layers import MLP, RMSNorm
-from mmtrain.model.moe import Experts, local_dispatch
+from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec
+from mmtrain.parallel.moe_dispatch import LocalDispatch, count_per_expert
 
 LATENT_NORM_EPS = 1e-6  # the q/kv latent norms' epsilon in DeepSeek's and HF's code (not rms_norm_eps)
 # projections writing into the residual stream (not q_down/kv_down, which also end in "down.weight")
@@ -159,42 +160,44 @@ class GroupLimitedRouter(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """Routed experts (``moe.Experts``: w_up (E, D, 2F) [gate | up], w_down (E, F, D)) plus shared experts.
-    Marked ``is_moe_layer`` with the attributes the expert-parallel plan and ``update_router_biases`` use
-    (``dispatch``, ``token_groups``, ``step_load``, ``bias_update_rate``, ``router.expert_bias``)."""
+    ``dispatch``: the token-dispatch strategy (``mmtrain.parallel.moe_dispatch``, default local), which also
+    runs the shared experts (so an all-to-all dispatch can overlap them with its exchange). Marked
+    ``is_moe_layer`` with what the expert-parallel plan and ``update_router_biases`` read (``dispatch``,
+    ``step_load``, ``bias_update_rate``, ``router.expert_bias``); no balance loss (the selection bias balances)."""
 
     is_moe_layer = True
 
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.num_experts = cfg.n_routed_experts
         self.bias_update_rate = cfg.bias_update_rate
-        self.token_groups: list = []  # no balance loss here: the selection bias balances (no group needed)
+        self.dispatch = dispatch or LocalDispatch()
         self.router = GroupLimitedRouter(cfg)
-        self.experts = Experts(_swiglu_shape(cfg, cfg.moe_intermediate_size), cfg.n_routed_experts)
+        first, count = self.dispatch.expert_range(cfg.n_routed_experts)  # only this rank's experts
+        self.experts = Experts(_swiglu_shape(cfg, cfg.moe_intermediate_size), count, first, cfg.n_routed_experts)
         self.shared = MLP(_swiglu_shape(cfg, cfg.shared_intermediate_size)) if cfg.n_shared_experts else None
-        self.dispatch = local_dispatch
         self.step_load: torch.Tensor | None = None  # tokens per expert since the last bias update
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x = x_BSD.reshape(-1, x_BSD.shape[-1])
         weights, ids = self.router(x)
-        load = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        load = count_per_expert(ids.flatten(), self.num_experts)
         self.step_load = load if self.step_load is None else self.step_load + load
-        out = self.dispatch(x, weights, ids, self.experts, self.num_experts)
+        # (B, S, D): under sequence parallelism the shared experts' TP linears gather the sequence
+        shared = (lambda: self.shared(x_BSD)) if self.shared is not None else None
+        out, shared_out = self.dispatch(x, weights, ids, self.experts, self.num_experts, None, shared)
         out = out.view_as(x_BSD)
-        if self.shared is not None:  # (B, S, D): under sequence parallelism its TP linears gather the sequence
-            out = out + self.shared(x_BSD)
-        return out
+        return out if shared_out is None else out + shared_out
 
 
 # ---------------------------------------------------------------------------------------------- model
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, index: int) -> None:
+    def __init__(self, cfg: DeepseekV3Config, index: int, moe_dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = LatentAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DeepseekMoE(cfg) if cfg.is_moe_layer(index) else MLP(_swiglu_shape(cfg, cfg.intermediate_size))
+        self.mlp = DeepseekMoE(cfg, moe_dispatch) if cfg.is_moe_layer(index) else MLP(_swiglu_shape(cfg, cfg.intermediate_size))
         self.recompute = "none"  # "full": keep only the layer's input and recompute the rest in backward
 
     def _forward(self, x, cos, sin, attn_mask):
@@ -209,16 +212,18 @@ class DecoderLayer(nn.Module):
 
 class DeepseekV3Model(nn.Module):
     """DeepSeek-V3-style LM, or one pipeline stage of it (``layer_range`` of global layer indices; the first
-    stage embeds, the last one normalizes, projects and computes per-token losses). Call ``init_weights``."""
+    stage embeds, the last one normalizes, projects and computes per-token losses; ``moe_dispatch``: the MoE
+    layers' token-dispatch strategy, default local). Call ``init_weights``."""
 
     def __init__(self, cfg: DeepseekV3Config, layer_range: tuple[int, int] | None = None,
-                 pre_process: bool = True, post_process: bool = True) -> None:
+                 pre_process: bool = True, post_process: bool = True,
+                 moe_dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.cfg = cfg.check()
         start, end = layer_range or (0, cfg.num_layers)
         self.layer_range, self.pre_process, self.post_process = (start, end), pre_process, post_process
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, moe_dispatch) for i in range(start, end)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post_process else None
         own_output = post_process and not (cfg.tie_word_embeddings and pre_process)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
@@ -246,7 +251,11 @@ class DeepseekV3Model(nn.Module):
             seed_name = "embed.weight" if name == "output.weight" and self.cfg.tie_word_embeddings else name
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(seed_name.encode()))
             scale = std / (2 * self.cfg.num_layers) ** 0.5 if name.endswith(_OUTPUT_PROJECTIONS) else std
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
+            owner = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(owner, Experts):  # this rank's experts of the whole model's values
+                p.copy_(owner.own_slice(torch.randn((owner.num_total, *p.shape[1:]), generator=g) * scale))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
         for module in self.modules():
             if isinstance(module, GroupLimitedRouter):
                 module.expert_bias.zero_()

@@ -16,8 +16,10 @@ from torch import nn
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.head import LossHead
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
+from mmtrain.model.moe import Experts
 from mmtrain.models.llama.spec import llama_sharding_spec
 from mmtrain.models.spec import ShardingSpec
+from mmtrain.parallel.moe_dispatch import LocalDispatch
 
 
 def document_causal_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -32,17 +34,20 @@ def document_causal_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
 class GPTModel(nn.Module):
     """Decoder-only LM (or one pipeline stage of it: ``layer_range``, ``pre_process`` = holds the embedding,
     ``post_process`` = holds the final norm, output layer and loss; ``head``: its strategy, default the
-    one-device ``LossHead``). Call ``init_weights(seed)`` after building."""
+    one-device ``LossHead``; ``moe_dispatch``: the MoE layers' token-dispatch strategy, default local, or
+    ``mmtrain.parallel.expert.expert_dispatch``'s all-to-all). Call ``init_weights(seed)`` after building."""
 
     def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, head: LossHead | None = None) -> None:
+                 pre_process: bool = True, post_process: bool = True, head: LossHead | None = None,
+                 moe_dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         start, end = layer_range or (0, cfg.num_layers)
         self.layer_range = (start, end)
         self.pre_process, self.post_process = pre_process, post_process
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, moe_dispatch=moe_dispatch)
+                                     for i in range(start, end)})
         self.norm = make_norm(cfg) if post_process else None
         # A tied last stage that does not hold the embedding keeps its own copy, kept equal by the trainer.
         own_output = post_process and not (cfg.tie_embeddings and pre_process)
@@ -76,7 +81,11 @@ class GPTModel(nn.Module):
                 if name == "output.weight" and self.cfg.tie_embeddings:
                     name_for_seed = "embed.weight"  # a tied copy starts equal to the embedding
                     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name_for_seed.encode()))
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
+                owner = self.get_submodule(name.rpartition(".")[0])
+                if isinstance(owner, Experts):  # this rank's experts of the whole model's values
+                    p.copy_(owner.own_slice(torch.randn((owner.num_total, *p.shape[1:]), generator=g) * scale))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * scale)
 
     # ------------------------------------------------------------------------------------------ forward
     @property
