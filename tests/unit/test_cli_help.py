@@ -34,7 +34,7 @@ def test_help_imports_no_torch_and_lists_sections_keys_and_a_torchrun_example(mo
     out = proc.stdout
     for section in ("parallel", "data", "optim", "train", "logging", "checkpoint", "model"):
         assert f"\n  {section}: " in out
-    assert "tp pp cp dp ep sequence_parallel" in out and "lr min_lr weight_decay" in out
+    assert "tp pp cp dp ep " in out and " sequence_parallel " in out and "lr min_lr weight_decay" in out
     assert "--help-config SECTION" in out and "torchrun --nproc_per_node 8 -m " + module in out
     assert sections_overview(cls) in out
 
