@@ -91,6 +91,12 @@ class DataConfig:
     """Where training tokens come from."""
 
     mock: bool = doc(False, "Use random tokens instead of a dataset (benchmarks and smoke tests).")
+    type: Literal["gpt", "sft"] = doc("gpt", "gpt: samples of seq_length + 1 tokens running across documents "
+                                              "(pretraining). sft: whole conversations of `mmtrain-prep sft` outputs "
+                                              "(data.prefixes), loss only where their loss mask says, packed with "
+                                              "per-conversation attention and positions (docs/post-training.md).")
+    sft_pack: bool = doc(True, "data.type=sft: pack several conversations into each sample (false: one per "
+                               "sample, padded).")
     prefixes: list[str] = doc([], "Indexed dataset prefixes (path without .bin/.idx); used when no blend is given.")
     blend: str = doc("", "Path of a blend-spec YAML file (docs/blend-spec.md); wins over `prefixes`.")
     seq_length: int = doc(128, "Tokens per training sample.", ge=1)

@@ -140,6 +140,16 @@ def _validate_data(d) -> None:
         parse_split(d.split)
     except SplitError as exc:
         raise ConfigError(str(exc)) from None
+    if d.type == "sft":
+        if d.mock or d.blend or not d.prefixes:
+            raise ConfigError("data.type=sft reads data.prefixes (outputs of mmtrain-prep sft); data.mock and "
+                              "data.blend are for data.type=gpt")
+        flags = [k for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, k)]
+        if flags:
+            raise ConfigError(f"data.{flags[0]} is for data.type=gpt; data.type=sft always keeps attention, positions "
+                              "and loss inside each conversation -- remove it")
+    elif not d.sft_pack:
+        raise ConfigError("data.sft_pack=false applies to data.type=sft only")
     if d.weights:
         if d.blend:
             raise ConfigError("data.weights applies to data.prefixes; a data.blend spec carries its own weights")

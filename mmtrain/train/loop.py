@@ -19,6 +19,7 @@ import torch.distributed as dist
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.loader import MicroBatches
+from mmtrain.data.sft_dataset import build_sft_samples_from_config, sft_step_inputs
 from mmtrain.models.registry import model_family
 from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.dims import ParallelMesh
@@ -38,6 +39,8 @@ from mmtrain.utils.log import get_logger
 
 
 def _build_samples(cfg: GPTRunConfig, split: str, dp_size: int, index_builder: bool):
+    if cfg.data.type == "sft":
+        return build_sft_samples_from_config(cfg, split, dp_size)
     if cfg.data.mock:
         from mmtrain.data.mock import MockGPTSamples
 
@@ -80,9 +83,11 @@ def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor],
     def forward_step(i: int, received: torch.Tensor | None, module: torch.nn.Module = stage) -> torch.Tensor:
         tokens = micro_batches[i].to(device, non_blocking=True)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        B, S = inputs.shape
+        B, S = inputs.shape[0], inputs.shape[-1]
         doc_ids = loss_mask = None
-        if packed:  # documents packed into one sample: positions restart, attention and loss respect EOD
+        if d.type == "sft":  # (B, 4, S + 1): conversations with their loss mask, documents and positions
+            inputs, labels, positions, doc_ids, loss_mask = sft_step_inputs(tokens)
+        elif packed:  # documents packed into one sample: positions restart, attention and loss respect EOD
             positions, doc_ids, loss_mask = packed_document_inputs(
                 tokens, eod_id, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
             doc_ids = doc_ids if d.reset_attention_mask else None
@@ -105,7 +110,7 @@ def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor],
         stats[0] += total.detach().double()
         return total
 
-    mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
+    mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[-1] - 1
     schedule_micro_batches(forward_step, len(micro_batches), stage, mesh, cfg, device, buckets,
                            (mbs, S, cfg.model.shape().hidden_size))
     return stats

@@ -13,43 +13,11 @@ import pytest
 from dataprep.chat_template import BUILTIN_TEMPLATES
 from dataprep.cli import main as prep
 from mmtrain.core.indexed import IndexedDataset
-
-SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>"]
-# A Zephyr-like template without generation blocks: the assistant spans are found prefix by prefix, so a span is
-# everything the template renders for the message after the generation prompt (here the newline after eos too);
-# the tagged twin says exactly that to transformers.
-OWN_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] "
-                "+ eos_token + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
-OWN_TEMPLATE_TAGGED = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
-                       "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token + '\\n' }}"
-                       "{% endgeneration %}{% else %}{{ message['content'] + eos_token + '\\n' }}{% endif %}"
-                       "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
-
-CONVERSATIONS = [
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"},
-     {"role": "assistant", "content": "Hello! How can I help?"}],
-    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
-     {"role": "user", "content": "and 3+3 ünïcödé 🙂?"}, {"role": "assistant", "content": " 6, of course.\n"}],
-]
-
+from tests.sft_helpers import CONVERSATIONS, OWN_TEMPLATE_TAGGED, build_chat_tokenizer
 
 @pytest.fixture(scope="module")
 def chat_tok(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    folder = tmp_path_factory.mktemp("chat_tok")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = [m["content"] for c in CONVERSATIONS for m in c] * 20 + ["system user assistant the of and"] * 20
-    tok.train_from_iterator(text, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": OWN_TEMPLATE}))
-    return folder
+    return build_chat_tokenizer(tmp_path_factory.mktemp("chat_tok"))
 
 
 def _hf(chat_tok):
