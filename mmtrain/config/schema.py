@@ -194,6 +194,26 @@ class CheckpointConfig:
                              "(checksums.json) before reading it; a damaged file stops the run. false reads unchecked.")
 
 
+LORA_TARGETS = ("qkv", "proj", "up", "down")  # the Llama block's linears (HF: q/k/v_proj, o_proj, gate/up_proj, down_proj)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on chosen linears; the base model is frozen (docs/post-training.md)."""
+
+    rank: int = doc(0, "Adapter rank r; 0 turns LoRA off (full fine-tuning or pretraining).", ge=0)
+    alpha: float = doc(16.0, "Scaling numerator: the adapter adds (alpha / rank) * B A x.", gt=0)
+    targets: list[str] = doc(list(LORA_TARGETS), "Linears that get an adapter, by their name in a block: qkv "
+                                                  "(fused q|k|v), proj (attention output), up (fused gate|up), down.")
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters."})
+
+
 @dataclass
 class Fp8Config:
     """FP8 training (``train.precision: fp8``; docs/fp8.md). The transformer blocks' linears (qkv, proj, MLP
@@ -247,3 +267,4 @@ class GPTRunConfig(RunSections):
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model shape."})
     fp8: Fp8Config = field(default_factory=Fp8Config, metadata={"help": "FP8 training (train.precision: fp8)."})
+    peft: PeftConfig = field(default_factory=PeftConfig, metadata={"help": "Parameter-efficient fine-tuning (LoRA)."})

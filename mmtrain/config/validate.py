@@ -58,6 +58,9 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
         raise ConfigError(f"train.precision=fp8 supports {mk}.family=llama only (got {m.family}); use bf16")
     if t.precision == "fp8":
         _validate_fp8(cfg, mk)
+    lora = getattr(getattr(cfg, "peft", None), "lora", None)
+    if lora is not None and lora.rank:
+        _validate_lora(cfg, lora, mk)
     if world_size is not None:
         from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
 
@@ -130,6 +133,19 @@ def _check_deepseek_v3_shape(m: ModelConfig, p, mk: str) -> None:
                           f"{sk}.num_layers)")
     if has_moe and s.n_routed_experts % p.ep:
         raise ConfigError(f"{sk}.n_routed_experts ({s.n_routed_experts}) must be divisible by parallel.ep ({p.ep})")
+
+
+def _validate_lora(cfg, lora, mk: str) -> None:
+    from mmtrain.config.schema import LORA_TARGETS
+
+    bad = [x for x in lora.targets if x not in LORA_TARGETS]
+    if bad or not lora.targets:
+        raise ConfigError(f"peft.lora.targets: {bad[0] if bad else 'empty'}; choose from {', '.join(LORA_TARGETS)}")
+    if cfg.model.family != "llama" or cfg.model.num_experts:
+        raise ConfigError(f"peft.lora supports dense {mk}.family=llama models (got {cfg.model.family}"
+                          f"{', MoE' if cfg.model.num_experts else ''}); set peft.lora.rank=0")
+    if cfg.train.precision == "fp8":
+        raise ConfigError("peft.lora with train.precision=fp8 is not supported; use bf16")
 
 
 def _validate_data(d) -> None:

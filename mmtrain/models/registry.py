@@ -48,10 +48,10 @@ class ModelFamily:
     hf: HFAdapter
 
 
-def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool) -> nn.Module:
+def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool, lora=None) -> nn.Module:
     from mmtrain.models.llama.model import GPTModel
 
-    return GPTModel(m, layer_range, pre_process=pre, post_process=post)
+    return GPTModel(m, layer_range, pre_process=pre, post_process=post, lora=lora)
 
 
 def _llama_flops(m: ModelConfig, seq_length: int) -> float:
@@ -60,9 +60,11 @@ def _llama_flops(m: ModelConfig, seq_length: int) -> float:
     return flops_per_token(m, seq_length)
 
 
-def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool) -> nn.Module:
+def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool, lora=None) -> nn.Module:
     from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 
+    if lora is not None and lora.rank:
+        raise ValueError("LoRA is not implemented for deepseek_v3 (the config check refuses it)")
     return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post)
 
 
