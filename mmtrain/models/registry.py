@@ -36,6 +36,10 @@ class HFAdapter:
     state_from_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     state_to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     errors: Callable[[], tuple[type[Exception], ...]]
+    # LoRA on full tensors (None: the family has no adapters): merge_lora(full, cfg, lora) -> base tensors;
+    # lora_to_peft(full, cfg, lora, base_model) -> (adapter_config.json mapping, peft-named tensors)
+    merge_lora: Callable | None = None
+    lora_to_peft: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,16 @@ def _llama_hf() -> HFAdapter:
         from mmtrain.models.llama.hf_adapter import UnsupportedHFConfig
 
         return (UnsupportedHFConfig,)
+    def lora(name):
+        def call(*args):
+            from mmtrain.models.llama import lora_export
+
+            return getattr(lora_export, name)(*args)
+        return call
+
     return HFAdapter(("llama", "qwen2", "mixtral"), lazy("model_config_from_hf"),
                      lazy("hf_config_from_model_config"), lazy("mmtrain_state_from_hf"),
-                     lazy("hf_state_from_mmtrain"), errors)
+                     lazy("hf_state_from_mmtrain"), errors, lora("merge_lora"), lora("peft_adapter"))
 
 
 def _deepseek_v3_spec(m: ModelConfig) -> ShardingSpec:

@@ -71,3 +71,47 @@ def test_lora_layout_matches_one_process(single, tmp_path, world_size, layout):
     for name, p in init.named_parameters():
         moved = not torch.equal(p.detach(), ref_params[name])
         assert moved == (name.endswith("lora_B.weight") or name.endswith("lora_A.weight")), name
+
+
+def _lora_from_hf(rank: int, world_size: int, ckpt: str, run_dir: str, ids: torch.Tensor):
+    cfg = load_config(GPTRunConfig, f"{ckpt}/model.yaml", [
+        "data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=3",
+        "train.micro_batch_size=2", "optim.warmup_steps=0", "optim.lr=2e-2", "train.eval_every=0",
+        "parallel.tp=2", "peft.lora.rank=4", "peft.lora.alpha=16", f"checkpoint.load={ckpt}",
+        f"logging.run_dir={run_dir}"])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+    result = train_gpt(cfg, mesh, torch.device("cpu"))
+    with torch.no_grad():
+        return result.model.eval()(ids)
+
+
+def test_lora_from_hf_exports_merged_and_peft_adapter(tmp_path):
+    """A TP2 LoRA run started from an HF import: the merged HF export loads in transformers with the adapted
+    model's logits, and the peft adapter on the HF base gives the same logits through PeftModel."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from mmtrain.convert.__main__ import main as convert
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, max_position_embeddings=64)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
+    ids = torch.randint(0, 96, (2, 12))
+    adapted = run_distributed(_lora_from_hf, 2, str(tmp_path / "base"), str(tmp_path / "run"), ids)[0]
+    with torch.no_grad():
+        base_logits = hf(ids).logits
+    assert (adapted - base_logits).abs().max() > 1e-3  # the adapters changed the model
+    ckpts = str(tmp_path / "run" / "checkpoints")
+    assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "merged")]) == 0
+    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted, rtol=0, atol=1e-4)
+    assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "adapter"), "--lora", "adapter"]) == 0
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                       "adapter_model.safetensors"]
+    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(ids).logits, adapted, rtol=0, atol=1e-4)
