@@ -52,6 +52,12 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if not d.mock and not d.prefixes and not d.blend:
         raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
     _validate_data(d)
+    if (t.objective == "dpo") != (d.type == "preference"):
+        raise ConfigError(f"train.objective={t.objective} with data.type={d.type}: DPO trains on preference pairs "
+                          "and preference pairs only with DPO; set both train.objective=dpo and data.type=preference")
+    if t.objective == "dpo" and p.cp > 1:
+        raise ConfigError("train.objective=dpo does not support parallel.cp > 1 yet (sequence log-probs would be "
+                          "split over the context ranks); use tp/pp/dp")
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
     if t.precision == "fp8" and m.family != "llama":
@@ -156,9 +162,9 @@ def _validate_data(d) -> None:
         parse_split(d.split)
     except SplitError as exc:
         raise ConfigError(str(exc)) from None
-    if d.type == "sft":
+    if d.type in ("sft", "preference"):
         if d.mock or d.blend or not d.prefixes:
-            raise ConfigError("data.type=sft reads data.prefixes (outputs of mmtrain-prep sft); data.mock and "
+            raise ConfigError(f"data.type={d.type} reads data.prefixes (outputs of mmtrain-prep sft); data.mock and "
                               "data.blend are for data.type=gpt")
         flags = [k for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, k)]
         if flags:
