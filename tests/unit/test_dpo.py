@@ -105,3 +105,7 @@ def test_toy_preferences_raise_the_margin_and_tp2_equals_one_process(pref_prefix
     assert margins[-1] > 0.5 and one[-1] < one[0] and rows[-1]["reward_accuracy"] == 1.0
     two = run_distributed(_train, 2, common + ["parallel.tp=2", f"logging.run_dir={tmp_path}/b"])[0]
     np.testing.assert_allclose(two, one, rtol=1e-4)
+    # pipeline stages: the reference and the policy both run through the 1F1B / forward-only schedules
+    staged = run_distributed(_train, 2, common + ["parallel.pp=2", "train.micro_batch_size=2",
+                                                  "train.global_batch_size=4", f"logging.run_dir={tmp_path}/c"])
+    np.testing.assert_allclose(staged[-1], one, rtol=1e-4)
