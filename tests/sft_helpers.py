@@ -71,3 +71,21 @@ def write_sft_dataset(folder: Path, tokenizer: Path, conversations, template: st
     assert prep(["sft", "--input", str(src), "--output-prefix", str(prefix), "--tokenizer", str(tokenizer),
                  "--chat-template", template, "--workers", "0", "--progress", "never"]) == 0
     return prefix
+
+
+def write_preference_dataset(folder: Path, pairs: int = 16) -> Path:
+    """A toy preference set (chosen answers start with "yes", rejected with "no"), prepared with chatml."""
+    import numpy as np
+
+    from dataprep.cli import main as prep
+
+    tok = build_chat_tokenizer(folder / "tok")
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat and ran to the big red house".split()
+    records = [{"prompt": " ".join(rng.choice(words, 4)), "chosen": "yes " + " ".join(rng.choice(words, 3)),
+                "rejected": "no " + " ".join(rng.choice(words, 3))} for _ in range(pairs)]
+    src = folder / "pref.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert prep(["sft", "--preference", "--input", str(src), "--output-prefix", str(folder / "p"), "--tokenizer",
+                 str(tok), "--chat-template", "chatml", "--workers", "0", "--progress", "never"]) == 0
+    return folder / "p"

@@ -1,5 +1,5 @@
 """data.type=sft: packing layout, packed SFT equals one conversation per sample (loss and gradients), config
-checks, and a short run through the training loop (one process and DP2 agree)."""
+checks (the run through the loop, one process against DP2: tests/distributed/test_post_training_runs.py)."""
 
 from __future__ import annotations
 
@@ -88,27 +88,6 @@ def test_sft_config_checks(sft_prefix):
             validate_gpt_config(load_config(GPTRunConfig, None, _overrides(sft_prefix, *extra)))
     with pytest.raises(ConfigError, match="data.sft_pack=false applies to data.type=sft only"):
         validate_gpt_config(load_config(GPTRunConfig, None, ["data.mock=true", "data.sft_pack=false"]))
-
-
-def _train(rank, world_size, overrides):
-    from mmtrain.parallel import ParallelDims
-    from mmtrain.train.loop import train_gpt
-
-    cfg = load_config(GPTRunConfig, None, overrides)
-    validate_gpt_config(cfg, world_size)
-    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
-    return train_gpt(cfg, mesh, torch.device("cpu")).losses
-
-
-def test_sft_run_one_process_equals_dp2(sft_prefix, tmp_path):
-    from mmtrain.testing import run_distributed
-
-    common = _overrides(sft_prefix, "train.steps=3", "train.global_batch_size=4", "train.eval_every=0",
-                        "optim.warmup_steps=0", "optim.lr=1e-2")
-    one = run_distributed(_train, 1, common + ["train.micro_batch_size=4", f"logging.run_dir={tmp_path}/a"])[0]
-    two = run_distributed(_train, 2, common + ["train.micro_batch_size=2", f"logging.run_dir={tmp_path}/b"])[0]
-    assert len(one) == 3 and one[-1] < one[0]
-    np.testing.assert_allclose(two, one, rtol=1e-5)
 
 
 def test_preference_data_is_refused_for_sft(tmp_path):
