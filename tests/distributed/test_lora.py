@@ -115,3 +115,14 @@ def test_lora_from_hf_exports_merged_and_peft_adapter(tmp_path):
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(ids).logits, adapted, rtol=0, atol=1e-4)
+
+
+def test_lora_checkpoint_saved_at_tp2_resumes_at_one_process(single, tmp_path):
+    """A LoRA run stopped at step 2 under TP2 (checkpoint: frozen base + adapters + their optimizer state)
+    continues in one process exactly as the uninterrupted run."""
+    ref_losses, ref_params, _, _ = single
+    first = run_distributed(_train, 2, str(tmp_path), ["parallel.tp=2", "train.exit_at_step=2"])
+    rest = run_distributed(_train, 1, str(tmp_path), [])[0]
+    torch.testing.assert_close(torch.tensor(first[-1][0] + rest[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for name, p in rest[1].items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-6, msg=name)
