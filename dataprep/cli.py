@@ -17,6 +17,7 @@ from mmtrain.core.tokenizer import TokenizerError
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "text": ("dataprep.text", "Tokenize JSONL (.jsonl, .gz, .zst) into Megatron-compatible indexed .bin/.idx shards."),
+    "sft": ("dataprep.sft", "Chat/instruction JSONL -> chat-template tokens + loss mask (SFT), or preference pairs (DPO)."),
     "train-tokenizer": ("dataprep.tokenizer_train", "Train a SentencePiece BPE/unigram tokenizer from JSONL."),
     "merge": ("dataprep.merge", "Concatenate indexed datasets into one."),
     "media": ("dataprep.media", "Pack images, video and audio with their text into energon-ready WebDataset shards."),

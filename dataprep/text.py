@@ -19,6 +19,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+import numpy as np
+
 from dataprep.errors import PrepError
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
 from dataprep.text_input import Truncated, describe_skipped, find_inputs, stream_blocks
@@ -67,12 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="progress bar (default: only on a terminal)")
 
 
-def _progress_bar(total_bytes: int, mode: str):
+def _progress_bar(total_bytes: int, mode: str, title: str = "prep text"):
     if mode == "never" or (mode == "auto" and not sys.stderr.isatty()):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prep text",
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=title,
                 file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
 
@@ -123,11 +125,12 @@ class _Run:
                 "blank_lines": self.blank}
 
 
-def _pipeline(blocks, options: EncodeOptions, workers: int, tokenizer=None):
+def _pipeline(blocks, options, workers: int, tokenizer=None, encoder_class=BlockEncoder):
     """Encoded results in input order. ``workers`` processes, each with at most 4 blocks queued.
-    ``tokenizer``: already loaded with ``options``; used here (workers=0) or inherited by forked workers."""
+    ``tokenizer``: already loaded with ``options``; used here (workers=0) or inherited by forked workers.
+    ``encoder_class(options, tokenizer).encode(block)`` does the work (``BlockEncoder`` for `text`)."""
     if workers == 0:
-        encoder = BlockEncoder(options, tokenizer)
+        encoder = encoder_class(options, tokenizer)
         for item in blocks:
             yield item if isinstance(item, Truncated) else encoder.encode(item)
         return
@@ -137,7 +140,7 @@ def _pipeline(blocks, options: EncodeOptions, workers: int, tokenizer=None):
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
                                initializer=init_worker,
                                # forked workers inherit the loaded tokenizer (fork pickles nothing)
-                               initargs=(options, tokenizer if method == "fork" else None))
+                               initargs=(options, tokenizer if method == "fork" else None, encoder_class))
     try:
         pending: collections.deque = collections.deque()
 
@@ -181,45 +184,27 @@ def _check_writable(prefix: str) -> None:
         raise _unwritable(prefix, exc) from None
 
 
-def run(args: argparse.Namespace) -> int:
-    started = time.monotonic()
-    keys = tuple(args.json_keys)
-    if len(set(keys)) != len(keys):
-        raise PrepError(f"--json-keys lists a key twice: {' '.join(keys)}")
-    if args.workers is not None and args.workers < 0:
-        raise PrepError("--workers must be 0 or more")
-    prefix = os.fspath(args.output_prefix)
-    prefixes = key_prefixes(prefix, keys)
-    files, skipped = find_inputs(args.input, exclude=output_paths(prefix, list(prefixes.values())))
-    _check_writable(prefix)  # before the tokenizer loads and workers start
-    tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
-                               add_special_tokens=args.add_special_tokens, merge_file=args.merge_file)
-    if args.append_eod and tokenizer.eod_id is None:
-        raise PrepError(f"--append-eod: tokenizer {args.tokenizer} defines no end-of-sequence token; "
-                        "name one with --eod-token")
-    dtype = token_dtype_for(tokenizer.max_id)
-    cpus = available_cpus()
-    workers = cpus if args.workers is None else args.workers
-    threads = args.threads_per_worker or max(1, cpus // max(workers, 1))
-    options = EncodeOptions(str(tokenizer.path if tokenizer.type == "sentencepiece" else args.tokenizer),
-                            tokenizer.type, args.eod_token, args.add_special_tokens, keys, args.append_eod,
-                            tokenizer.eod_id, args.keep_empty, dtype.name, threads,
-                            str(tokenizer.merges_path) if tokenizer.type == "gpt2-bpe" else None)
-
+def write_indexed_outputs(args, prefix: str, files, outputs: dict[str, tuple[str, np.dtype]], options,
+                          workers: int, tokenizer, encoder_class=BlockEncoder, title: str = "prep text"):
+    """Stream ``files`` through the encoder pool into one ``.bin/.idx`` writer per output key
+    (``outputs``: key -> (data prefix, dtype)) and switch PREFIX over to the new complete set (the caller
+    writes the manifest next). Returns (counters, writers, rejects file or None). Shared by `text` and `sft`:
+    ``args`` brings ``strict``, ``block_mb`` and ``progress``."""
     # Everything is written beside a complete earlier output of PREFIX, which stays until the new one is
     # complete (replace_outputs); a run that fails, is killed or writes nothing leaves it as it was.
     writers: dict[str, IndexedDatasetWriter] = {}
+    prefixes = {k: p for k, (p, _) in outputs.items()}
     rejects: RejectLog | None = None
-    bar = _progress_bar(sum(f.size for f in files), args.progress)
+    bar = _progress_bar(sum(f.size for f in files), args.progress, title)
     results = None
     try:
         rejects = RejectLog(prefix)
-        for key, p in prefixes.items():
+        for key, (p, dtype) in outputs.items():
             writers[key] = IndexedDatasetWriter(p, dtype)
         state = _Run(args, files, writers, rejects)
         blocks = stream_blocks(files, int(args.block_mb * (1 << 20)),
                                on_progress=bar.update if bar is not None else None)
-        results = _pipeline(blocks, options, workers, tokenizer)
+        results = _pipeline(blocks, options, workers, tokenizer, encoder_class)
         for result in results:
             state.consume(result)
             if bar is not None:
@@ -248,6 +233,36 @@ def run(args: argparse.Namespace) -> int:
             results.close()  # stops the worker pool now, also on error
         if bar is not None:
             bar.close()
+    return state, writers, rejects_file
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    keys = tuple(args.json_keys)
+    if len(set(keys)) != len(keys):
+        raise PrepError(f"--json-keys lists a key twice: {' '.join(keys)}")
+    if args.workers is not None and args.workers < 0:
+        raise PrepError("--workers must be 0 or more")
+    prefix = os.fspath(args.output_prefix)
+    prefixes = key_prefixes(prefix, keys)
+    files, skipped = find_inputs(args.input, exclude=output_paths(prefix, list(prefixes.values())))
+    _check_writable(prefix)  # before the tokenizer loads and workers start
+    tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
+                               add_special_tokens=args.add_special_tokens, merge_file=args.merge_file)
+    if args.append_eod and tokenizer.eod_id is None:
+        raise PrepError(f"--append-eod: tokenizer {args.tokenizer} defines no end-of-sequence token; "
+                        "name one with --eod-token")
+    dtype = token_dtype_for(tokenizer.max_id)
+    cpus = available_cpus()
+    workers = cpus if args.workers is None else args.workers
+    threads = args.threads_per_worker or max(1, cpus // max(workers, 1))
+    options = EncodeOptions(str(tokenizer.path if tokenizer.type == "sentencepiece" else args.tokenizer),
+                            tokenizer.type, args.eod_token, args.add_special_tokens, keys, args.append_eod,
+                            tokenizer.eod_id, args.keep_empty, dtype.name, threads,
+                            str(tokenizer.merges_path) if tokenizer.type == "gpt2-bpe" else None)
+
+    state, writers, rejects_file = write_indexed_outputs(
+        args, prefix, files, {k: (p, dtype) for k, p in prefixes.items()}, options, workers, tokenizer)
 
     elapsed = time.monotonic() - started
     counts = state.counts()
@@ -267,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         "keep_empty": args.keep_empty,
         "outputs": outputs,
         "documents": counts,
-        "rejects_by_code": dict(sorted(rejects.codes.items())),
+        "rejects_by_code": dict(sorted(state.rejects.codes.items())),
         "tokens": state.tokens,
         "bytes": state.text_bytes,
         "rejects_file": rejects_file.name if rejects_file else None,

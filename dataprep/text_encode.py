@@ -193,12 +193,13 @@ class BlockEncoder:
 
 
 # One encoder per worker process, built by the pool initializer.
-_ENCODER: BlockEncoder | None = None
+_ENCODER = None
 
 
-def init_worker(options: EncodeOptions, preloaded: Tokenizer | None = None) -> None:
+def init_worker(options, preloaded: Tokenizer | None = None, encoder_class=BlockEncoder) -> None:
     """Pool initializer. ``preloaded``: the writing process's own tokenizer (same options), which forked workers
-    inherit instead of loading the files again (a GPT-2/HF tokenizer takes ~0.5 s to parse)."""
+    inherit instead of loading the files again (a GPT-2/HF tokenizer takes ~0.5 s to parse). ``encoder_class``:
+    ``BlockEncoder`` (`text`) or another class with its constructor and ``encode`` (`sft`)."""
     global _ENCODER
     import signal
 
@@ -211,9 +212,9 @@ def init_worker(options: EncodeOptions, preloaded: Tokenizer | None = None) -> N
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    _ENCODER = BlockEncoder(options, preloaded)
+    _ENCODER = encoder_class(options, preloaded)
 
 
-def encode_in_worker(block: Block) -> EncodedBlock:
+def encode_in_worker(block: Block):
     assert _ENCODER is not None, "init_worker was not run in this process"
     return _ENCODER.encode(block)

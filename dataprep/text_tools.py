@@ -112,7 +112,7 @@ def _check_manifest(t: Target, ds: IndexedDataset, checksums: bool) -> list[str]
     entry = _output_entry(t)
     if entry is None:
         return [f"{where}: has no entry for {t.data_prefix}"]
-    if t.manifest.get("dtype") not in (None, ds.dtype.name):
+    if t.manifest.get("dtype") not in (None, ds.dtype.name) and not _is_mask(t):  # masks: _check_loss_mask
         problems.append(f"{where}: dtype {t.manifest.get('dtype')} but {ds.idx_path} holds {ds.dtype.name}")
     for field, actual in (("documents", ds.num_documents), ("tokens", ds.num_tokens),
                           ("bin_size", ds.bin_size), ("idx_size", ds.idx_path.stat().st_size)):
@@ -133,6 +133,41 @@ def _check_manifest(t: Target, ds: IndexedDataset, checksums: bool) -> list[str]
     return problems
 
 
+def _mask_prefix(t: Target, key: str) -> str | None:
+    """The data prefix of the loss mask that goes with output ``key`` (`mmtrain-prep sft`), or None."""
+    masks = (t.manifest or {}).get("loss_masks") or {}
+    entry = ((t.manifest or {}).get("outputs") or {}).get(masks.get(key))
+    if not isinstance(entry, dict) or "idx" not in entry:
+        return None
+    return str(Path(t.data_prefix).parent / Path(entry["idx"]).with_suffix(""))
+
+
+def _is_mask(t: Target) -> bool:
+    return t.key is not None and t.key in ((t.manifest or {}).get("loss_masks") or {}).values()
+
+
+def _check_loss_mask(t: Target, ds: IndexedDataset) -> list[str]:
+    """A loss mask holds only 0/1; the tokens it belongs to have exactly its document lengths."""
+    if _is_mask(t):
+        if ds.dtype != np.uint8:
+            return [f"{ds.idx_path}: a loss mask must be uint8, it holds {ds.dtype.name}"]
+        for start in range(0, len(ds), 1 << 16):
+            values = ds.tokens_of_range(start, min(len(ds), start + (1 << 16)))
+            if values.size and values.max() > 1:
+                return [f"{ds.bin_path}: loss mask holds values other than 0 and 1 (damaged; re-run the prep)"]
+        return []
+    mask_prefix = _mask_prefix(t, t.key) if t.key is not None else None
+    if mask_prefix is None:
+        return []
+    try:
+        mask = IndexedDataset(mask_prefix)
+    except IndexedFormatError:
+        return []  # reported as that target's own problem
+    if len(mask) != len(ds) or not np.array_equal(mask.lengths, ds.lengths):
+        return [f"{ds.idx_path}: document lengths differ from its loss mask {mask.idx_path}; re-run the prep"]
+    return []
+
+
 def verify_text(args: argparse.Namespace) -> int:
     report = []
     for t in resolve_targets(str(args.target)):
@@ -141,7 +176,7 @@ def verify_text(args: argparse.Namespace) -> int:
         except IndexedFormatError as exc:
             report.append({"prefix": t.data_prefix, "ok": False, "problems": [str(exc)]})
             continue
-        problems = check_structure(ds) + _check_manifest(t, ds, not args.no_checksums)
+        problems = check_structure(ds) + _check_manifest(t, ds, not args.no_checksums) + _check_loss_mask(t, ds)
         report.append({"prefix": t.data_prefix, "ok": not problems, "problems": problems,
                        "documents": ds.num_documents, "tokens": ds.num_tokens, "dtype": ds.dtype.name})
     ok = all(r["ok"] for r in report)
@@ -177,6 +212,16 @@ def _tokenizer_for(args, t: Target):
     return load_tokenizer(source, recorded.get("type"), merge_file=recorded.get("merges_path"))
 
 
+def _loss_runs(tokenizer, ids: list[int], mask: list[int]) -> list[tuple[bool, int, str]]:
+    """(carries loss, token count, decoded text) for each run of equal mask values."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            runs.append((bool(mask[start]), i - start, tokenizer.decode(ids[start:i])))
+            start = i
+    return runs
+
+
 def inspect_text(args: argparse.Namespace) -> int:
     summaries = []
     for t in resolve_targets(str(args.target)):
@@ -196,13 +241,18 @@ def inspect_text(args: argparse.Namespace) -> int:
             info["manifest"] = {k: t.manifest.get(k) for k in ("command", "created", "documents", "tokenizer",
                                                                 "append_eod", "elapsed_s") if k in t.manifest}
         docs = []
-        if args.doc:
+        mask_prefix = _mask_prefix(t, t.key) if t.key is not None else None
+        if args.doc and not _is_mask(t):
             tokenizer = _tokenizer_for(args, t)
+            mask = IndexedDataset(mask_prefix) if mask_prefix else None
             for k in args.doc:
                 if not -ds.num_documents <= k < ds.num_documents:
                     raise PrepError(f"--doc {k}: {t.data_prefix} has documents 0..{ds.num_documents - 1}")
                 ids = ds[k].tolist()
-                docs.append({"doc": k, "tokens": len(ids), "ids": ids[:64], "text": tokenizer.decode(ids)})
+                doc = {"doc": k, "tokens": len(ids), "ids": ids[:64], "text": tokenizer.decode(ids)}
+                if mask is not None:
+                    doc["loss_runs"] = _loss_runs(tokenizer, ids, mask[k].tolist())
+                docs.append(doc)
         info["decoded"] = docs
         summaries.append(info)
     if args.json:
@@ -229,6 +279,11 @@ def inspect_text(args: argparse.Namespace) -> int:
             print("  no manifest (incomplete run, or written by another tool)")
         for d in s["decoded"]:
             print(f"  --- document {d['doc']} ({d['tokens']} tokens)")
+            if "loss_runs" in d:  # one line per run of tokens with / without loss
+                print(f"  {sum(n for loss, n, _ in d['loss_runs'] if loss):,} tokens carry the loss (LOSS lines)")
+                for loss, n, text in d["loss_runs"]:
+                    print(f"  {'LOSS' if loss else '----'} {text[:2000]!r}")
+                continue
             print(f"  {d['text']!r}" if len(d["text"]) < 2000 else f"  {d['text'][:2000]!r} ...")
     sys.stdout.flush()
     return 0

@@ -97,6 +97,13 @@ class DataConfig:
     """Where training tokens come from."""
 
     mock: bool = doc(False, "Use random tokens instead of a dataset (benchmarks and smoke tests).")
+    type: Literal["gpt", "sft", "preference"] = doc(
+        "gpt", "gpt: samples of seq_length + 1 tokens running across documents (pretraining). sft: whole "
+               "conversations of `mmtrain-prep sft` outputs (data.prefixes), loss only where their loss mask says, "
+               "packed with per-conversation attention and positions. preference: chosen/rejected pairs of "
+               "`mmtrain-prep sft --preference` (one prefix) for train.objective=dpo (docs/post-training.md).")
+    sft_pack: bool = doc(True, "data.type=sft: pack several conversations into each sample (false: one per "
+                               "sample, padded).")
     prefixes: list[str] = doc([], "Indexed dataset prefixes (path without .bin/.idx); used when no blend is given.")
     blend: str = doc("", "Path of a blend-spec YAML file (docs/blend-spec.md); wins over `prefixes`.")
     seq_length: int = doc(128, "Tokens per training sample.", ge=1)
@@ -139,6 +146,9 @@ class TrainConfig:
     """The step loop."""
 
     steps: int = doc(20, "Optimizer steps to run.", ge=1)
+    objective: Literal["lm", "dpo"] = doc("lm", "lm: next-token cross-entropy (pretraining, SFT). dpo: preference "
+                                                "optimization against a frozen reference (the dpo section; "
+                                                "data.type=preference).")
     micro_batch_size: int = doc(2, "Samples per micro-batch per data-parallel rank.", ge=1)
     global_batch_size: int = doc(0, "Samples per optimizer step over all ranks; 0 means micro_batch_size * dp.", ge=0)
     precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32; fp8: "
@@ -194,6 +204,36 @@ class CheckpointConfig:
                              "(checksums.json) before reading it; a damaged file stops the run. false reads unchecked.")
 
 
+LORA_TARGETS = ("qkv", "proj", "up", "down")  # the Llama block's linears (HF: q/k/v_proj, o_proj, gate/up_proj, down_proj)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on chosen linears; the base model is frozen (docs/post-training.md)."""
+
+    rank: int = doc(0, "Adapter rank r; 0 turns LoRA off (full fine-tuning or pretraining).", ge=0)
+    alpha: float = doc(16.0, "Scaling numerator: the adapter adds (alpha / rank) * B A x.", gt=0)
+    targets: list[str] = doc(list(LORA_TARGETS), "Linears that get an adapter, by their name in a block: qkv "
+                                                  "(fused q|k|v), proj (attention output), up (fused gate|up), down.")
+
+
+@dataclass
+class DpoConfig:
+    """Direct preference optimization (train.objective: dpo)."""
+
+    beta: float = doc(0.1, "Strength of the pull towards the reference model (the rewards' scale).", gt=0)
+    loss: Literal["sigmoid", "ipo"] = doc("sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1/(2 beta))^2.")
+    reference: str = doc("", "Weights-only checkpoint of the frozen reference model; empty: the run's initial "
+                             "weights (the weights-only checkpoint.load, else the seeded init).")
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters."})
+
+
 @dataclass
 class Fp8Config:
     """FP8 training (``train.precision: fp8``; docs/fp8.md). The transformer blocks' linears (qkv, proj, MLP
@@ -247,3 +287,5 @@ class GPTRunConfig(RunSections):
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Model shape."})
     fp8: Fp8Config = field(default_factory=Fp8Config, metadata={"help": "FP8 training (train.precision: fp8)."})
+    peft: PeftConfig = field(default_factory=PeftConfig, metadata={"help": "Parameter-efficient fine-tuning (LoRA)."})
+    dpo: DpoConfig = field(default_factory=DpoConfig, metadata={"help": "Preference optimization (train.objective: dpo)."})

@@ -52,12 +52,21 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if not d.mock and not d.prefixes and not d.blend:
         raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
     _validate_data(d)
+    if (t.objective == "dpo") != (d.type == "preference"):
+        raise ConfigError(f"train.objective={t.objective} with data.type={d.type}: DPO trains on preference pairs "
+                          "and preference pairs only with DPO; set both train.objective=dpo and data.type=preference")
+    if t.objective == "dpo" and p.cp > 1:
+        raise ConfigError("train.objective=dpo does not support parallel.cp > 1 yet (sequence log-probs would be "
+                          "split over the context ranks); use tp/pp/dp")
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
     if t.precision == "fp8" and m.family != "llama":
         raise ConfigError(f"train.precision=fp8 supports {mk}.family=llama only (got {m.family}); use bf16")
     if t.precision == "fp8":
         _validate_fp8(cfg, mk)
+    lora = getattr(getattr(cfg, "peft", None), "lora", None)
+    if lora is not None and lora.rank:
+        _validate_lora(cfg, lora, mk)
     if world_size is not None:
         from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
 
@@ -132,6 +141,19 @@ def _check_deepseek_v3_shape(m: ModelConfig, p, mk: str) -> None:
         raise ConfigError(f"{sk}.n_routed_experts ({s.n_routed_experts}) must be divisible by parallel.ep ({p.ep})")
 
 
+def _validate_lora(cfg, lora, mk: str) -> None:
+    from mmtrain.config.schema import LORA_TARGETS
+
+    bad = [x for x in lora.targets if x not in LORA_TARGETS]
+    if bad or not lora.targets:
+        raise ConfigError(f"peft.lora.targets: {bad[0] if bad else 'empty'}; choose from {', '.join(LORA_TARGETS)}")
+    if cfg.model.family != "llama" or cfg.model.num_experts:
+        raise ConfigError(f"peft.lora supports dense {mk}.family=llama models (got {cfg.model.family}"
+                          f"{', MoE' if cfg.model.num_experts else ''}); set peft.lora.rank=0")
+    if cfg.train.precision == "fp8":
+        raise ConfigError("peft.lora with train.precision=fp8 is not supported; use bf16")
+
+
 def _validate_data(d) -> None:
     """Data keys that can be checked without opening any file (files are checked when the data is built)."""
     from mmtrain.data.splits import SplitError, parse_split  # numpy only
@@ -140,6 +162,16 @@ def _validate_data(d) -> None:
         parse_split(d.split)
     except SplitError as exc:
         raise ConfigError(str(exc)) from None
+    if d.type in ("sft", "preference"):
+        if d.mock or d.blend or not d.prefixes:
+            raise ConfigError(f"data.type={d.type} reads data.prefixes (outputs of mmtrain-prep sft); data.mock and "
+                              "data.blend are for data.type=gpt")
+        flags = [k for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, k)]
+        if flags:
+            raise ConfigError(f"data.{flags[0]} is for data.type=gpt; data.type=sft always keeps attention, positions "
+                              "and loss inside each conversation -- remove it")
+    elif not d.sft_pack:
+        raise ConfigError("data.sft_pack=false applies to data.type=sft only")
     if d.weights:
         if d.blend:
             raise ConfigError("data.weights applies to data.prefixes; a data.blend spec carries its own weights")

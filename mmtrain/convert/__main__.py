@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
     to_hf.add_argument("--out", required=True, help="Hugging Face folder to write")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as stored)")
+    to_hf.add_argument("--lora", choices=("merge", "adapter"), default="merge",
+                       help="a LoRA run's checkpoint: write the merged model (default) or only the adapter "
+                            "(peft format, for the HF export of the base)")
     return parser
 
 
@@ -51,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote weights-only checkpoint {folder} (tp={args.tp}, pp={args.pp}); model config in "
               f"{folder.parent / 'model.yaml'}")
     else:
-        folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None)
+        folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None, args.lora)
         print(f"wrote Hugging Face folder {folder}")
     return 0
 

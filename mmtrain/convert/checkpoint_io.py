@@ -252,7 +252,9 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
             raise ConvertError(f"{path} does not fit this run's model config (include its model.yaml): "
                                + "; ".join(differ))
     saved = _checked_read(folder, "checkpoint.load", verify, lambda: saved_tensors(folder, verify))
-    own = model.state_dict()
+    # LoRA adapters are not in base weights: they keep their initial values (a plain holder of tensors has none)
+    own_spec = model.sharding_spec() if hasattr(model, "sharding_spec") else {}
+    own = {n: t for n, t in model.state_dict().items() if n not in own_spec or not own_spec[n].adapter}
     spec = model_family(cfg).sharding_spec(cfg)  # the checkpoint's model (its config says what it holds)
     shard = shard_of(mesh)
     for name, t in own.items():

@@ -7,8 +7,13 @@ from pathlib import Path
 import torch
 
 from mmtrain.convert.checkpoint_io import read_full_state, write_weights_checkpoint
-from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder
+from mmtrain.config.loader import apply_mapping
+from mmtrain.config.schema import LoraConfig
+from mmtrain.convert.checkpoint_io import ConvertError
+from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder, write_peft_adapter
 from mmtrain.models.registry import family_for_hf, model_family
+
+LORA_EXPORTS = ("merge", "adapter")
 
 
 def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
@@ -28,11 +33,37 @@ def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
                                     extra_meta={"hf_config": hf_config, "converted_from": str(hf_dir)})
 
 
-def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+def _lora_of(meta: dict, ckpt) -> LoraConfig | None:
+    """The LoRA section of the run that wrote the checkpoint (None: no adapters)."""
+    section = ((meta.get("config") or {}).get("peft") or {}).get("lora")
+    if not isinstance(section, dict):
+        return None
+    lora = LoraConfig()
+    apply_mapping(lora, section, f"{ckpt}/complete.json peft.lora")
+    return lora if lora.rank else None
+
+
+def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None, lora: str = "merge") -> Path:
     """Convert an mmtrain checkpoint (a step folder or a checkpoints root with ``latest``; weights-only or from
-    training, any TP/PP) into a Hugging Face folder ``out``. ``dtype`` casts floating tensors when given."""
+    training, any TP/PP) into a Hugging Face folder ``out``. ``dtype`` casts floating tensors when given.
+    A LoRA run's checkpoint: ``lora="merge"`` writes the merged model, ``"adapter"`` only the adapters as a
+    ``peft`` folder (adapter_config.json + adapter_model.safetensors) for the HF export of the base."""
+    if lora not in LORA_EXPORTS:
+        raise ConvertError(f"--lora {lora}: choose {' or '.join(LORA_EXPORTS)}")
     full, cfg, meta = read_full_state(ckpt)
     adapter = model_family(cfg).hf
+    lora_cfg = _lora_of(meta, ckpt)
+    if lora_cfg is not None and adapter.merge_lora is None:
+        raise ConvertError(f"{ckpt}: LoRA adapters of model.family={cfg.family} cannot be exported")
+    if lora_cfg is None and lora == "adapter":
+        raise ConvertError(f"{ckpt}: --lora adapter, but the checkpoint's run had no LoRA (peft.lora.rank=0)")
+    if lora_cfg is not None and lora == "adapter":
+        config, tensors = adapter.lora_to_peft(full, cfg, lora_cfg, str(meta.get("converted_from") or ""))
+        if dtype is not None:
+            tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        return write_peft_adapter(out, config, tensors)
+    if lora_cfg is not None:
+        full = adapter.merge_lora(full, cfg, lora_cfg)
     tensors = adapter.state_to_hf(full, cfg)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}

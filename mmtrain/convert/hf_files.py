@@ -164,3 +164,14 @@ def write_hf_folder(folder: str | Path, config: dict[str, Any], tensors: dict[st
     atomic_write_text(folder / CHECKSUMS_NAME, record_text(sums))  # before the index: the set is complete with it
     atomic_write_text(folder / INDEX_NAME, index_text)
     return folder
+
+
+def write_peft_adapter(folder: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """A ``peft`` adapter folder: ``adapter_config.json`` and ``adapter_model.safetensors`` (atomic, the weights
+    last), what ``peft.PeftModel.from_pretrained(base, folder)`` reads."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    data = _safetensors().save({k: v.contiguous() for k, v in sorted(tensors.items())}, metadata={"format": "pt"})
+    atomic_write_bytes(folder / "adapter_model.safetensors", data)
+    return folder

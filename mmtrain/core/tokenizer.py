@@ -64,6 +64,12 @@ class Tokenizer(ABC):
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
+    def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Ids and each token's character span ``[start, end)`` in its text (what a loss mask over character
+        spans needs). Only the Hugging Face kinds report offsets."""
+        raise TokenizerError(f"{self.path}: a {self.type} tokenizer reports no character offsets; chat data "
+                             "needs a Hugging Face tokenizer.json (with the chat template's special tokens)")
+
     def set_threads(self, threads: int) -> None:
         """Threads the library may use inside one ``encode_batch`` call."""
 
@@ -168,6 +174,9 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._encode(list(texts), add_special_tokens=self._add_special)]
+
+    def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        return [(e.ids, e.offsets) for e in self._tk.encode_batch(list(texts), add_special_tokens=self._add_special)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)

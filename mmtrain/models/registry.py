@@ -37,6 +37,10 @@ class HFAdapter:
     state_from_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     state_to_hf: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     errors: Callable[[], tuple[type[Exception], ...]]
+    # LoRA on full tensors (None: the family has no adapters): merge_lora(full, cfg, lora) -> base tensors;
+    # lora_to_peft(full, cfg, lora, base_model) -> (adapter_config.json mapping, peft-named tensors)
+    merge_lora: Callable | None = None
+    lora_to_peft: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,10 @@ class ModelFamily:
 
 
 def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool,
-                 moe_dispatch=None) -> nn.Module:
+                 moe_dispatch=None, lora=None) -> nn.Module:
     from mmtrain.models.llama.model import GPTModel
 
-    return GPTModel(m, layer_range, pre_process=pre, post_process=post, moe_dispatch=moe_dispatch)
+    return GPTModel(m, layer_range, pre_process=pre, post_process=post, moe_dispatch=moe_dispatch, lora=lora)
 
 
 def _llama_flops(m: ModelConfig, seq_length: int) -> float:
@@ -63,9 +67,11 @@ def _llama_flops(m: ModelConfig, seq_length: int) -> float:
 
 
 def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool,
-                       moe_dispatch=None) -> nn.Module:
+                       moe_dispatch=None, lora=None) -> nn.Module:
     from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 
+    if lora is not None and lora.rank:
+        raise ValueError("LoRA is not implemented for deepseek_v3 (the config check refuses it)")
     return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post,
                            moe_dispatch=moe_dispatch)
 
@@ -102,9 +108,16 @@ def _llama_hf() -> HFAdapter:
         from mmtrain.models.llama.hf_adapter import UnsupportedHFConfig
 
         return (UnsupportedHFConfig,)
+    def lora(name):
+        def call(*args):
+            from mmtrain.models.llama import lora_export
+
+            return getattr(lora_export, name)(*args)
+        return call
+
     return HFAdapter(("llama", "qwen2", "mixtral"), lazy("model_config_from_hf"),
                      lazy("hf_config_from_model_config"), lazy("mmtrain_state_from_hf"),
-                     lazy("hf_state_from_mmtrain"), errors)
+                     lazy("hf_state_from_mmtrain"), errors, lora("merge_lora"), lora("peft_adapter"))
 
 
 def _deepseek_v3_spec(m: ModelConfig) -> ShardingSpec:

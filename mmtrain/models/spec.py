@@ -41,7 +41,9 @@ class ParamSpec:
     is summed): ``auto`` = column linears copy their input, the others do not; ``copy`` = a replicated linear
     that opens the region for the column linears after it (MLA's ``q_down``/``kv_down``: their outputs feed
     per-head ``q_up``/``kv_up``, so their gradients are partial over TP); ``local`` = a column linear whose
-    input is already in the region (``q_up``/``kv_up``: not copied again)."""
+    input is already in the region (``q_up``/``kv_up``: not copied again). ``adapter``: a LoRA adapter tensor
+    (trained while the base is frozen; not in a base checkpoint, so loading base weights leaves it as
+    initialized; exported on its own as a ``peft`` adapter)."""
 
     tp: str = "replicated"
     dim: int | None = None
@@ -53,6 +55,7 @@ class ParamSpec:
     tied_to: str | None = None
     buffer: bool = False
     tp_input: str = "auto"
+    adapter: bool = False
 
     def __post_init__(self) -> None:
         if self.tp not in TP_PLACEMENTS:

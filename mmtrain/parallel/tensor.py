@@ -31,6 +31,11 @@ def _shard_parts(t: torch.Tensor, parts: tuple[int, ...], rank: int, n: int, dim
     return torch.cat([p.chunk(n, dim=dim)[rank] for p in pieces], dim=dim).contiguous()
 
 
+def _param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    """This rank's piece as a parameter, trainable or frozen as the whole one was (a LoRA base is frozen)."""
+    return nn.Parameter(data, requires_grad=like.requires_grad)
+
+
 class ColumnParallelLinear(nn.Module):
     """Output features split over TP; input replicated (or gathered along the sequence under SP)."""
 
@@ -41,15 +46,18 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.copy_input = copy_input  # False: the input is already in the TP region (spec tp_input "local")
         self.part_sizes = tuple(parts) or (full.out_features,)  # fused blocks (the spec's), each split n ways
-        self.weight = nn.Parameter(_shard_parts(full.weight.data, self.part_sizes, r, n, unit=unit))
-        self.bias = (nn.Parameter(_shard_parts(full.bias.data, self.part_sizes, r, n, unit=unit))
+        self.weight = _param(_shard_parts(full.weight.data, self.part_sizes, r, n, unit=unit), full.weight)
+        self.bias = (_param(_shard_parts(full.bias.data, self.part_sizes, r, n, unit=unit), full.bias)
                      if full.bias is not None else None)
         self.matmul = F.linear  # an F.linear-like hook: FP8 (mmtrain.model.fp8) swaps in its own matmul
+        # a LoRA adapter (mmtrain.model.lora) on the same input; the plan shards its B like this weight
+        self.adapter = getattr(full, "adapter", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
-        return self.matmul(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
+        return y + self.adapter(x) if self.adapter is not None else y
 
 
 class RegionEntryLinear(nn.Module):
@@ -76,14 +84,18 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         n, r = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(full.weight.data.chunk(n, dim=1)[r].contiguous())
-        self.bias = nn.Parameter(full.bias.data.clone()) if full.bias is not None else None
+        self.weight = _param(full.weight.data.chunk(n, dim=1)[r].contiguous(), full.weight)
+        self.bias = _param(full.bias.data.clone(), full.bias) if full.bias is not None else None
         self.matmul = F.linear  # as in ColumnParallelLinear
+        # a LoRA adapter on the same (split) input: the plan splits its A like this weight, so A's partial
+        # outputs are summed over TP like this linear's
+        self.adapter = getattr(full, "adapter", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight, None)
         y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_group(y, self.group)
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y + self.adapter(x) if self.adapter is not None else y
 
 
 class _VocabParallelEmbedding(nn.Module):
@@ -95,7 +107,7 @@ class _VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = r * full.num_embeddings // n
         self.vocab_end = (r + 1) * full.num_embeddings // n
-        self.weight = nn.Parameter(full.weight.data[self.vocab_start:self.vocab_end].clone())
+        self.weight = _param(full.weight.data[self.vocab_start:self.vocab_end].clone(), full.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
@@ -184,7 +196,7 @@ def _sharded_module(module: nn.Module, spec, group, sp: bool) -> nn.Module | Non
     # vocab-split output layer: a plain linear on this rank's vocabulary rows (the head copies/gathers its input)
     n, r = dist.get_world_size(group), dist.get_rank(group)
     out = nn.Linear(module.in_features, module.out_features // n, bias=False)
-    out.weight = nn.Parameter(module.weight.data.chunk(n, dim=0)[r].contiguous())
+    out.weight = _param(module.weight.data.chunk(n, dim=0)[r].contiguous(), module.weight)
     return out
 
 

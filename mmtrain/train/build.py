@@ -49,8 +49,10 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
                  fp8_backend: str | None = None) -> nn.Module:
     family = model_family(cfg.model)
     has_experts = family.has_routed_experts(cfg.model)
+    lora = cfg.peft.lora if cfg.peft.lora.rank else None
     model = family.build_stage(cfg.model, layer_range, pre, post,
-                               moe_dispatch=moe_dispatch_for(cfg.parallel, mesh) if has_experts else None)
+                               moe_dispatch=moe_dispatch_for(cfg.parallel, mesh) if has_experts else None,
+                               **({"lora": lora} if lora else {}))
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
     apply_context_parallel(model, mesh.cp_group)

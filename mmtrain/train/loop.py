@@ -19,12 +19,15 @@ import torch.distributed as dist
 from mmtrain.config.schema import GPTRunConfig
 from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.loader import MicroBatches
+from mmtrain.data.preference_dataset import build_preference_pairs_from_config
+from mmtrain.data.sft_dataset import build_sft_samples_from_config, sft_step_inputs
 from mmtrain.models.registry import model_family
 from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.grad_buckets import GradBuckets
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
+from mmtrain.train.dpo import build_reference, dpo_metrics, run_dpo_micro_batches
 from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
 from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, collective_timeout_report, is_collective_timeout,
                                   nonfinite_report)
@@ -38,6 +41,10 @@ from mmtrain.utils.log import get_logger
 
 
 def _build_samples(cfg: GPTRunConfig, split: str, dp_size: int, index_builder: bool):
+    if cfg.data.type == "sft":
+        return build_sft_samples_from_config(cfg, split, dp_size)
+    if cfg.data.type == "preference":
+        return build_preference_pairs_from_config(cfg, split, dp_size)
     if cfg.data.mock:
         from mmtrain.data.mock import MockGPTSamples
 
@@ -80,9 +87,11 @@ def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor],
     def forward_step(i: int, received: torch.Tensor | None, module: torch.nn.Module = stage) -> torch.Tensor:
         tokens = micro_batches[i].to(device, non_blocking=True)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        B, S = inputs.shape
+        B, S = inputs.shape[0], inputs.shape[-1]
         doc_ids = loss_mask = None
-        if packed:  # documents packed into one sample: positions restart, attention and loss respect EOD
+        if d.type == "sft":  # (B, 4, S + 1): conversations with their loss mask, documents and positions
+            inputs, labels, positions, doc_ids, loss_mask = sft_step_inputs(tokens)
+        elif packed:  # documents packed into one sample: positions restart, attention and loss respect EOD
             positions, doc_ids, loss_mask = packed_document_inputs(
                 tokens, eod_id, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
             doc_ids = doc_ids if d.reset_attention_mask else None
@@ -105,7 +114,7 @@ def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor],
         stats[0] += total.detach().double()
         return total
 
-    mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
+    mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[-1] - 1
     schedule_micro_batches(forward_step, len(micro_batches), stage, mesh, cfg, device, buckets,
                            (mbs, S, cfg.model.shape().hidden_size))
     return stats
@@ -183,6 +192,17 @@ def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage
         step_flops=lambda stats: gbs * cfg.data.seq_length * flops_tok, routed_experts=family.has_routed_experts(cfg.model))
 
 
+def _dpo_task(cfg, mesh, device, stage, reference, lm: StepTask) -> StepTask:
+    """DPO on the loop: the loss is per pair; FLOPs: the policy's forward+backward and the reference's forward
+    over both answers of every pair (2 sequences per sample, 4/3 of a training pass)."""
+    gbs = global_batch_size(cfg, mesh.dims.dp)
+    flops = lm.step_flops(None) * 2 * 4 / 3 if gbs else 0.0
+    return StepTask(
+        forward_backward=lambda micro, buckets: run_dpo_micro_batches(stage, reference, micro, mesh, cfg, device,
+                                                                      buckets, schedule_micro_batches),
+        step_flops=lambda stats: flops, extra_metrics=dpo_metrics, routed_experts=lm.routed_experts)
+
+
 @torch.no_grad()
 def _evaluate(stage: torch.nn.Module, batches, mesh: ParallelMesh, cfg, task: StepTask, num_micro: int) -> float:
     """Mean token loss over ``eval_steps`` global batches of the valid split."""
@@ -214,7 +234,10 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     if cfg.train.eval_every:
         val_batches = MicroBatches(_build_samples(cfg, "valid", dims.dp, index_builder), cfg.train.micro_batch_size,
                                    mesh.coord.dp, dims.dp)
-    return train_model(cfg, mesh, device, stage, batches, val_batches, _gpt_task(cfg, mesh, device, stage, eod_id),
+    task = _gpt_task(cfg, mesh, device, stage, eod_id)
+    if cfg.train.objective == "dpo":
+        task = _dpo_task(cfg, mesh, device, stage, build_reference(cfg, mesh, device, found, build_gpt_stage), task)
+    return train_model(cfg, mesh, device, stage, batches, val_batches, task,
                        found, model_name=cfg.model.shape().name, lr_schedule=lr_schedule)
 
 

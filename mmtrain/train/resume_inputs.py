@@ -77,6 +77,8 @@ def data_order_record(config: dict, dp: int) -> dict[str, Any]:
     """The data-order inputs of a run config (as ``dataclasses.asdict`` gives it) at data-parallel size ``dp``."""
     keys = [k for k in _DATA_KEYS if not (_get(config, "data.mock") and k in ("train.steps", "data.blend"))]
     keys += list(_VLM_DATA_KEYS) if "freeze" in config else []  # a VLM run config
+    if config["data"].get("type", "gpt") == "sft":  # only then: records of older checkpoints keep their keys
+        keys += ["data.type", "data.sft_pack"]
     record = {k: _get(config, k if "media" in config or not k.startswith("media.") else _before_media(k))
               for k in keys}
     t = config["train"]

@@ -16,6 +16,7 @@ from torch import nn
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.head import LossHead
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
+from mmtrain.model.lora import add_lora
 from mmtrain.model.moe import Experts
 from mmtrain.models.llama.spec import llama_sharding_spec
 from mmtrain.models.spec import ShardingSpec
@@ -35,11 +36,12 @@ class GPTModel(nn.Module):
     """Decoder-only LM (or one pipeline stage of it: ``layer_range``, ``pre_process`` = holds the embedding,
     ``post_process`` = holds the final norm, output layer and loss; ``head``: its strategy, default the
     one-device ``LossHead``; ``moe_dispatch``: the MoE layers' token-dispatch strategy, default local, or
-    ``mmtrain.parallel.expert.expert_dispatch``'s all-to-all). Call ``init_weights(seed)`` after building."""
+    ``mmtrain.parallel.expert.expert_dispatch``'s all-to-all; ``lora``: a ``LoraConfig`` with rank > 0 adds LoRA
+    adapters to its target linears and freezes everything else). Call ``init_weights(seed)`` after building."""
 
     def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True, head: LossHead | None = None,
-                 moe_dispatch: LocalDispatch | None = None) -> None:
+                 moe_dispatch: LocalDispatch | None = None, lora=None) -> None:
         super().__init__()
         self.cfg = cfg
         start, end = layer_range or (0, cfg.num_layers)
@@ -58,10 +60,13 @@ class GPTModel(nn.Module):
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
                              persistent=False)
+        self.lora = lora if lora is not None and lora.rank else None
+        if self.lora is not None:
+            add_lora(self, list(self.lora.targets), self.lora.rank, self.lora.alpha)
 
     def sharding_spec(self) -> ShardingSpec:
         """How every tensor of the whole model is sharded (``mmtrain.models.llama.spec``), for this layout."""
-        return llama_sharding_spec(self.cfg).for_layout(self.sequence_parallel)
+        return llama_sharding_spec(self.cfg, self.lora).for_layout(self.sequence_parallel)
 
     # ------------------------------------------------------------------------------------------ init
     @torch.no_grad()
@@ -71,8 +76,10 @@ class GPTModel(nn.Module):
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("bias"):
+            if name.endswith(("bias", "lora_B.weight")):  # LoRA's B at zero: the adapted model starts as the base
                 p.zero_()
+            elif name.endswith("lora_A.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
             elif p.ndim == 1:  # norm weights
                 p.fill_(1.0)
             else:

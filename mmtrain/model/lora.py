@@ -1,0 +1,64 @@
+"""LoRA adapters: a linear ``y = W x + b`` becomes ``y = W x + b + (alpha / r) * B (A x)`` with a trainable rank-``r``
+pair (``A``: r x in, ``B``: out x r) and ``W``, ``b`` frozen (Hu et al. 2021, as ``peft`` defines it).
+
+The adapter is a small strategy module a linear carries as ``adapter`` and applies to the same input: the
+one-device :class:`LoRALinear` here, and under TP the column/row-parallel linears of ``mmtrain.parallel.tensor``,
+which keep the adapter of the linear they replace. Its two linears are ordinary ``nn.Linear`` modules the TP plan
+shards as the family's sharding spec says (``adapter_entries``): for a column linear ``B`` is column-split like
+the weight (whole fused parts) and ``A`` whole; for a row linear ``A`` is row-split like the weight and ``B``
+whole. Parameter names: ``<linear>.adapter.lora_A.weight`` / ``lora_B.weight`` next to ``<linear>.weight``, so
+the base names (checkpoints, the HF bridge) are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LoRAAdapter(nn.Module):
+    """``scale * B(A(x))``; ``B`` starts at zero, so an adapted model starts equal to its base."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.lora_A = nn.Linear(in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, out_features, bias=False)
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lora_B(self.lora_A(x)) * self.scale
+
+
+class LoRALinear(nn.Linear):
+    """A linear with an adapter on its input; shares the base linear's weight and bias parameters."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        if hasattr(base, "part_sizes"):
+            self.part_sizes = base.part_sizes
+        self.adapter = LoRAAdapter(base.in_features, base.out_features, rank, alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.adapter(x)
+
+
+def add_lora(module: nn.Module, targets: list[str], rank: int, alpha: float) -> list[str]:
+    """Replace every ``nn.Linear`` of ``module`` whose local name (the last part of its path) is in ``targets``
+    by a :class:`LoRALinear`; freeze all of ``module``'s other parameters. Returns the adapted paths."""
+    chosen = [(name, m) for name, m in module.named_modules()
+              if type(m) is nn.Linear and name.rpartition(".")[2] in targets]
+    for p in module.parameters():
+        p.requires_grad_(False)
+    for name, linear in chosen:
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, child, LoRALinear(linear, rank, alpha))
+    return [name for name, _ in chosen]
+
+
+@torch.no_grad()
+def merged_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale * B A`` on full tensors (computed in fp32, returned in the weight's dtype)."""
+    return (weight.float() + scale * (lora_B.float() @ lora_A.float())).to(weight.dtype)

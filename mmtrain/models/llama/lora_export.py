@@ -1,0 +1,68 @@
+"""LoRA adapters of a Llama-family model on full tensors: merged into the base weights, or as a ``peft`` adapter
+(``adapter_config.json`` + ``adapter_model.safetensors`` with Hugging Face module names).
+
+Our fused linears carry one adapter: ``attn.qkv`` has one ``A`` (r x d) and one ``B`` ((q + k + v) x r). In HF
+terms that is ``q_proj``, ``k_proj`` and ``v_proj`` each with the same ``A`` and its rows of ``B`` -- exactly
+the same update ``B_q A x``, so ``peft``'s ``PeftModel`` on the HF base computes what the adapted model does.
+Likewise ``mlp.up`` = ``gate_proj`` | ``up_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmtrain.config.schema import ModelConfig
+from mmtrain.model.lora import merged_weight
+
+# our target -> (our linear in a block, HF module path in a layer, HF module names of its fused parts)
+_TARGETS = {"qkv": ("attn.qkv", "self_attn.", ("q_proj", "k_proj", "v_proj")),
+            "proj": ("attn.proj", "self_attn.", ("o_proj",)),
+            "up": ("mlp.up", "mlp.", ("gate_proj", "up_proj")),
+            "down": ("mlp.down", "mlp.", ("down_proj",))}
+
+
+def _part_sizes(cfg: ModelConfig, target: str) -> list[int] | None:
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    if target == "qkv":
+        return [cfg.num_attention_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]
+    if target == "up":
+        return [cfg.ffn_hidden_size] * 2 if cfg.activation == "swiglu" else None
+    return None
+
+
+def _pairs(full: dict[str, torch.Tensor], cfg: ModelConfig, lora):
+    for i in range(cfg.num_layers):
+        for target in lora.targets:
+            linear = f"layers.{i}.{_TARGETS[target][0]}"
+            yield i, target, linear, full[f"{linear}.adapter.lora_A.weight"], full[f"{linear}.adapter.lora_B.weight"]
+
+
+def merge_lora(full: dict[str, torch.Tensor], cfg: ModelConfig, lora) -> dict[str, torch.Tensor]:
+    """The base model's tensors with every adapter merged in (``W + alpha/r * B A``); no adapter tensors left."""
+    out = {k: v for k, v in full.items() if ".adapter." not in k}
+    for _, _, linear, a, b in _pairs(full, cfg, lora):
+        out[f"{linear}.weight"] = merged_weight(full[f"{linear}.weight"], a, b, lora.alpha / lora.rank)
+    return out
+
+
+def peft_adapter(full: dict[str, torch.Tensor], cfg: ModelConfig, lora,
+                 base_model: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json mapping, tensors under peft's saved names) of the adapters in ``full``."""
+    tensors: dict[str, torch.Tensor] = {}
+    modules: list[str] = []
+    for i, target, _, a, b in _pairs(full, cfg, lora):
+        _, where, hf_names = _TARGETS[target]
+        sizes = _part_sizes(cfg, target)
+        pieces = b.split(sizes) if sizes else (b,)
+        for name, piece in zip(hf_names, pieces):
+            key = f"base_model.model.model.layers.{i}.{where}{name}"
+            tensors[f"{key}.lora_A.weight"] = a.clone()  # one copy per HF module (safetensors shares none)
+            tensors[f"{key}.lora_B.weight"] = piece.contiguous()
+            if name not in modules:
+                modules.append(name)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": modules,
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+              "use_rslora": False, "use_dora": False, "modules_to_save": None, "rank_pattern": {},
+              "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
+    return config, tensors

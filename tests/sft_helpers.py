@@ -1,0 +1,91 @@
+"""A small chat tokenizer (byte-level BPE with the chatml / llama3 special tokens) and chat data for the
+post-training tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+# A Zephyr-like template without generation blocks: the assistant spans are found prefix by prefix, so a span is
+# everything the template renders for the message after the generation prompt (here the newline after eos too);
+# the tagged twin says exactly that to transformers.
+OWN_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] "
+                "+ eos_token + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+OWN_TEMPLATE_TAGGED = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
+                       "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token + '\\n' }}"
+                       "{% endgeneration %}{% else %}{{ message['content'] + eos_token + '\\n' }}{% endif %}"
+                       "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"},
+     {"role": "assistant", "content": "Hello! How can I help?"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "and 3+3 ünïcödé 🙂?"}, {"role": "assistant", "content": " 6, of course.\n"}],
+]
+VOCAB = 600  # the tokenizer's size; models in the tests use a vocabulary of at least this
+
+
+def build_chat_tokenizer(folder: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = [m["content"] for c in CONVERSATIONS for m in c] * 20 + ["system user assistant the of and"] * 20
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": OWN_TEMPLATE}))
+    return folder
+
+
+def toy_conversations(n: int, seed: int = 0) -> list[list[dict]]:
+    """``n`` conversations of varied lengths (1-3 exchanges), deterministic."""
+    import random
+
+    rng = random.Random(seed)
+    words = "the cat sat on a mat and then it ran to the big red house of my friend".split()
+    out = []
+    for _ in range(n):
+        conv = [{"role": "system", "content": "Be brief."}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 3)):
+            conv.append({"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 8)))})
+            conv.append({"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(1, 10)))})
+        out.append(conv)
+    return out
+
+
+def write_sft_dataset(folder: Path, tokenizer: Path, conversations, template: str = "chatml") -> Path:
+    """`mmtrain-prep sft` over ``conversations``; returns the output prefix."""
+    from dataprep.cli import main as prep
+
+    folder.mkdir(parents=True, exist_ok=True)
+    src = folder / "chat.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    prefix = folder / "sft"
+    assert prep(["sft", "--input", str(src), "--output-prefix", str(prefix), "--tokenizer", str(tokenizer),
+                 "--chat-template", template, "--workers", "0", "--progress", "never"]) == 0
+    return prefix
+
+
+def write_preference_dataset(folder: Path, pairs: int = 16) -> Path:
+    """A toy preference set (chosen answers start with "yes", rejected with "no"), prepared with chatml."""
+    import numpy as np
+
+    from dataprep.cli import main as prep
+
+    tok = build_chat_tokenizer(folder / "tok")
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat and ran to the big red house".split()
+    records = [{"prompt": " ".join(rng.choice(words, 4)), "chosen": "yes " + " ".join(rng.choice(words, 3)),
+                "rejected": "no " + " ".join(rng.choice(words, 3))} for _ in range(pairs)]
+    src = folder / "pref.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert prep(["sft", "--preference", "--input", str(src), "--output-prefix", str(folder / "p"), "--tokenizer",
+                 str(tok), "--chat-template", "chatml", "--workers", "0", "--progress", "never"]) == 0
+    return folder / "p"
