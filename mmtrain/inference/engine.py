@@ -41,7 +41,8 @@ class Sequence:
     decode: Callable[[list[int]], str] | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" (a stop token or string) or "length"
+    finish_reason: str | None = None  # "stop" (a stop token or string), "length", or "cancelled"
+    cancelled: bool = False  # set from any thread (a client went away): the engine drops it at its next step
     slot: int = -1
     generator: torch.Generator | None = None
     _emitted: int = 0  # characters of ``text`` already handed to on_token
@@ -83,8 +84,13 @@ class DecodeEngine:
         return torch.compile(self._decode_all, mode=mode, fullgraph=False, dynamic=False)
 
     def submit(self, seq: Sequence) -> None:
-        """Queue ``seq``; it joins at the next ``step`` with a free slot. Raises ``ContextLengthError`` when its
-        prompt plus ``max_new_tokens`` exceeds ``max_len``, or ``SamplingError`` for bad parameters."""
+        """Queue ``seq``; it joins at the next ``step`` with a free slot (``check`` first)."""
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ``ContextLengthError`` when the prompt plus ``max_new_tokens`` exceeds ``max_len`` (or the prompt
+        is empty), ``SamplingError`` for bad parameters. Reads nothing the engine changes (any thread may call it)."""
         seq.params.check()
         need = len(seq.prompt_ids) + seq.params.max_new_tokens
         if not seq.prompt_ids:
@@ -92,7 +98,6 @@ class DecodeEngine:
         if need > self.max_len:
             raise ContextLengthError(f"prompt of {len(seq.prompt_ids)} tokens + {seq.params.max_new_tokens} new "
                                      f"tokens = {need} exceeds the context of {self.max_len} positions")
-        self.waiting.append(seq)
 
     @property
     def busy(self) -> bool:
@@ -102,7 +107,7 @@ class DecodeEngine:
     def step(self) -> list[Sequence]:
         """Admit waiting sequences into free slots (their prefill gives their first token), then one decode step
         for the sequences already running. Returns the sequences that finished in this step."""
-        finished: list[Sequence] = []
+        finished = self._drop_cancelled()
         running = list(self.active.values())
         if running:
             logits = self._decode(self._last, self._positions)
@@ -114,6 +119,30 @@ class DecodeEngine:
         if joining:
             finished += self._prefill(joining)
         return finished
+
+    def _drop_cancelled(self) -> list[Sequence]:
+        dropped = [s for s in self.active.values() if s.cancelled]
+        for s in dropped:
+            s.finish_reason = "cancelled"
+            self._release(s)
+        kept = [s for s in self.waiting if not s.cancelled]
+        if len(kept) != len(self.waiting):
+            self.waiting = deque(kept)
+        return dropped
+
+    def _release(self, s: Sequence) -> None:
+        del self.active[s.slot]
+        self._positions[s.slot, 0] = 0  # a free slot's decode row stays inside the cache
+        self._free.append(s.slot)
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every running and waiting sequence (after a failed step); returns them. The cache stays usable:
+        a slot's old keys are never attended by its next sequence."""
+        dropped = list(self.active.values()) + list(self.waiting)
+        for s in list(self.active.values()):
+            self._release(s)
+        self.waiting.clear()
+        return dropped
 
     def _prefill(self, seqs: list[Sequence]) -> list[Sequence]:
         for s in seqs:
@@ -161,9 +190,7 @@ class DecodeEngine:
             if s.finished:
                 if s.decode is not None and not s.params.stop and s.on_token is None:
                     s.text = s.decode(s.token_ids)
-                del self.active[s.slot]
-                self._positions[s.slot, 0] = 0  # a free slot's decode row stays inside the cache
-                self._free.append(s.slot)
+                self._release(s)
                 done.append(s)
         return done
 
