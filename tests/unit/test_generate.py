@@ -157,3 +157,34 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, m
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_vlm_prompt_with_an_image_equals_the_uncached_generate():
+    from mmtrain.inference.vlm import vlm_prompt_embeds
+    from mmtrain.model.vlm import VLMModel
+    from tests.vlm_helpers import IMAGE_ID, tiny_vlm_config
+
+    cfg = tiny_vlm_config(audio=False)
+    cfg.language.init_std = 0.25
+    vlm = VLMModel(cfg)
+    vlm.init_weights(2)
+    vlm.eval()
+    images = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    prompts = [[1, 2] + [IMAGE_ID] * 4 + [5, 6], [IMAGE_ID] * 4 + [7]]
+    engine = DecodeEngine(vlm.language, slots=2, max_len=32)
+    seqs = [Sequence(p, SamplingParams(max_new_tokens=10), prompt_embeds=vlm_prompt_embeds(vlm, p, images[i:i + 1]))
+            for i, p in enumerate(prompts)]
+    for s in seqs:
+        engine.submit(s)
+    while engine.busy:
+        engine.step()
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        assert s.token_ids == vlm.generate(p, images[i:i + 1], max_new_tokens=10)
+
+
+def test_inference_package_lists_documented_public_names():
+    import mmtrain.inference as pkg
+
+    assert (pkg.__doc__ or "").strip() and pkg.__all__
+    for name in pkg.__all__:
+        assert (getattr(pkg, name).__doc__ or "").strip(), name
