@@ -69,6 +69,7 @@ class DecodeEngine:
         self._free = list(range(slots - 1, -1, -1))
         self._positions = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # next position per slot
         self._last = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # last token per slot
+        self._running = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # 1: the slot's position moves
         self._decode = self._decode_all
         if compile:
             self._decode = self._compiled_decode()
@@ -78,7 +79,9 @@ class DecodeEngine:
         return decoder_forward(self.model, self.cache, positions_N1, tokens_BS=tokens_N1)
 
     def _compiled_decode(self):
-        for t in self.cache.k + self.cache.v:  # mutated in place by the step: static addresses for CUDA graphs
+        # mutated in place by the step (the cache) or between steps (its inputs): static addresses, so the CUDA
+        # graph reads and writes them where they are (no copies in and out)
+        for t in [*self.cache.k, *self.cache.v, self._last, self._positions]:
             torch._dynamo.mark_static_address(t)
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         return torch.compile(self._decode_all, mode=mode, fullgraph=False, dynamic=False)
@@ -111,10 +114,12 @@ class DecodeEngine:
         running = list(self.active.values())
         if running:
             logits = self._decode(self._last, self._positions)
-            rows = [s.slot for s in running]
-            tokens = next_tokens(logits[rows], [s.params for s in running], [s.generator for s in running])
-            self._positions[rows] += 1
-            finished += self._accept(running, tokens)
+            by_slot = [self.active.get(i) for i in range(self.slots)]
+            chosen, tokens = next_tokens(logits, [s and s.params for s in by_slot],
+                                         [s and s.generator for s in by_slot])
+            self._last.copy_(chosen[:, None])  # free slots decode garbage tokens, harmlessly
+            self._positions += self._running
+            finished += self._accept(running, [tokens[s.slot] for s in running])
         joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self._free)))]
         if joining:
             finished += self._prefill(joining)
@@ -133,6 +138,7 @@ class DecodeEngine:
     def _release(self, s: Sequence) -> None:
         del self.active[s.slot]
         self._positions[s.slot, 0] = 0  # a free slot's decode row stays inside the cache
+        self._running[s.slot, 0] = 0
         self._free.append(s.slot)
 
     def abort_all(self) -> list[Sequence]:
@@ -170,7 +176,10 @@ class DecodeEngine:
             logits = decoder_forward(self.model, self.cache, positions, tokens_BS=tokens, slots_B=slots,
                                      last_index_B=last, kv_len=S)
         self._positions[slots, 0] = last + 1
-        return self._accept(seqs, next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs]))
+        self._running[slots, 0] = 1
+        chosen, tokens = next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        self._last[slots, 0] = chosen
+        return self._accept(seqs, tokens)
 
     def _accept(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append each sequence's new token, apply its stops, free the slots of those that finished."""
@@ -180,7 +189,6 @@ class DecodeEngine:
                 s.finish_reason = "stop"
             else:
                 s.token_ids.append(tok)
-                self._last[s.slot, 0] = tok
                 if len(s.token_ids) >= s.params.max_new_tokens:
                     s.finish_reason = "length"
                 if s.decode is not None and (s.params.stop or s.on_token is not None):

@@ -82,18 +82,18 @@ def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tens
     return probs
 
 
-def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row: argmax for greedy rows (one device op for the batch), a draw from the row's generator
-    otherwise."""
-    greedy = logits_BV.argmax(-1).tolist()
-    out = []
-    for b, (p, g) in enumerate(zip(params, generators)):
-        if p is None or p.greedy:
-            out.append(greedy[b])
-        else:
-            out.append(int(torch.multinomial(filtered_probs(logits_BV[b].cpu(), p), 1, generator=g)))
-    return out
+def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams | None],
+                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list[int]]:
+    """One token per row, as a device tensor (B,) and a host list: the argmax for greedy rows (and rows whose
+    params are None: free slots), a draw from the row's generator otherwise. One device op and one read-back
+    for an all-greedy batch."""
+    chosen = logits_BV.argmax(-1)
+    drawn = {b: int(torch.multinomial(filtered_probs(logits_BV[b].cpu(), p), 1, generator=g))
+             for b, (p, g) in enumerate(zip(params, generators)) if p is not None and not p.greedy}
+    if drawn:
+        rows = torch.tensor(list(drawn), device=chosen.device)
+        chosen = chosen.index_put((rows,), torch.tensor(list(drawn.values()), device=chosen.device))
+    return chosen, chosen.tolist()
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
