@@ -66,7 +66,7 @@ class _Api:
                                 req.stop_strings())
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
         seq = Sequence(prompt_ids, params, decode=self.tokenizer.decode,
-                       on_token=lambda s, text, done: loop.call_soon_threadsafe(out.put_nowait, (text, done)))
+                       on_token=lambda s, text, done: self.engine.deliver(loop, out, (text, done)))
         self.engine.check(seq)
         self.engine.submit(seq)
         return seq, out
@@ -140,13 +140,19 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
     async def completions(req: CompletionRequest):
         if (bad := wrong_model(req)) is not None:
             return bad
-        ids = tokenizer.encode(req.prompt)
+        if isinstance(req.prompt, list):
+            vocab = engine.engine.model.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in req.prompt):
+                return _error(400, f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
+            ids, text = req.prompt, tokenizer.decode(req.prompt) if req.echo else ""
+        else:
+            ids, text = tokenizer.encode(req.prompt), req.prompt
         try:
             seq, out = api.start(ids, req, req.max_tokens or 16)
         except (SamplingError, ContextLengthError) as exc:
             return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prefix = req.prompt if req.echo else ""
+        prefix = text if req.echo else ""
 
         def body(text, finish):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,

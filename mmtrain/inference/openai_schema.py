@@ -30,9 +30,9 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """POST /v1/completions. ``max_tokens`` defaults to 16, as OpenAI's."""
+    """POST /v1/completions: ``prompt`` is text or token ids. ``max_tokens`` defaults to 16, as OpenAI's."""
 
-    prompt: str
+    prompt: str | list[int]
     echo: bool = False
 
 

@@ -3,12 +3,14 @@ one engine step (their prefill joins the running batch), hand tokens back — so
 together (continuous batching) while the HTTP event loop never runs model code.
 
 Requests arrive through a thread-safe queue; tokens go back through each request's ``on_token`` callback, which
-the HTTP side turns into a put on its asyncio queue (``loop.call_soon_threadsafe``). A step that fails ends the
+the HTTP side points at ``deliver``: the step's tokens reach their asyncio queues in one ``call_soon_threadsafe``
+per event loop and step. A step that fails ends the
 requests it held with an error and the thread keeps serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 
@@ -26,6 +28,7 @@ class EngineThread:
     def __init__(self, engine: DecodeEngine) -> None:
         self.engine = engine
         self._inbox: queue.Queue[Sequence | None] = queue.Queue()
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
         self._thread = threading.Thread(target=self._loop, name="mmtrain-engine", daemon=True)
         self._stopping = False
         self.steps = 0
@@ -37,6 +40,24 @@ class EngineThread:
 
     def submit(self, seq: Sequence) -> None:
         self._inbox.put(seq)
+
+    def deliver(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, item: object) -> None:
+        """From the engine thread (an ``on_token`` callback): put ``item`` on ``out``, an asyncio queue of ``loop``,
+        after the current step; one wake-up of each event loop per step, whatever the number of tokens."""
+        self._outbox.append((loop, out, item))
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, out, item in self._outbox:
+            by_loop.setdefault(loop, []).append((out, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: its clients are gone
+                pass
 
     def close(self) -> None:
         self._stopping = True
@@ -71,3 +92,9 @@ class EngineThread:
                         s.finish_reason = "error"
                         if s.on_token is not None:
                             s.on_token(s, "", True)
+                self._flush()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for out, item in items:
+        out.put_nowait(item)

@@ -66,6 +66,8 @@ def test_health_models_and_completion(server):
     (ref,) = generate(DecodeEngine(engine.engine.model, 1, 96), [tok.encode("Hello world")],
                       SamplingParams(12, stop_token_ids=(tok.eod_id,)), decode=tok.decode)
     assert body["choices"][0]["text"] == ref.text
+    by_ids = _complete(url, prompt=tok.encode("Hello world"), max_tokens=12).json()
+    assert by_ids["choices"][0]["text"] == ref.text and by_ids["usage"] == body["usage"]
 
 
 def test_streaming_equals_the_whole_answer(server):
@@ -110,6 +112,8 @@ def test_openai_client_completions_and_chat(server):
     (b'{"prompt": "x", "temperature": -1}', 400, "temperature"),
     (b'{"prompt": "x", "n": 3}', 400, "n"),
     (b'[1, 2]', 400, ""),
+    (b'{"prompt": [1, 99999], "max_tokens": 2}', 400, "token ids must be in 0..511"),
+    (b'{"prompt": [1, "a"], "max_tokens": 2}', 400, "prompt"),
     (b'{"prompt": "x", "model": "other"}', 404, "not served here"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, status, message):
