@@ -55,9 +55,11 @@ class Sequence:
 class DecodeEngine:
     """``model``: a whole Llama-family ``GPTModel`` (TP-sharded or not) on ``device``, in its compute dtype.
     ``slots``: sequences decoded together; ``max_len``: positions per slot (prompt + new tokens).
-    ``compile``: run the decode step under ``torch.compile`` (with CUDA graphs on a GPU)."""
+    ``compile``: run the decode step under ``torch.compile`` (with CUDA graphs on a GPU). ``overlap``: run
+    all-greedy batches one step ahead (default: on a GPU, where the host's work then overlaps the device's)."""
 
-    def __init__(self, model: nn.Module, slots: int, max_len: int, compile: bool = False) -> None:
+    def __init__(self, model: nn.Module, slots: int, max_len: int, compile: bool = False,
+                 overlap: bool | None = None) -> None:
         check_decodable(model)
         self.model = model.eval()
         weight = model.embed.weight
@@ -71,8 +73,17 @@ class DecodeEngine:
         self._last = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # last token per slot
         self._running = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # 1: the slot's position moves
         self._decode = self._decode_all
+        self._compiled = compile
         if compile:
             self._decode = self._compiled_decode()
+        # On a GPU an all-greedy batch runs one step ahead: the next step is launched (its input tokens are on the
+        # device already) before this step's tokens are read back and checked, so the host's work overlaps the
+        # GPU's. A sequence that finished is decoded once more, harmlessly (its row is ignored, then freed).
+        cuda = self.device.type == "cuda"
+        self._overlap = cuda if overlap is None else overlap
+        self._inflight: tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None] | None = None
+        self._host_tokens = [torch.zeros(slots, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._flip = 0
 
     # ------------------------------------------------------------------------------------------ steps
     def _decode_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor) -> torch.Tensor:
@@ -112,18 +123,58 @@ class DecodeEngine:
         for the sequences already running. Returns the sequences that finished in this step."""
         finished = self._drop_cancelled()
         running = list(self.active.values())
-        if running:
-            logits = self._decode(self._last, self._positions)
-            by_slot = [self.active.get(i) for i in range(self.slots)]
-            chosen, tokens = next_tokens(logits, [s and s.params for s in by_slot],
-                                         [s and s.generator for s in by_slot])
-            self._last.copy_(chosen[:, None])  # free slots decode garbage tokens, harmlessly
-            self._positions += self._running
-            finished += self._accept(running, [tokens[s.slot] for s in running])
+        if running and self._overlap and all(s.params.greedy for s in running):
+            previous, self._inflight = self._inflight, self._launch_greedy(running)
+            if previous is not None:
+                finished += self._finish_inflight(previous)
+        elif running:
+            if self._inflight is not None:  # a sampled row joined: finish the step ahead first, then go in step
+                finished += self._finish_inflight(self._inflight)
+                self._inflight = None
+                running = list(self.active.values())
+            if running:
+                logits = self._run_decode()
+                by_slot = [self.active.get(i) for i in range(self.slots)]
+                chosen, tokens = next_tokens(logits, [s and s.params for s in by_slot],
+                                             [s and s.generator for s in by_slot])
+                self._last.copy_(chosen[:, None])  # free slots decode garbage tokens, harmlessly
+                self._positions += self._running
+                finished += self._accept(running, [tokens[s.slot] for s in running])
+        if self._inflight is not None and not self.active:
+            self._inflight = None  # every row it decoded has finished: nothing to read
         joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self._free)))]
         if joining:
             finished += self._prefill(joining)
         return finished
+
+    def _run_decode(self) -> torch.Tensor:
+        if self._compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
+        return self._decode(self._last, self._positions)
+
+    def _launch_greedy(self, running: list[Sequence]) -> tuple[list[Sequence], torch.Tensor, torch.cuda.Event]:
+        """Queue one greedy decode step on the device: next tokens into the inputs, their copy to pinned host
+        memory; nothing waits."""
+        chosen = self._run_decode().argmax(-1)
+        self._last.copy_(chosen[:, None])
+        self._positions += self._running
+        host = self._host_tokens[self._flip]
+        self._flip ^= 1
+        cuda = self.device.type == "cuda"
+        host.copy_(chosen, non_blocking=cuda)
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+        return running, host, done
+
+    def _finish_inflight(self, inflight) -> list[Sequence]:
+        """Read a launched step's tokens back and accept them for its rows that are still running."""
+        seqs, host, done = inflight
+        if done is not None:
+            done.synchronize()
+        tokens = host.tolist()
+        alive = [s for s in seqs if self.active.get(s.slot) is s]
+        return self._accept(alive, [tokens[s.slot] for s in alive])
 
     def _drop_cancelled(self) -> list[Sequence]:
         dropped = [s for s in self.active.values() if s.cancelled]
@@ -145,6 +196,7 @@ class DecodeEngine:
         """Drop every running and waiting sequence (after a failed step); returns them. The cache stays usable:
         a slot's old keys are never attended by its next sequence."""
         dropped = list(self.active.values()) + list(self.waiting)
+        self._inflight = None
         for s in list(self.active.values()):
             self._release(s)
         self.waiting.clear()

@@ -35,6 +35,18 @@ def test_cached_greedy_equals_forward_and_batch_of_one(overrides):
         assert b.finish_reason == "length"
 
 
+def test_one_step_ahead_decoding_gives_the_same_tokens():
+    """The GPU's overlapped schedule (run on the CPU here): rows that finish, join and sample mid-run."""
+    model = tiny_model()
+    params = [SamplingParams(max_new_tokens=3 + 4 * i, stop_token_ids=(7,)) for i in range(6)]
+    params[4] = SamplingParams(max_new_tokens=9, temperature=0.7, seed=1)  # a sampled row joins: back in step
+    prompts = PROMPTS + [[8, 9], [1, 2, 3]]
+    ref = generate(DecodeEngine(model, 2, 64, overlap=False), prompts, params)
+    ahead = generate(DecodeEngine(model, 2, 64, overlap=True), prompts, params)
+    assert [s.token_ids for s in ahead] == [s.token_ids for s in ref]
+    assert [s.finish_reason for s in ahead] == [s.finish_reason for s in ref]
+
+
 def test_more_prompts_than_slots_and_bf16():
     model = tiny_model()
     ref = generate(DecodeEngine(model, slots=4, max_len=40), PROMPTS * 2, SamplingParams(max_new_tokens=8))
