@@ -66,7 +66,8 @@ def time_generation(model: GPTModel, batch: int, prompt: int, new: int, compile:
     return {"system": "mmtrain-generate", "compile": compile, "batch": batch, "prompt": prompt, "new_tokens": n,
             "s": round(dt, 3), "tokens_per_s": round(batch * n / dt), "ms_per_step": round(1000 * dt / n, 3),
             "warmup_s": round(warm_s, 1),
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None}
+            "peak_mem_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                             if device.type == "cuda" else None)}
 
 
 def main() -> None:
@@ -94,7 +95,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     print(f"\n| system | compiled | batch | new tokens/s | ms/step |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| mmtrain | {r['compile']} | {r['batch']} | {r.get('tokens_per_s', 'error')} | {r.get('ms_per_step', '-')} |")
+        print(f"| mmtrain | {r['compile']} | {r['batch']} | {r.get('tokens_per_s', 'error')} "
+              f"| {r.get('ms_per_step', '-')} |")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def serve(a) -> None:
     device = torch.device(a.device)
     model = build_model(a.tiny, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     engine = EngineThread(DecodeEngine(model, a.clients, a.prompt + a.new, compile=not a.no_compile))
+    engine.warmup()
     app = build_app(engine, IdsTokenizer(model.cfg.vocab_size), "bench")
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
 

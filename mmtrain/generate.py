@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 PROG = "python -m mmtrain.generate"
@@ -78,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     device = pick_device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    _, world = init_distributed(device=device)
+    rank, world = init_distributed(device=device)
     try:
         mesh = ParallelDims(world, tp=world).build()
         model, cfg = load_checkpoint_model(args.ckpt, mesh, device, dtype)
@@ -96,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
             seqs = generate(engine, ids, params, decode=tokenizer.decode)
     finally:
         shutdown_distributed()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank == 0:
         rows = [completion_row(p, s) for p, s in zip(prompts, seqs)]
         if args.output:
             atomic_write_text(args.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

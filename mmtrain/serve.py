@@ -60,6 +60,8 @@ def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots:
         raise PromptError(f"{tokenizer_path}: the tokenizer has ids up to {tokenizer.max_id} but the model's "
                           f"vocab_size is {cfg.vocab_size}; is it the tokenizer the model was trained with?")
     engine = EngineThread(DecodeEngine(model, slots, context, compile=compile))
+    if compile:
+        engine.warmup()  # compiles (minutes) before the port opens, not on the first request
     name = model_name or Path(ckpt).resolve().name
     return build_app(engine, tokenizer, name, renderer), engine
 

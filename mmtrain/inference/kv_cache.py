@@ -34,7 +34,8 @@ class StaticKVCache:
         _put(self.k[layer], index, k_BSHD)
         _put(self.v[layer], index, v_BSHD)
 
-    def read(self, layer: int, slots_B: torch.Tensor | None, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, slots_B: torch.Tensor | None,
+             length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of rows ``slots_B`` (None: every slot, no copy), the first ``length`` positions (None: all)."""
         k, v = self.k[layer], self.v[layer]
         if slots_B is not None:

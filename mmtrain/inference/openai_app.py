@@ -193,7 +193,8 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
                             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
                 usage = None
                 if (req.stream_options or {}).get("include_usage"):
-                    usage = lambda: {**head("chat.completion.chunk"), "choices": [], "usage": api.usage(seq)}  # noqa: E731
+                    def usage():
+                        return {**head("chat.completion.chunk"), "choices": [], "usage": api.usage(seq)}
                 return StreamingResponse(_stream(seq, out, chunk, usage), media_type="text/event-stream")
             await _collect(seq, out)
             if seq.finish_reason == "error":

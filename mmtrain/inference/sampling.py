@@ -35,7 +35,8 @@ class SamplingParams:
     def check(self) -> None:
         """Raise ``SamplingError`` naming the first impossible value."""
         if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise SamplingError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens!r}")
+            raise SamplingError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, "
+                                f"got {self.max_new_tokens!r}")
         if not (self.temperature >= 0 and self.temperature < float("inf")):
             raise SamplingError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from mmtrain.inference.engine import DecodeEngine, Sequence
+from mmtrain.inference.sampling import SamplingParams
 from mmtrain.utils.log import get_logger
 
 
@@ -58,6 +59,18 @@ class EngineThread:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that loop is closed: its clients are gone
                 pass
+
+    def warmup(self, steps: int = 4, timeout_s: float = 1800.0) -> None:
+        """Decode a throwaway sequence in the engine thread and wait for it: a compiled decode step compiles
+        and captures its CUDA graphs there (the thread that will replay them) before the first request."""
+        done = threading.Event()
+        seq = Sequence([0], SamplingParams(max_new_tokens=steps),
+                       on_token=lambda s, text, finished: finished and done.set())
+        self.submit(seq)
+        if not done.wait(timeout_s):
+            raise RuntimeError(f"the engine's warm-up did not finish in {timeout_s:.0f} s")
+        if seq.finish_reason == "error":
+            raise RuntimeError("the engine's warm-up step failed (the error is in the log above)")
 
     def close(self) -> None:
         self._stopping = True
