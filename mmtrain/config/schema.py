@@ -167,6 +167,14 @@ class TrainConfig:
     exit_at_step: int = doc(0, "Stop after this step, with a checkpoint, as if preempted: the learning-rate schedule "
                                "and the data order still span train.steps, so the same command without it continues "
                                "exactly as one uninterrupted run; 0 runs to train.steps.", ge=0)
+    sample_every: int = doc(0, "Every N steps, complete train.sample_prompts greedily with the current weights "
+                               "(KV-cache decoding) and log them: the console, metrics.jsonl (`samples`) and "
+                               "TensorBoard text; a multiple of logging.log_every; 0 disables.", ge=0)
+    sample_prompts: list[str] = doc([], "Prompts of train.sample_every.")
+    sample_tokenizer: str = doc("", "Tokenizer of train.sample_prompts (the data's: SentencePiece .model, "
+                                    "tokenizer.json or its folder, GPT-2 vocab.json next to merges.txt).")
+    sample_max_new_tokens: int = doc(32, "New tokens per sample at most (fewer at the end-of-document token).",
+                                     ge=1, le=4096)
 
 
 @dataclass

@@ -6,6 +6,7 @@ Each check names the keys involved and the values, so the fix is obvious from th
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
 from mmtrain.config.loader import ConfigError
@@ -17,6 +18,24 @@ def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> Non
     """Raise ``ConfigError`` on impossible combinations. With ``world_size`` also checks the layout."""
     check_ranges(cfg)  # every numeric field against the range declared in the schema
     check_language_run(cfg, world_size)
+
+
+def _check_sampling(cfg: GPTRunConfig, mk: str) -> None:
+    """train.sample_every: greedy samples at logging steps, from the whole model on each rank's TP group."""
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    if not t.sample_prompts:
+        raise ConfigError("train.sample_every is set but train.sample_prompts is empty; give the prompts to complete")
+    if not t.sample_tokenizer:
+        raise ConfigError("train.sample_every needs train.sample_tokenizer (the tokenizer the data was prepared with)")
+    if not Path(t.sample_tokenizer).exists():
+        raise ConfigError(f"train.sample_tokenizer={t.sample_tokenizer}: no such file or folder")
+    if t.sample_every % cfg.logging.log_every:
+        raise ConfigError(f"train.sample_every ({t.sample_every}) must be a multiple of logging.log_every "
+                          f"({cfg.logging.log_every}): samples are taken at logging steps")
+    if m.family != "llama" or p.pp > 1 or p.sequence_parallel or t.precision == "fp8":
+        raise ConfigError(f"train.sample_every needs {mk}.family=llama, parallel.pp=1, no "
+                          "parallel.sequence_parallel and no fp8 (KV-cache decoding runs the whole model on each "
+                          "rank's TP group); sample from a checkpoint with python -m mmtrain.generate instead")
 
 
 def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_key: str = "model") -> None:
@@ -67,6 +86,8 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     lora = getattr(getattr(cfg, "peft", None), "lora", None)
     if lora is not None and lora.rank:
         _validate_lora(cfg, lora, mk)
+    if t.sample_every:
+        _check_sampling(cfg, mk)
     if world_size is not None:
         from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
 

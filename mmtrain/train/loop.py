@@ -36,6 +36,7 @@ from mmtrain.train.metrics import MetricsLogger
 from mmtrain.train.optimizer import MixedPrecisionAdamW
 from mmtrain.train.precision import precision_for
 from mmtrain.train.resume_inputs import LrSchedule, resolve_resume, resume_records
+from mmtrain.train.samples import SampleLogger
 from mmtrain.train.step_hooks import PreemptionCheck, RouterBiasBalancer, StepHooks
 from mmtrain.utils.log import get_logger
 
@@ -292,6 +293,10 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     if task.routed_experts:
         hooks.append(RouterBiasBalancer(stage, mesh, cfg.parallel.sequence_parallel))
     hooks.append(PreemptionCheck(mesh, device))
+    t = cfg.train
+    if t.sample_every:  # greedy samples at logging steps (a VLM samples its language model on text prompts)
+        hooks.append(SampleLogger(getattr(stage, "language", stage), t.sample_prompts, t.sample_tokenizer,
+                                  t.sample_every, t.sample_max_new_tokens, mesh.rank))
     for h in hooks:
         h.start()
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,

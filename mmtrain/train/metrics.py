@@ -112,6 +112,9 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"train/{key}", value, step)
+            if metrics.get("samples"):  # train.sample_every: prompt -> completion, as markdown text
+                self._tb.add_text("samples", "\n\n".join(f"**{s['prompt']}** {s['completion']}"
+                                                          for s in metrics["samples"]), step)
         if force or step % self.log_every == 0 or step == self.total_steps:
             self._log.info(format_step_line(step, self.total_steps, metrics))
 

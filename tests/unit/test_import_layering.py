@@ -31,6 +31,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mmtrain.models": ("never", ("mmtrain.train", "mmtrain.data", "mmtrain.convert", "dataprep")),
     "mmtrain.model": ("never", ("mmtrain.train", "mmtrain.data", "mmtrain.convert", "dataprep")),
     "mmtrain.convert": ("never", ("mmtrain.train", "mmtrain.data", "dataprep")),
+    "mmtrain.inference": ("never", ("mmtrain.train", "mmtrain.data", "dataprep")),
     "mmtrain.train": ("never", ("dataprep",)),
 }
 

@@ -1,0 +1,103 @@
+"""KV-cache generation speed: Llama-3.2-1B shapes (random weights), bf16, greedy, 128-token prompts, 256 new tokens.
+
+    python bench/generate.py [--batch 1 32] [--prompt 128] [--new 256] [--no-compile] [--tiny] [--device cpu]
+
+The same settings as ../shared/bench/hf_generate_baseline.py (its LlamaConfig: 16 layers, width 2048, 32 heads, 8
+KV heads, FFN 8192, vocabulary 128256, tied embeddings, rope theta 5e5): each batch size is warmed up at the timed
+shapes (compilation and CUDA-graph capture happen there), then one whole generation (prefill + every decode step)
+is timed. tokens_per_s counts new tokens only. Prints one JSON line per setting, then a table. ``--tiny`` shrinks
+the model (a CPU check that the script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mmtrain.config.schema import ModelConfig  # noqa: E402
+from mmtrain.inference.engine import DecodeEngine, generate  # noqa: E402
+from mmtrain.inference.loading import prepare_for_decoding  # noqa: E402
+from mmtrain.inference.sampling import SamplingParams  # noqa: E402
+from mmtrain.models.llama.model import GPTModel  # noqa: E402
+
+LLAMA_1B = dict(name="llama3.2-1b-shapes", num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
+                num_attention_heads=32, num_query_groups=8, vocab_size=128256, rope_theta=500000.0,
+                tie_embeddings=True)
+TINY = dict(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+            num_query_groups=2, vocab_size=512, tie_embeddings=True)
+
+
+def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> GPTModel:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPTModel(ModelConfig(**(TINY if tiny else LLAMA_1B)))
+    return prepare_for_decoding(model, device, dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_generation(model: GPTModel, batch: int, prompt: int, new: int, compile: bool, device: torch.device,
+                    warmup: int = 2) -> dict:
+    engine = DecodeEngine(model, batch, prompt + new, compile=compile)
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(1, model.cfg.vocab_size - 1, (batch, prompt), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=new)  # no stop tokens: every row runs all `new` steps
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        generate(engine, prompts, params)
+    _sync(device)
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    seqs = generate(engine, prompts, params)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    n = min(len(s.token_ids) for s in seqs)
+    return {"system": "mmtrain-generate", "compile": compile, "batch": batch, "prompt": prompt, "new_tokens": n,
+            "s": round(dt, 3), "tokens_per_s": round(batch * n / dt), "ms_per_step": round(1000 * dt / n, 3),
+            "warmup_s": round(warm_s, 1),
+            "peak_mem_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                             if device.type == "cuda" else None)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--no-compile", action="store_true", help="eager decode step (no torch.compile / CUDA graphs)")
+    ap.add_argument("--eager-too", action="store_true", help="also time the eager decode step")
+    ap.add_argument("--tiny", action="store_true", help="tiny model (a CPU check of the script)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    model = build_model(a.tiny, device, torch.bfloat16 if a.dtype == "bf16" else torch.float32)
+    modes = [False] if a.no_compile else ([True, False] if a.eager_too else [True])
+    rows = []
+    for compile in modes:
+        for batch in a.batch:
+            try:
+                row = time_generation(model, batch, a.prompt, a.new, compile, device)
+            except Exception as exc:  # noqa: BLE001 - one failing setting costs only its own line
+                row = {"system": "mmtrain-generate", "compile": compile, "batch": batch, "error": repr(exc)[:300]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n| system | compiled | batch | new tokens/s | ms/step |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| mmtrain | {r['compile']} | {r['batch']} | {r.get('tokens_per_s', 'error')} "
+              f"| {r.get('ms_per_step', '-')} |")
+
+
+if __name__ == "__main__":
+    main()

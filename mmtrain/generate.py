@@ -1,0 +1,109 @@
+"""Command line: ``python -m mmtrain.generate --ckpt CKPT --tokenizer TOK --prompt "..."``: complete prompts with
+a checkpoint's model (KV-cache decoding, ``mmtrain.inference``), on CPU or GPU, under torchrun tensor-parallel
+(every rank holds a TP shard; rank 0 prints). Exit codes: 0 done, 2 a bad argument, file or checkpoint (one line
+on stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+PROG = "python -m mmtrain.generate"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse would print the usage first)
+        print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description="Generate text from an mmtrain checkpoint (KV-cache decoding).")
+    ap.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
+    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model, tokenizer.json (or its folder), or "
+                                                       "GPT-2 vocab.json next to merges.txt")
+    ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    ap.add_argument("--prompts-file", default=None, help='JSONL file of {"prompt": "..."} rows')
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 keeps all")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass p; 1 keeps all")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeat for several)")
+    ap.add_argument("--no-eod-stop", action="store_true", help="do not stop at the tokenizer's end-of-document token")
+    ap.add_argument("--output", default=None, help="write the completions as JSONL rows here")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None, help="default bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (KV-cache slots)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.prompt and not args.prompts_file:
+        build_parser().error("give --prompt and/or --prompts-file")
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        build_parser().error("--max-new-tokens and --batch-size must be >= 1")
+    from mmtrain.convert.checkpoint_io import ConvertError  # imports torch: after the argument checks
+    from mmtrain.core.tokenizer import TokenizerError
+    from mmtrain.inference.decoder import UnsupportedModelError
+    from mmtrain.inference.engine import ContextLengthError
+    from mmtrain.inference.prompts import PromptError
+    from mmtrain.inference.sampling import SamplingError
+    from mmtrain.utils.dcp_storage import CheckpointFormatError
+
+    try:
+        return _run(args)
+    except (ConvertError, TokenizerError, UnsupportedModelError, ContextLengthError, PromptError,
+            SamplingError, CheckpointFormatError, FileNotFoundError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from mmtrain.core.tokenizer import load_tokenizer
+    from mmtrain.inference.engine import DecodeEngine, generate
+    from mmtrain.inference.loading import DTYPES, load_checkpoint_model
+    from mmtrain.inference.prompts import PromptError, completion_row, read_prompts_file
+    from mmtrain.inference.sampling import SamplingParams
+    from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed
+    from mmtrain.utils.atomic import atomic_write_text
+
+    tokenizer = load_tokenizer(args.tokenizer)  # before any process group: a bad path is one line
+    prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    device = pick_device(args.device)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    rank, world = init_distributed(device=device)
+    try:
+        mesh = ParallelDims(world, tp=world).build()
+        model, cfg = load_checkpoint_model(args.ckpt, mesh, device, dtype)
+        ids = tokenizer.encode_batch(prompts)
+        too_big = [i for i, p in enumerate(ids) if p and max(p) >= cfg.vocab_size]
+        if too_big:
+            raise PromptError(f"prompt {too_big[0]} has token ids >= the model's vocab_size {cfg.vocab_size}: "
+                             "is --tokenizer the one the model was trained with?")
+        stops = () if args.no_eod_stop or tokenizer.eod_id is None else (tokenizer.eod_id,)
+        params = [SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i,
+                                 stops, tuple(args.stop)) for i in range(len(prompts))]
+        longest = max(len(p) for p in ids) + args.max_new_tokens
+        engine = DecodeEngine(model, min(args.batch_size, len(prompts)), longest, compile=args.compile)
+        with torch.no_grad():
+            seqs = generate(engine, ids, params, decode=tokenizer.decode)
+    finally:
+        shutdown_distributed()
+    if rank == 0:
+        rows = [completion_row(p, s) for p, s in zip(prompts, seqs)]
+        if args.output:
+            atomic_write_text(args.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        for r in rows:
+            print(json.dumps({"prompt": r["prompt"], "completion": r["completion"],
+                              "finish_reason": r["finish_reason"]}, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

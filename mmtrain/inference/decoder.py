@@ -1,0 +1,88 @@
+"""The forward pass of a decoder-only LM (the Llama family's ``GPTModel``) with a static KV cache.
+
+It reuses the model's own modules — embedding, norms, the fused qkv and output projections, q/k norms, RoPE
+frequencies, MLP or MoE layer, head — and only replaces the attention core: new keys/values go into the cache
+at each row's positions and queries attend the cached keys up to their own position. So it runs whatever the
+model's modules are: whole, or sharded by the tensor-parallel plan (column/row linears do their collectives,
+the vocab-parallel head gathers full logits), in fp32 or bf16. The training attention core is not touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmtrain.inference.kv_cache import StaticKVCache
+from mmtrain.model.layers import apply_rope, rope_cos_sin
+
+
+class UnsupportedModelError(ValueError):
+    """A model this decoder cannot run (a pipeline stage, another family); the message says what it needs."""
+
+
+def check_decodable(model: nn.Module) -> None:
+    """Raise ``UnsupportedModelError`` unless ``model`` is a whole Llama-family ``GPTModel``."""
+    needed = ("embed", "layers", "norm", "head", "inv_freq", "logits")
+    if not all(getattr(model, n, None) is not None for n in needed):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: KV-cache decoding needs a whole Llama-family GPTModel (embedding, layers, "
+            "final norm and head on one rank: no pipeline stages)")
+    if any(not hasattr(layer.attn, "qkv") for layer in model.layers.values()):
+        raise UnsupportedModelError(f"{type(model).__name__}: the layers have no fused qkv projection "
+                                    "(only the Llama family decodes with a KV cache)")
+
+
+def kv_cache_for(model: nn.Module, slots: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str) -> StaticKVCache:
+    """A cache sized for ``model`` as it is on this rank (its qkv projection's local width: a TP shard's heads)."""
+    layer = next(iter(model.layers.values())).attn
+    total = layer.q_size + 2 * layer.kv_size
+    kv_local = layer.qkv.weight.shape[0] * layer.kv_size // total
+    return StaticKVCache(len(model.layers), slots, kv_local // layer.head_dim, max_len, layer.head_dim, dtype, device)
+
+
+def _cached_attention(attn: nn.Module, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: StaticKVCache, layer: int, slots_B: torch.Tensor | None, positions_BS: torch.Tensor,
+                      kv_len: int | None) -> torch.Tensor:
+    """``attn``'s projections with a cached attention core: the same math as the model's ``Attention.forward``
+    (split of the fused qkv by local sizes, q/k norm, RoPE), keys/values through the cache."""
+    qkv = attn.qkv(x_BSD)
+    B, S = qkv.shape[:2]
+    total = attn.q_size + 2 * attn.kv_size
+    q_local = qkv.shape[-1] * attn.q_size // total
+    kv_local = qkv.shape[-1] * attn.kv_size // total
+    q, k, v = qkv.split((q_local, kv_local, kv_local), dim=-1)
+    q = q.view(B, S, -1, attn.head_dim)
+    k = k.view(B, S, -1, attn.head_dim)
+    v = v.view(B, S, -1, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache.write(layer, slots_B, positions_BS, k, v)
+    keys, values = cache.read(layer, slots_B, kv_len)
+    visible = cache.key_index[: keys.shape[2]][None, None, None, :] <= positions_BS[:, None, :, None]  # (B,1,S,T)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=visible,
+                                         enable_gqa=q.shape[2] != keys.shape[1])
+    return attn.proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def decoder_forward(model: nn.Module, cache: StaticKVCache, positions_BS: torch.Tensor,
+                    tokens_BS: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                    slots_B: torch.Tensor | None = None, last_index_B: torch.Tensor | None = None,
+                    kv_len: int | None = None) -> torch.Tensor:
+    """Run ``model`` on new tokens (or embeddings: a VLM's spliced prompt) of rows ``slots_B`` at ``positions_BS``,
+    storing their keys/values in ``cache``. Returns fp32 logits over the whole vocabulary of one position per
+    row, (B, V): ``last_index_B[b]`` (default the last column). ``kv_len``: attend only the first ``kv_len``
+    cached positions (a prefill that knows its longest row; None attends all, the static decode shape)."""
+    x = inputs_embeds if inputs_embeds is not None else model.embed(tokens_BS)
+    cos, sin = rope_cos_sin(positions_BS, model.inv_freq, x.dtype)
+    for i, layer in enumerate(model.layers.values()):
+        x = x + _cached_attention(layer.attn, layer.attn_norm(x), cos, sin, cache, i, slots_B, positions_BS, kv_len)
+        x = x + layer.mlp(layer.mlp_norm(x))
+    if last_index_B is None:
+        x = x[:, -1:]
+    else:
+        x = x[torch.arange(x.shape[0], device=x.device), last_index_B][:, None]
+    x = model.head.prepare(model.norm(x))
+    return model.head.full_logits(model.logits(x))[:, 0].float()

@@ -1,0 +1,294 @@
+"""The decode engine: sequences in the slots of a static KV cache, one decode step at a time for all of them.
+
+``DecodeEngine.add`` puts waiting sequences into free slots (one batched prefill for those that join together:
+right-padded, each row's logits read at its own last position) and ``step`` runs one decode step over every
+slot — the static shape a compiled / CUDA-graph step needs — and hands each active sequence its next token. A
+sequence that finishes frees its slot for the next one, so new work joins the running batch at the next step
+(continuous batching: the server's engine thread, ``mmtrain.inference.server_engine``). ``generate`` is the
+offline use: a list of prompts in, their completions out.
+
+Every row sees only its own cache row and draws from its own generator, so under greedy decoding each row's
+tokens are those of its batch-of-one run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mmtrain.inference.decoder import check_decodable, decoder_forward, kv_cache_for
+from mmtrain.inference.sampling import SamplingParams, find_stop, make_generator, next_tokens
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus its new tokens) that does not fit the engine's context; the message gives both lengths."""
+
+
+@dataclass
+class Sequence:
+    """One prompt being completed. ``prompt_embeds`` (S, D), when given, replace the prompt's token embeddings
+    (a VLM prompt with its media spliced in). ``on_token(seq, new_text, finished)`` is called after each token
+    from the engine's thread (streaming); ``decode`` turns ids into text (needed for stop strings and streaming)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_embeds: torch.Tensor | None = None
+    on_token: Callable[["Sequence", str, bool], None] | None = None
+    decode: Callable[[list[int]], str] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (a stop token or string), "length", or "cancelled"
+    cancelled: bool = False  # set from any thread (a client went away): the engine drops it at its next step
+    slot: int = -1
+    generator: torch.Generator | None = None
+    _emitted: int = 0  # characters of ``text`` already handed to on_token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class DecodeEngine:
+    """``model``: a whole Llama-family ``GPTModel`` (TP-sharded or not) on ``device``, in its compute dtype.
+    ``slots``: sequences decoded together; ``max_len``: positions per slot (prompt + new tokens).
+    ``compile``: run the decode step under ``torch.compile`` (with CUDA graphs on a GPU). ``overlap``: run
+    all-greedy batches one step ahead (default: on a GPU, where the host's work then overlaps the device's)."""
+
+    def __init__(self, model: nn.Module, slots: int, max_len: int, compile: bool = False,
+                 overlap: bool | None = None) -> None:
+        check_decodable(model)
+        self.model = model.eval()
+        weight = model.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.cache = kv_cache_for(model, slots, max_len, self.dtype, self.device)
+        self.slots, self.max_len = slots, max_len
+        self.active: dict[int, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self._free = list(range(slots - 1, -1, -1))
+        self._positions = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # next position per slot
+        self._last = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # last token per slot
+        self._running = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # 1: the slot's position moves
+        self._decode = self._decode_all
+        self._compiled = compile
+        if compile:
+            self._decode = self._compiled_decode()
+        # On a GPU an all-greedy batch runs one step ahead: the next step is launched (its input tokens are on the
+        # device already) before this step's tokens are read back and checked, so the host's work overlaps the
+        # GPU's. A sequence that finished is decoded once more, harmlessly (its row is ignored, then freed).
+        cuda = self.device.type == "cuda"
+        self._overlap = cuda if overlap is None else overlap
+        self._inflight: tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None] | None = None
+        self._host_tokens = [torch.zeros(slots, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._flip = 0
+
+    # ------------------------------------------------------------------------------------------ steps
+    def _decode_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor) -> torch.Tensor:
+        return decoder_forward(self.model, self.cache, positions_N1, tokens_BS=tokens_N1)
+
+    def _compiled_decode(self):
+        # mutated in place by the step (the cache) or between steps (its inputs): static addresses, so the CUDA
+        # graph reads and writes them where they are (no copies in and out)
+        for t in [*self.cache.k, *self.cache.v, self._last, self._positions]:
+            torch._dynamo.mark_static_address(t)
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        return torch.compile(self._decode_all, mode=mode, fullgraph=False, dynamic=False)
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue ``seq``; it joins at the next ``step`` with a free slot (``check`` first)."""
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ``ContextLengthError`` when the prompt plus ``max_new_tokens`` exceeds ``max_len`` (or the prompt
+        is empty), ``SamplingError`` for bad parameters. Reads nothing the engine changes (any thread may call it)."""
+        seq.params.check()
+        need = len(seq.prompt_ids) + seq.params.max_new_tokens
+        if not seq.prompt_ids:
+            raise ContextLengthError("the prompt is empty (at least one token is needed)")
+        if need > self.max_len:
+            raise ContextLengthError(f"prompt of {len(seq.prompt_ids)} tokens + {seq.params.max_new_tokens} new "
+                                     f"tokens = {need} exceeds the context of {self.max_len} positions")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """Admit waiting sequences into free slots (their prefill gives their first token), then one decode step
+        for the sequences already running. Returns the sequences that finished in this step."""
+        finished = self._drop_cancelled()
+        running = list(self.active.values())
+        if running and self._overlap and all(s.params.greedy for s in running):
+            previous, self._inflight = self._inflight, self._launch_greedy(running)
+            if previous is not None:
+                finished += self._finish_inflight(previous)
+        elif running:
+            if self._inflight is not None:  # a sampled row joined: finish the step ahead first, then go in step
+                finished += self._finish_inflight(self._inflight)
+                self._inflight = None
+                running = list(self.active.values())
+            if running:
+                logits = self._run_decode()
+                by_slot = [self.active.get(i) for i in range(self.slots)]
+                chosen, tokens = next_tokens(logits, [s and s.params for s in by_slot],
+                                             [s and s.generator for s in by_slot])
+                self._last.copy_(chosen[:, None])  # free slots decode garbage tokens, harmlessly
+                self._positions += self._running
+                finished += self._accept(running, [tokens[s.slot] for s in running])
+        if self._inflight is not None and not self.active:
+            self._inflight = None  # every row it decoded has finished: nothing to read
+        joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self._free)))]
+        if joining:
+            finished += self._prefill(joining)
+        return finished
+
+    def _run_decode(self) -> torch.Tensor:
+        if self._compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
+        return self._decode(self._last, self._positions)
+
+    def _launch_greedy(self, running: list[Sequence]) -> tuple[list[Sequence], torch.Tensor, torch.cuda.Event]:
+        """Queue one greedy decode step on the device: next tokens into the inputs, their copy to pinned host
+        memory; nothing waits."""
+        chosen = self._run_decode().argmax(-1)
+        self._last.copy_(chosen[:, None])
+        self._positions += self._running
+        host = self._host_tokens[self._flip]
+        self._flip ^= 1
+        cuda = self.device.type == "cuda"
+        host.copy_(chosen, non_blocking=cuda)
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+        return running, host, done
+
+    def _finish_inflight(self, inflight) -> list[Sequence]:
+        """Read a launched step's tokens back and accept them for its rows that are still running."""
+        seqs, host, done = inflight
+        if done is not None:
+            done.synchronize()
+        tokens = host.tolist()
+        alive = [s for s in seqs if self.active.get(s.slot) is s]
+        return self._accept(alive, [tokens[s.slot] for s in alive])
+
+    def _drop_cancelled(self) -> list[Sequence]:
+        dropped = [s for s in self.active.values() if s.cancelled]
+        for s in dropped:
+            s.finish_reason = "cancelled"
+            self._release(s)
+        kept = [s for s in self.waiting if not s.cancelled]
+        if len(kept) != len(self.waiting):
+            self.waiting = deque(kept)
+        return dropped
+
+    def _release(self, s: Sequence) -> None:
+        del self.active[s.slot]
+        self._positions[s.slot, 0] = 0  # a free slot's decode row stays inside the cache
+        self._running[s.slot, 0] = 0
+        self._free.append(s.slot)
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every running and waiting sequence (after a failed step); returns them. The cache stays usable:
+        a slot's old keys are never attended by its next sequence."""
+        dropped = list(self.active.values()) + list(self.waiting)
+        self._inflight = None
+        for s in list(self.active.values()):
+            self._release(s)
+        self.waiting.clear()
+        return dropped
+
+    def _prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        for s in seqs:
+            s.slot = self._free.pop()
+            s.generator = make_generator(s.params)
+            self.active[s.slot] = s
+        lengths = [len(s.prompt_ids) for s in seqs]
+        S = max(lengths)
+        dev = self.device
+        positions = torch.arange(S, device=dev).expand(len(seqs), S)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        last = torch.tensor(lengths, device=dev) - 1
+        if any(s.prompt_embeds is not None for s in seqs):
+            embeds = torch.zeros(len(seqs), S, self.model.embed.embedding_dim, dtype=self.dtype, device=dev)
+            for b, s in enumerate(seqs):
+                src = s.prompt_embeds if s.prompt_embeds is not None else self.model.embed(
+                    torch.tensor(s.prompt_ids, device=dev))
+                embeds[b, : lengths[b]] = src.to(dev, self.dtype)
+            logits = decoder_forward(self.model, self.cache, positions, inputs_embeds=embeds, slots_B=slots,
+                                     last_index_B=last, kv_len=S)
+        else:
+            tokens = torch.zeros(len(seqs), S, dtype=torch.long, device=dev)
+            for b, s in enumerate(seqs):
+                tokens[b, : lengths[b]] = torch.tensor(s.prompt_ids, device=dev)
+            logits = decoder_forward(self.model, self.cache, positions, tokens_BS=tokens, slots_B=slots,
+                                     last_index_B=last, kv_len=S)
+        self._positions[slots, 0] = last + 1
+        self._running[slots, 0] = 1
+        chosen, tokens = next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        self._last[slots, 0] = chosen
+        return self._accept(seqs, tokens)
+
+    def _accept(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Append each sequence's new token, apply its stops, free the slots of those that finished."""
+        done = []
+        for s, tok in zip(seqs, tokens):
+            if tok in s.params.stop_token_ids:
+                s.finish_reason = "stop"
+            else:
+                s.token_ids.append(tok)
+                if len(s.token_ids) >= s.params.max_new_tokens:
+                    s.finish_reason = "length"
+                if s.decode is not None and (s.params.stop or s.on_token is not None):
+                    self._update_text(s)
+            if s.on_token is not None:
+                self._emit(s)
+            if s.finished:
+                if s.decode is not None and not s.params.stop and s.on_token is None:
+                    s.text = s.decode(s.token_ids)
+                self._release(s)
+                done.append(s)
+        return done
+
+    @staticmethod
+    def _update_text(s: Sequence) -> None:
+        text = s.decode(s.token_ids)
+        if s.params.stop:
+            # a stop string can only begin where it could overlap the newly added text
+            start = max(0, len(s.text) - max(len(x) for x in s.params.stop))
+            cut = find_stop(text, s.params.stop, start)
+            if cut is not None:
+                text, s.finish_reason = text[:cut], "stop"
+        s.text = text
+
+    @staticmethod
+    def _emit(s: Sequence) -> None:
+        """Hand on the text not yet emitted; while running, hold back what a stop string might still claim
+        and an incomplete UTF-8 character (shown as U+FFFD until its last byte arrives)."""
+        end = len(s.text)
+        if not s.finished:
+            hold = max((len(x) - 1 for x in s.params.stop), default=0)
+            end = max(s._emitted, end - hold)
+            while end > s._emitted and s.text[end - 1] == "\ufffd":
+                end -= 1
+        new, s._emitted = s.text[s._emitted:end], max(s._emitted, end)
+        if new or s.finished:
+            s.on_token(s, new, s.finished)
+
+
+def generate(engine: DecodeEngine, prompts: Seq[list[int]], params: SamplingParams | Seq[SamplingParams],
+             decode: Callable[[list[int]], str] | None = None) -> list[Sequence]:
+    """Complete every prompt (token ids) with ``engine``; more prompts than slots wait for free ones. ``params``:
+    one for all or one per prompt. Returns the finished sequences in prompt order."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    seqs = [Sequence(list(p), sp, decode=decode) for p, sp in zip(prompts, params)]
+    for s in seqs:
+        engine.submit(s)
+    while engine.busy:
+        engine.step()
+    return seqs

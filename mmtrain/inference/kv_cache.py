@@ -1,0 +1,50 @@
+"""A static, preallocated key/value cache: one (slots, kv heads, max length, head dim) buffer pair per layer.
+
+Static shapes are what let the decode step run under ``torch.compile`` with CUDA graphs: nothing is allocated or
+resized while decoding. A *slot* is one sequence's row; its token at position ``p`` is stored at index ``p``, so
+rows of different lengths share the buffers without padding (each row's queries only see keys at positions up to
+their own, the mask ``key index <= query position``). A slot is reused by overwriting: stale keys beyond a new
+sequence's positions are never attended.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    """``k[layer]``/``v[layer]``: (slots, kv_heads, max_len, head_dim) tensors. ``kv_heads`` is this rank's count
+    (a tensor-parallel shard holds kv_heads / tp)."""
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.slots, self.max_len = slots, max_len
+        # key index of every cached position, for the attention mask (kept to avoid an arange per step)
+        self.key_index = torch.arange(max_len, device=device)
+
+    def write(self, layer: int, slots_B: torch.Tensor | None, positions_BS: torch.Tensor, k_BSHD: torch.Tensor,
+              v_BSHD: torch.Tensor) -> None:
+        """Store the new keys/values of rows ``slots_B`` (None: every slot, in order) at their positions."""
+        rows = (torch.arange(positions_BS.shape[0], device=positions_BS.device) if slots_B is None else slots_B)
+        # advanced indices on dims 0 and 2 around a slice: the indexed view is (B, S, kv_heads, head_dim)
+        index = (rows[:, None].expand_as(positions_BS), positions_BS)
+        _put(self.k[layer], index, k_BSHD)
+        _put(self.v[layer], index, v_BSHD)
+
+    def read(self, layer: int, slots_B: torch.Tensor | None,
+             length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of rows ``slots_B`` (None: every slot, no copy), the first ``length`` positions (None: all)."""
+        k, v = self.k[layer], self.v[layer]
+        if slots_B is not None:
+            k, v = k[slots_B], v[slots_B]
+        if length is not None and length < self.max_len:
+            k, v = k[:, :, :length], v[:, :, :length]
+        return k, v
+
+
+def _put(buffer: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], values_BSHD: torch.Tensor) -> None:
+    rows, positions = index
+    buffer[rows, :, positions] = values_BSHD.to(buffer.dtype)

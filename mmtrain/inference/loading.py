@@ -1,0 +1,50 @@
+"""A checkpoint and its tokenizer, ready to decode: the model built whole (or this rank's tensor-parallel shard of
+it), its weights read from any training layout or a weights-only checkpoint, moved to the device, parameters in
+the compute dtype (buffers such as the RoPE frequencies keep theirs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mmtrain.convert.checkpoint_io import checkpoint_model_config, load_model_weights
+from mmtrain.config.schema import ModelConfig
+from mmtrain.inference.decoder import UnsupportedModelError, check_decodable
+from mmtrain.models.registry import model_family
+from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.tensor import apply_tensor_parallel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def prepare_for_decoding(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """``model`` on ``device`` in eval mode with its parameters in ``dtype`` (buffers keep their dtype: the RoPE
+    inverse frequencies stay fp32, as in training)."""
+    model.to(device)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def load_checkpoint_model(ckpt: str | Path, mesh: ParallelMesh, device: torch.device | str,
+                          dtype: torch.dtype = torch.bfloat16, verify: bool = True) -> tuple[nn.Module, ModelConfig]:
+    """This rank's decodable model from checkpoint ``ckpt`` (weights only; any layout that wrote it): the whole
+    Llama-family model, sharded over ``mesh``'s TP group. Raises ``ConvertError`` for an unreadable checkpoint,
+    ``UnsupportedModelError`` for a family the KV-cache decoder does not run."""
+    _, cfg = checkpoint_model_config(ckpt)
+    if cfg.family != "llama":
+        raise UnsupportedModelError(f"{ckpt}: model.family {cfg.family!r}; KV-cache generation runs the llama "
+                                    "family (Llama / Qwen2 / Mixtral shapes)")
+    if mesh.dims.pp > 1 or mesh.dims.cp > 1 or mesh.dims.ep > 1:
+        raise UnsupportedModelError("generation runs tensor-parallel only: start it with as many ranks as the "
+                                    f"TP size (got {mesh.dims.describe()})")
+    shape = cfg.shape()
+    with torch.device("cpu"):
+        model = model_family(cfg).build_stage(cfg, (0, shape.num_layers), True, True)
+    apply_tensor_parallel(model, mesh.tp_group)
+    load_model_weights(ckpt, mesh, model, verify=verify)
+    check_decodable(model)
+    return prepare_for_decoding(model, device, dtype), cfg

@@ -1,0 +1,206 @@
+"""The OpenAI-compatible HTTP API on FastAPI: ``POST /v1/completions``, ``POST /v1/chat/completions`` (when the
+tokenizer has a chat template), server-sent-event streaming, ``GET /v1/models``, ``GET /health``.
+
+Handlers only encode, check and wait: the model runs in the engine thread (``server_engine.EngineThread``). Every
+refusal is a 400 (404 for another model name) with OpenAI's error shape ``{"error": {"message", "type",
+"param"}}``; nothing a client sends stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from mmtrain.core.tokenizer import Tokenizer
+from mmtrain.inference.chat import ChatRenderer, ChatTemplateError
+from mmtrain.inference.engine import ContextLengthError, Sequence
+from mmtrain.inference.openai_schema import ChatCompletionRequest, CompletionRequest
+from mmtrain.inference.sampling import SamplingError, SamplingParams
+from mmtrain.inference.server_engine import EngineThread
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                               "code": None}})
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+    field = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    return (f"{field}: {msg}" if field else msg), field
+
+
+class _Api:
+    def __init__(self, engine: EngineThread, tokenizer: Tokenizer, model_name: str,
+                 chat: ChatRenderer | None) -> None:
+        self.engine, self.tokenizer, self.model_name, self.chat = engine, tokenizer, model_name, chat
+        self.created = int(time.time())
+        self.stop_ids = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
+
+    def start(self, prompt_ids: list[int], req, max_tokens: int | None) -> tuple[Sequence, asyncio.Queue]:
+        """Check and submit one request; raises SamplingError / ContextLengthError for a 400."""
+        context = self.engine.engine.max_len
+        n = len(prompt_ids)
+        if n >= context:
+            raise ContextLengthError(f"the prompt has {n} tokens; the context is {context} positions (prompt + "
+                                     "max_tokens)")
+        if max_tokens is None:
+            max_tokens = context - n
+        if n + max_tokens > context:
+            raise ContextLengthError(f"max_tokens={max_tokens} + the prompt's {n} tokens exceeds the context of "
+                                     f"{context} positions")
+        params = SamplingParams(max_tokens, req.temperature, req.top_k, req.top_p, req.seed, self.stop_ids,
+                                req.stop_strings())
+        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        seq = Sequence(prompt_ids, params, decode=self.tokenizer.decode,
+                       on_token=lambda s, text, done: self.engine.deliver(loop, out, (text, done)))
+        self.engine.check(seq)
+        self.engine.submit(seq)
+        return seq, out
+
+    def usage(self, seq: Sequence) -> dict:
+        n, m = len(seq.prompt_ids), len(seq.token_ids)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def _collect(seq: Sequence, out: asyncio.Queue) -> None:
+    try:
+        while True:
+            _, done = await out.get()
+            if done:
+                return
+    finally:
+        if not seq.finished:
+            seq.cancelled = True
+
+
+async def _stream(seq: Sequence, out: asyncio.Queue, chunk, final_usage) -> AsyncIterator[bytes]:
+    """SSE events: one chunk per piece of text, the last with the finish reason, then ``[DONE]``."""
+    try:
+        first = True
+        while True:
+            text, done = await out.get()
+            if text or done or first:
+                yield _sse(chunk(text, seq.finish_reason if done else None, first))
+                first = False
+            if done:
+                break
+        if final_usage is not None:
+            yield _sse(final_usage())
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not seq.finished:
+            seq.cancelled = True  # the client went away: free the slot at the next step
+
+
+def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat: ChatRenderer | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (``chat``: the tokenizer's chat template; without it there is no chat
+    endpoint)."""
+    app = FastAPI(title="mmtrain", docs_url=None, redoc_url=None, openapi_url=None)
+    api = _Api(engine, tokenizer, model_name, chat)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error(400, message, param)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": api.created,
+                                            "owned_by": "mmtrain"}]}
+
+    def wrong_model(req) -> JSONResponse | None:
+        if req.model is not None and req.model != model_name:
+            return _error(404, f"model {req.model!r} is not served here; GET /v1/models lists {model_name!r}",
+                          "model", "model_not_found")
+        return None
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        if (bad := wrong_model(req)) is not None:
+            return bad
+        if isinstance(req.prompt, list):
+            vocab = engine.engine.model.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in req.prompt):
+                return _error(400, f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
+            ids, text = req.prompt, tokenizer.decode(req.prompt) if req.echo else ""
+        else:
+            ids, text = tokenizer.encode(req.prompt), req.prompt
+        try:
+            seq, out = api.start(ids, req, req.max_tokens or 16)
+        except (SamplingError, ContextLengthError) as exc:
+            return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prefix = text if req.echo else ""
+
+        def body(text, finish):
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+        if req.stream:
+            def chunk(text, finish, first):
+                return body((prefix if first else "") + text, finish)
+            usage = None
+            if (req.stream_options or {}).get("include_usage"):
+                usage = lambda: {**body("", None), "choices": [], "usage": api.usage(seq)}  # noqa: E731
+            return StreamingResponse(_stream(seq, out, chunk, usage), media_type="text/event-stream")
+        await _collect(seq, out)
+        if seq.finish_reason == "error":
+            return _error(500, "the decode step failed; see the server log", kind="server_error")
+        return {**body(prefix + seq.text, seq.finish_reason), "usage": api.usage(seq)}
+
+    if chat is not None:
+        @app.post("/v1/chat/completions")
+        async def chat_completions(req: ChatCompletionRequest):
+            if (bad := wrong_model(req)) is not None:
+                return bad
+            try:
+                prompt = chat.render([m.model_dump(exclude_none=True) for m in req.messages])
+            except ChatTemplateError as exc:
+                return _error(400, str(exc), "messages")
+            try:
+                seq, out = api.start(tokenizer.encode(prompt), req, req.max_completion_tokens or req.max_tokens)
+            except (SamplingError, ContextLengthError) as exc:
+                return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
+            rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+            def head(kind):
+                return {"id": rid, "object": kind, "created": created, "model": model_name}
+            if req.stream:
+                def chunk(text, finish, first):
+                    delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                    return {**head("chat.completion.chunk"),
+                            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                usage = None
+                if (req.stream_options or {}).get("include_usage"):
+                    def usage():
+                        return {**head("chat.completion.chunk"), "choices": [], "usage": api.usage(seq)}
+                return StreamingResponse(_stream(seq, out, chunk, usage), media_type="text/event-stream")
+            await _collect(seq, out)
+            if seq.finish_reason == "error":
+                return _error(500, "the decode step failed; see the server log", kind="server_error")
+            return {**head("chat.completion"), "usage": api.usage(seq),
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": seq.text},
+                                 "finish_reason": seq.finish_reason, "logprobs": None}]}
+
+    return app

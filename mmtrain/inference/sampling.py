@@ -1,0 +1,103 @@
+"""How the next token is chosen, and when a sequence stops.
+
+``SamplingParams`` is one request's choice: greedy (temperature 0) or temperature / top-k / top-p sampling from
+its own seeded generator, so a row's tokens never depend on the other rows of its batch. Stops: max new tokens,
+stop token ids (the tokenizer's end-of-document id by default) and stop strings, checked on the decoded text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_NEW_TOKENS_LIMIT = 1 << 20  # a sanity bound; the context length is the real one
+
+
+class SamplingError(ValueError):
+    """Impossible sampling parameters; the message names the parameter."""
+
+
+@dataclass
+class SamplingParams:
+    """``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every token; ``seed`` None draws from a
+    fresh nondeterministic seed; ``stop_token_ids`` end the sequence (the token is not part of the text);
+    ``stop`` strings end it where they first appear (the text is cut before them)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def check(self) -> None:
+        """Raise ``SamplingError`` naming the first impossible value."""
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise SamplingError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, "
+                                f"got {self.max_new_tokens!r}")
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise SamplingError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise SamplingError(f"seed must be an integer in 0..2**63-1, got {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The row's own CPU generator (None for greedy): sampling draws on the host from the row's probabilities."""
+    if params.greedy:
+        return None
+    g = torch.Generator()
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
+
+
+def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities (fp32) after temperature, top-k and top-p (the smallest set of most likely tokens whose
+    mass reaches top_p; the most likely token always stays)."""
+    logits = logits_V.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
+        drop = before >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams | None],
+                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list[int]]:
+    """One token per row, as a device tensor (B,) and a host list: the argmax for greedy rows (and rows whose
+    params are None: free slots), a draw from the row's generator otherwise. One device op and one read-back
+    for an all-greedy batch."""
+    chosen = logits_BV.argmax(-1)
+    drawn = {b: int(torch.multinomial(filtered_probs(logits_BV[b].cpu(), p), 1, generator=g))
+             for b, (p, g) in enumerate(zip(params, generators)) if p is not None and not p.greedy}
+    if drawn:
+        rows = torch.tensor(list(drawn), device=chosen.device)
+        chosen = chosen.index_put((rows,), torch.tensor(list(drawn.values()), device=chosen.device))
+    return chosen, chosen.tolist()
+
+
+def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
+    """The index in ``text`` where the first stop string begins (searching from ``start``), or None."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,62 @@
+"""Tiny checkpoints and tokenizers for the generation and serving tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mmtrain.config.schema import ModelConfig
+from mmtrain.convert.checkpoint_io import write_weights_checkpoint
+from mmtrain.models.llama.model import GPTModel
+
+TEXT = ["The quick brown fox jumps over the lazy dog.", "Numbers 1234567890 and code: def f(x): return x * 2",
+        "Café, naïve, résumé and 東京.", "Hello world, hello model, hello server."] * 20
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """Sharp logits (large init) so greedy choices are far from ties."""
+    base = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                vocab_size=512, init_std=0.25, rope_theta=10000.0)
+    return ModelConfig(**{**base, **overrides})
+
+
+def tiny_model(cfg: ModelConfig | None = None, seed: int = 3) -> GPTModel:
+    model = GPTModel(cfg or tiny_config())
+    model.init_weights(seed)
+    with torch.no_grad():  # non-trivial norm weights, as a trained model has
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def tiny_checkpoint(root: Path, cfg: ModelConfig | None = None, tp: int = 1) -> Path:
+    """A weights-only checkpoint root of ``tiny_model`` written at ``tp``; returns the root."""
+    model = tiny_model(cfg)
+    write_weights_checkpoint(root, {k: v.detach().clone() for k, v in model.state_dict().items()},
+                             model.cfg, tp=tp)
+    return root
+
+
+def tiny_tokenizer(folder: Path, chat_template: bool = True) -> Path:
+    """A byte-level BPE tokenizer.json (< 512 ids, eos </s>), with a chat template in tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXT, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "</s>"}
+    if chat_template:
+        config["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder / "tokenizer.json"
