@@ -63,6 +63,21 @@ def _load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Modu
     get_logger("train").info(f"initialized the weights from {folder}; training starts at step 0")
 
 
+def _load_parts(cfg: VLMRunConfig, mesh: ParallelMesh, model: torch.nn.Module) -> None:
+    """``init.*``: the pretrained parts' weights into this rank's stage, the report in the log (rank 0)."""
+    from mmtrain.convert.checkpoint_io import ConvertError
+    from mmtrain.convert.vlm_parts import load_vlm_parts, report_lines
+
+    try:
+        report = load_vlm_parts(model, cfg.model, cfg.init.sources(), mesh.coord.tp, mesh.dims.tp,
+                                cfg.init.expect_unused, cfg.init.expect_missing)
+    except ConvertError as exc:
+        raise ConfigError(str(exc)) from None
+    if mesh.rank == 0:
+        for line in report_lines(report):
+            get_logger("train").info(line)
+
+
 def _freeze_and_scales(model: torch.nn.Module, cfg: VLMRunConfig):
     """Apply ``cfg.freeze`` (requires_grad=False) and return ``lr_scale_of(param)``; a prefix that names no
     parameter is a ``ConfigError``."""
@@ -142,6 +157,8 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     lr_schedule = resolve_resume(found, cfg, mesh.dims.dp)  # before the data is built: a changed order is an error
     if found is None and cfg.init_from:
         _load_stage_weights(cfg.init_from, mesh, model, cfg.checkpoint.verify)
+    if found is None and cfg.init.sources():
+        _load_parts(cfg, mesh, model)
     batches = build_vlm_batches(cfg, mesh, "train")
     val_batches = build_vlm_batches(cfg, mesh, "valid") if cfg.train.eval_every else None
     return train_model(cfg, mesh, device, model, batches, val_batches, _vlm_task(cfg, mesh, device, model), found,
