@@ -142,4 +142,43 @@ def vlm_mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | No
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     some = next(iter(tensors.values()))
     hf_config["torch_dtype"] = hf_config["dtype"] = str(some.dtype).removeprefix("torch.")
-    return write_hf_folder(out, hf_config, tensors)
+    folder = write_hf_folder(out, hf_config, tensors)
+    if "vision" in parts:
+        _write_processor_files(folder, cfg, meta, llava="language" in parts)
+    return folder
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def _write_processor_files(folder: Path, cfg: VLMModelConfig, meta: dict[str, Any], llava: bool) -> None:
+    """``preprocessor_config.json`` (the run's image size and normalization: ``media.image_mean/std``), and for
+    a LLaVA ``processor_config.json`` plus the run's tokenizer files when ``media.tokenizer`` is a Hugging Face
+    tokenizer folder, so ``AutoProcessor`` loads the export."""
+    import json
+
+    from mmtrain.utils.atomic import atomic_write_bytes, atomic_write_text
+
+    media = (meta.get("config") or {}).get("media") or {}
+    size = cfg.vision.image_size
+    clip = cfg.vision.class_token
+    image = {"image_processor_type": "CLIPImageProcessor" if clip else "SiglipImageProcessor",
+             "do_resize": True, "size": {"height": size, "width": size} if not clip else {"shortest_edge": size},
+             "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+             "image_mean": media.get("image_mean", [0.5, 0.5, 0.5]), "image_std": media.get("image_std", [0.5] * 3),
+             "do_convert_rgb": True}
+    if clip:
+        image.update(do_center_crop=True, crop_size={"height": size, "width": size})
+    atomic_write_text(folder / "preprocessor_config.json", json.dumps(image, indent=2) + "\n")
+    if not llava:
+        return
+    processor = {"processor_class": "LlavaProcessor", "patch_size": cfg.vision.patch_size,
+                 "vision_feature_select_strategy": "default" if cfg.vision.drop_first_token else "full",
+                 "num_additional_image_tokens": int(cfg.vision.class_token), "image_token": "<image>"}
+    atomic_write_text(folder / "processor_config.json", json.dumps(processor, indent=2) + "\n")
+    tokenizer = Path(str(media.get("tokenizer") or ""))
+    if media.get("tokenizer") and tokenizer.is_dir():
+        for name in _TOKENIZER_FILES:
+            if (tokenizer / name).is_file():
+                atomic_write_bytes(folder / name, (tokenizer / name).read_bytes())

@@ -110,6 +110,9 @@ def test_llava_recipe_from_pretrained_parts(tmp_path):
     assert convert(["mmtrain-to-hf", "--ckpt", str(ck), "--out", str(out)]) == 0
     assert convert(["compare", "--hf", str(out), "--ckpt", str(ck)]) == 0
     llava = transformers.LlavaForConditionalGeneration.from_pretrained(str(out)).eval()
+    pixels = transformers.AutoImageProcessor.from_pretrained(str(out))(
+        images=[torch.zeros(3, 40, 30, dtype=torch.uint8)], return_tensors="pt")["pixel_values"]
+    assert pixels.shape == (1, 3, 16, 16)
     prompt = torch.tensor([[IMAGE_ID] * llava.config.image_seq_length + [5]])
     caption = llava.generate(input_ids=prompt, pixel_values=torch.randn(1, 3, 16, 16), max_new_tokens=4,
                              do_sample=False)
