@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done (compare: equal within --tol), 1 compare found a larger difference, 2 a bad input (one line on stderr naming the file: missing, damaged, unsupported)."""
+    """Exit codes: 0 done (compare: equal within --tol), 1 compare found a larger difference, 2 a bad input
+    (one line on stderr naming the file: missing, damaged, unsupported)."""
     args = build_parser().parse_args(argv)
     try:
         return _run(args)

@@ -87,7 +87,8 @@ def _check_shape(part: str, source: str, ours, theirs) -> None:
     if part == "projector":
         return  # no config of its own: the tensor shapes are checked one by one
     if part == "language" and ours.family != "llama":
-        differ = [k for k in asdict(ours) if k not in ("name", "init_std", "num_layers") and getattr(ours, k) != getattr(theirs, k)]
+        differ = [k for k in asdict(ours)
+                  if k not in ("name", "init_std", "num_layers") and getattr(ours, k) != getattr(theirs, k)]
     else:
         # the layer count may differ (a tower cut after its feature layer): extra or absent blocks are then the
         # unused / missing tensors the report checks

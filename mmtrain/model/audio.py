@@ -6,7 +6,8 @@ stride 2: 10 ms frames become 20 ms positions) -> fixed sinusoidal positions -> 
 transformer blocks (padded frames hidden from attention) -> LayerNorm -> average pooling of each clip's *valid*
 frames into ``num_tokens`` vectors (a fixed number of placeholders per clip, as the task encoder writes).
 ``encode_log_mel`` is the part after the features, what a Whisper encoder imported from Hugging Face
-(``mmtrain.models.encoders_hf``) computes from its input features. The blocks live in ``layers``, so the GPT tensor-parallel plan shards them like the vision encoder's.
+(``mmtrain.models.encoders_hf``) computes from its input features. The blocks live in ``layers``, so the GPT
+tensor-parallel plan shards them like the vision encoder's.
 """
 
 from __future__ import annotations

@@ -155,8 +155,9 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     lr_scale_of = _freeze_and_scales(model, cfg)
     found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
     if found is not None and is_weights_only(found):
-        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: weights-only (converted) checkpoints are not "
-                          "loaded into a VLM yet; resume from a pretrain_vlm checkpoint")
+        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: a weights-only (converted) checkpoint is no "
+                          "resume point (no optimizer or loader state); start from it with init_from (a whole VLM, "
+                          "e.g. a converted LLaVA) or init.vision / init.language (its parts)")
     if found is not None and not cfg.data.mock:
         _check_resume_data_layout(found, mesh)
     lr_schedule = resolve_resume(found, cfg, mesh.dims.dp)  # before the data is built: a changed order is an error

@@ -20,7 +20,8 @@ from mmtrain.testing import run_distributed  # noqa: E402
 from mmtrain.train.build_vlm import build_vlm_stage  # noqa: E402
 from tests.unit.test_llava_hf import _prompt, make_llava  # noqa: E402
 
-VARIANTS = {"clip-llama": ("clip", "llama", False, -2, "default"), "siglip-qwen2": ("siglip", "qwen2", True, -2, "full")}
+VARIANTS = {"clip-llama": ("clip", "llama", False, -2, "default"),
+            "siglip-qwen2": ("siglip", "qwen2", True, -2, "full")}
 
 
 def _run(rank: int, world_size: int, root: str) -> dict[str, float]:

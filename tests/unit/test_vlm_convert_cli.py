@@ -63,3 +63,28 @@ def test_tower_cli_round_trip(tmp_path, kind):
     if kind == "whisper":  # the encoder alone comes back
         original = {k.removeprefix("encoder."): v for k, v in original.items() if k.startswith("encoder.")}
     assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
+
+
+def test_init_audio_from_a_whisper_folder(tmp_path):
+    """init.audio from a WhisperModel folder: the audio encoder equals Whisper's encoder on the same features; the
+    decoder is reported as left out, the other components as initialised."""
+    pytest.importorskip("torchaudio")
+    from mmtrain.convert.vlm_parts import load_vlm_parts, report_lines
+    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.encoders_hf import audio_config_from_hf
+    from tests.vlm_helpers import tiny_vlm_config
+
+    torch.manual_seed(4)
+    whisper = transformers.WhisperModel(transformers.WhisperConfig(**WHISPER)).eval()
+    whisper.save_pretrained(tmp_path / "whisper")
+    cfg = tiny_vlm_config()
+    cfg.audio = audio_config_from_hf(whisper.config.to_dict(), num_tokens=2)
+    model = VLMModel(cfg).eval()
+    model.init_weights(0)
+    report = load_vlm_parts(model, cfg, {"audio": str(tmp_path / "whisper")})
+    assert report["initialised"] == ["vision", "projector", "language"]
+    assert report["parts"]["audio"]["left_out"] and not report["parts"]["audio"]["unused"]
+    assert any("left out by the import" in line for line in report_lines(report))
+    mel = torch.randn(1, 8, 32)
+    with torch.no_grad():
+        assert (model.audio.encode_log_mel(mel) - whisper.encoder(mel).last_hidden_state).abs().max() < 1e-4
