@@ -88,3 +88,13 @@ def test_init_audio_from_a_whisper_folder(tmp_path):
     mel = torch.randn(1, 8, 32)
     with torch.no_grad():
         assert (model.audio.encode_log_mel(mel) - whisper.encoder(mel).last_hidden_state).abs().max() < 1e-4
+
+
+def test_compare_on_a_language_model(tmp_path):
+    torch.manual_seed(6)
+    lm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=300))
+    lm.save_pretrained(tmp_path / "hf")
+    assert main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck"), "--pp", "2"]) == 0
+    assert main(["compare", "--hf", str(tmp_path / "hf"), "--ckpt", str(tmp_path / "ck"), "--text", "héllo"]) == 0
