@@ -61,12 +61,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "hf-to-mmtrain":
         folder = hf_to_mmtrain(args.hf, args.out, args.tp, args.pp, args.pipeline_layers)
         meta = json.loads((folder / "complete.json").read_text())
+        layout = meta["layout"]  # a tower alone is written for pp=1 (it lives on the first stage)
+        print(f"wrote weights-only checkpoint {folder} (tp={layout['tp']}, pp={layout['pp']}); model config in "
+              f"{folder.parent / 'model.yaml'}")
         if meta.get("vlm_parts"):
             left = meta.get("hf_left_out") or []
             print(f"VLM parts {', '.join(meta['vlm_parts'])}; {len(left)} HF tensor(s) left out on purpose"
                   + (f" (e.g. {left[0]})" if left else ""))
-        print(f"wrote weights-only checkpoint {folder} (tp={args.tp}, pp={args.pp}); model config in "
-              f"{folder.parent / 'model.yaml'}")
     elif args.command == "compare":
         from mmtrain.convert.compare import compare
 
