@@ -33,7 +33,9 @@ class ModelConfig:
     vocab_size: int = doc(512, "Rows of the embedding table; must exceed every token id in the data.", ge=1)
     norm: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer kind.")
     norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.", gt=0)
-    activation: Literal["swiglu", "gelu"] = doc("swiglu", "MLP activation: gated SiLU (Llama) or GELU.")
+    activation: Literal["swiglu", "gelu", "gelu_erf", "quick_gelu"] = doc(
+        "swiglu", "MLP activation: gated SiLU (Llama), GELU with the tanh approximation (gelu; SigLIP's "
+                  "gelu_pytorch_tanh), exact GELU (gelu_erf; Whisper) or x*sigmoid(1.702x) (quick_gelu; CLIP).")
     rope_theta: float = doc(10000.0, "Base of the rotary position embedding frequencies.", gt=0)
     rope_scaling_factor: float = doc(1.0, "Llama-3 style RoPE frequency scaling factor; 1.0 disables scaling.", gt=0)
     tie_embeddings: bool = doc(False, "Share the input embedding and the output projection.")

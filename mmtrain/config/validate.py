@@ -127,6 +127,8 @@ def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:
         raise ConfigError(f"{mk}.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}); "
                           "pad the vocabulary")
     if m.num_experts:
+        if m.activation not in ("swiglu", "gelu"):
+            raise ConfigError(f"{mk}.activation={m.activation!r}: mixture-of-experts layers support swiglu and gelu")
         if not 1 <= m.moe_top_k <= m.num_experts:
             raise ConfigError(f"{mk}.moe_top_k ({m.moe_top_k}) must be between 1 and {mk}.num_experts "
                               f"({m.num_experts})")

@@ -22,6 +22,27 @@ COMPONENTS = ("vision", "audio", "projector", "language")
 
 
 @dataclass
+class InitConfig:
+    """Pretrained parts a VLM run starts from (weights only, at step 0): each a converted mmtrain checkpoint
+    (``python -m mmtrain.convert hf-to-mmtrain``; a GPT run's for the language model, or any VLM checkpoint
+    holding the part) or a Hugging Face folder (CLIP/SigLIP vision, Whisper, Llama/Qwen2, or a LLaVA for any of
+    its parts). Components without a source keep their initialization."""
+
+    vision: str = doc("", "Source of the vision encoder's weights.")
+    audio: str = doc("", "Source of the audio encoder's weights.")
+    language: str = doc("", "Source of the language model's weights.")
+    projector: str = doc("", "Source of the projectors' weights (a VLM checkpoint or a LLaVA folder).")
+    expect_unused: list[str] = doc([], "Source tensor names (or name prefixes, as the report prints them) that "
+                                       "may be left unused; any other unused tensor is an error.")
+    expect_missing: list[str] = doc([], "Parameter-name prefixes of this model (e.g. vision.layers.11) a given "
+                                        "source may lack; they keep their initialization. Any other is an error.")
+
+    def sources(self) -> dict[str, str]:
+        """{component: source} for the components given."""
+        return {c: getattr(self, c) for c in COMPONENTS if getattr(self, c)}
+
+
+@dataclass
 class VLMRunConfig(RunSections):
     """Everything `python -m mmtrain.pretrain_vlm` needs."""
 
@@ -34,6 +55,9 @@ class VLMRunConfig(RunSections):
     init_from: str = doc("", "Checkpoint (a step folder, or a root with `latest`) whose model weights start this run "
                              "at step 0 with a fresh optimizer and data order, e.g. stage 1's for stage 2 (saved with "
                              "the same parallel.tp); ignored once the run has checkpoints of its own.")
+    init: InitConfig = field(default_factory=InitConfig, metadata={
+        "help": "Pretrained parts (init.vision / init.audio / init.language / init.projector) at step 0; "
+                "not with init_from."})
     lr_scale: dict[str, float] = doc({}, "Learning-rate multiplier per parameter-name prefix, e.g. "
                                          "{vision: 0.1, projector: 10}; the longest matching prefix wins, others 1.", gt=0)
 

@@ -28,13 +28,26 @@ class VisionConfig:
     ffn_hidden_size: int = doc(128, "Inner width of the encoder MLP.", ge=1)
     norm: Literal["layernorm", "rmsnorm"] = doc("layernorm", "Normalization layer kind.")
     norm_eps: float = doc(1e-6, "Epsilon of the normalization layers.", gt=0)
-    activation: Literal["gelu", "swiglu"] = doc("gelu", "MLP activation (SigLIP/CLIP: gelu).")
+    activation: Literal["gelu", "swiglu", "gelu_erf", "quick_gelu"] = doc(
+        "gelu", "MLP activation: gelu (tanh approximation; SigLIP), quick_gelu (CLIP), gelu_erf (exact), swiglu.")
     add_bias: bool = doc(True, "Biases on all attention and MLP linears (SigLIP/CLIP: true).")
+    patch_bias: bool = doc(True, "Bias on the patch convolution (SigLIP: true, CLIP: false).")
+    class_token: bool = doc(False, "Prepend a learned class token to the patches (CLIP); it has its own row of "
+                                   "the learned position table.")
+    pre_norm: bool = doc(False, "Normalize the embedded patches before the first block (CLIP's pre_layrnorm).")
     position_embedding: Literal["learned", "sincos2d", "rope2d"] = doc(
         "learned", "2D patch positions: a learned table (SigLIP), fixed 2D sin-cos, or 2D rotary embeddings in "
                    "attention (half the rotary frequencies on rows, half on columns).")
     rope_theta: float = doc(10000.0, "Base of the 2D rotary frequencies (position_embedding=rope2d).", gt=0)
-    post_norm: bool = doc(True, "Normalize the encoder output (SigLIP's post-layernorm).")
+    post_norm: bool = doc(True, "A final norm after the last block (SigLIP's post-layernorm); applied to the "
+                                "features when feature_layer is 0.")
+    feature_layer: int = doc(0, "Which output is the image features: 0 = after the last block and the final norm "
+                                "(if any); -k = the k-th last block's output, before any final norm (LLaVA's "
+                                "vision_feature_layer, e.g. -2; Hugging Face hidden_states[-k]).", le=0)
+    drop_first_token: bool = doc(False, "Drop the encoder's first output token from the features (LLaVA's "
+                                        "vision_feature_select_strategy=default: the class token of CLIP).")
+    temporal_embedding: bool = doc(True, "Add a learned temporal row per video frame (row 0 for still images); "
+                                         "imported towers have none.")
     max_tiles: int = doc(1, "Dynamic resolution: an image may be cut into up to this many image_size tiles (plus a "
                             "thumbnail when > 1), each encoded and counted as one image; 1 = fixed size.", ge=1)
     max_video_frames: int = doc(8, "Rows of the temporal position embedding: frame i of a video adds row i "
@@ -49,6 +62,16 @@ class VisionConfig:
     @property
     def num_patches(self) -> int:
         return self.grid * self.grid
+
+    @property
+    def num_positions(self) -> int:
+        """Rows of the learned position table: the patches, plus the class token."""
+        return self.num_patches + int(self.class_token)
+
+    @property
+    def num_features(self) -> int:
+        """Feature vectors per image the encoder returns (before the projector's pixel shuffle)."""
+        return self.num_positions - int(self.drop_first_token)
 
     def block_config(self) -> ModelConfig:
         """The ``ModelConfig`` the shared transformer blocks (``mmtrain.model.layers``) are built from."""
@@ -76,12 +99,17 @@ class AudioConfig:
     num_tokens: int = doc(8, "Placeholder tokens per audio clip: the encoder output is average-pooled over the "
                              "clip's valid frames into this many vectors.", ge=1)
     norm_eps: float = doc(1e-5, "Epsilon of the LayerNorms.", gt=0)
+    activation: Literal["gelu", "gelu_erf"] = doc("gelu", "MLP activation of the blocks: gelu (tanh approximation) "
+                                                          "or gelu_erf (exact; Whisper).")
+    position_embedding: Literal["sinusoidal", "learned"] = doc(
+        "sinusoidal", "Fixed sinusoidal positions, or a learned table of max_frames rows (Whisper checkpoints "
+                      "store theirs), initialized to the same sinusoids.")
     init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.", ge=0)
 
     def block_config(self) -> ModelConfig:
         return ModelConfig(name="audio", num_layers=self.num_layers, hidden_size=self.hidden_size,
                            ffn_hidden_size=self.ffn_hidden_size, num_attention_heads=self.num_attention_heads,
-                           norm="layernorm", norm_eps=self.norm_eps, activation="gelu", add_bias=True,
+                           norm="layernorm", norm_eps=self.norm_eps, activation=self.activation, add_bias=True,
                            init_std=self.init_std)
 
 
@@ -111,8 +139,9 @@ class VLMModelConfig:
 
     @property
     def tokens_per_image(self) -> int:
-        """(image_size / patch_size)^2 / pixel_shuffle^2: the placeholders each image (tile, frame) takes."""
-        return self.vision.num_patches // (self.projector.pixel_shuffle ** 2)
+        """(image_size / patch_size)^2 (+ a class token, - a dropped first token) / pixel_shuffle^2: the
+        placeholders each image (tile, frame) takes."""
+        return self.vision.num_features // (self.projector.pixel_shuffle ** 2)
 
     @property
     def tokens_per_audio(self) -> int:
@@ -134,6 +163,16 @@ def check_vlm_model(m: VLMModelConfig, prefix: str = "model", tp: int = 1) -> No
     if v.position_embedding == "rope2d" and (v.hidden_size // v.num_attention_heads) % 4:
         raise ConfigError(f"{prefix}.vision.position_embedding=rope2d needs a head dim divisible by 4, got "
                           f"{v.hidden_size // v.num_attention_heads}")
+    if -v.feature_layer >= v.num_layers:
+        raise ConfigError(f"{prefix}.vision.feature_layer ({v.feature_layer}) must be in [-{v.num_layers - 1}, 0] "
+                          f"({prefix}.vision.num_layers={v.num_layers})")
+    if v.drop_first_token and v.num_positions < 2:
+        raise ConfigError(f"{prefix}.vision.drop_first_token leaves no features of a one-patch image")
+    if pr.pixel_shuffle > 1 and v.num_features != v.num_patches:
+        raise ConfigError(f"{prefix}.projector.pixel_shuffle ({pr.pixel_shuffle}) needs the features to be the "
+                          f"patch grid: {prefix}.vision.class_token and drop_first_token must both be on or off")
+    if v.class_token and v.position_embedding != "learned":
+        raise ConfigError(f"{prefix}.vision.class_token needs {prefix}.vision.position_embedding=learned")
     if pr.pixel_shuffle < 1 or v.grid % pr.pixel_shuffle:
         raise ConfigError(f"{prefix}.projector.pixel_shuffle ({pr.pixel_shuffle}) must divide the patch grid "
                           f"{v.grid} = vision.image_size / vision.patch_size ({v.image_size} / {v.patch_size})")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.ranges import check_ranges
 from mmtrain.config.validate import check_language_run
@@ -51,6 +53,18 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
     built = {"vision", "projector", "language"} | ({"audio"} if cfg.model.audio.enabled else set())
     if built <= set(cfg.freeze):
         raise ConfigError(f"freeze={cfg.freeze} freezes every component; nothing would train")
+    sources = cfg.init.sources()
+    if sources and cfg.init_from:
+        raise ConfigError(f"init_from={cfg.init_from} and init.{next(iter(sources))} are both set: init_from starts "
+                          "from a whole model, init.* from parts; use one")
+    if "audio" in sources and not cfg.model.audio.enabled:
+        raise ConfigError(f"init.audio={sources['audio']} but model.audio.enabled is false")
+    for part, path in sources.items():
+        if not Path(path).is_dir():
+            raise ConfigError(f"init.{part}={path}: no such folder (a converted checkpoint or a Hugging Face model "
+                              "folder)")
+    for i, prefix in enumerate(cfg.init.expect_missing):
+        _check_prefix(prefix, f"init.expect_missing[{i}]")
     for prefix in cfg.lr_scale:
         _check_prefix(prefix, f"lr_scale.{prefix}")
         if any(prefix == f or prefix.startswith(f + ".") for f in cfg.freeze):

@@ -1,8 +1,9 @@
-"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf} ...``."""
+"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf,compare} ...``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from mmtrain.convert.checkpoint_io import ConvertError
 from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
 from mmtrain.convert.hf_files import HFFolderError
+from mmtrain.models.encoders_hf import EncoderHFError
 from mmtrain.models.registry import hf_errors
 from mmtrain.utils.dcp_storage import CheckpointFormatError
 
@@ -18,8 +20,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mmtrain.convert",
-                                     description="Convert Hugging Face Llama/Qwen2/Mixtral and DeepSeek-V3 folders "
-                                                 "to and from mmtrain checkpoints.")
+                                     description="Convert Hugging Face Llama/Qwen2/Mixtral, DeepSeek-V3, LLaVA, "
+                                                 "CLIP/SigLIP vision and Whisper folders to and from mmtrain "
+                                                 "checkpoints, and compare the two.")
     sub = parser.add_subparsers(dest="command", required=True)
     to_ours = sub.add_parser("hf-to-mmtrain", help="HF folder (config.json + safetensors) -> weights-only checkpoint")
     to_ours.add_argument("--hf", required=True, help="Hugging Face model folder")
@@ -35,15 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--lora", choices=("merge", "adapter"), default="merge",
                        help="a LoRA run's checkpoint: write the merged model (default) or only the adapter "
                             "(peft format, for the HF export of the base)")
+    cmp = sub.add_parser("compare", help="HF model and mmtrain checkpoint on the same input (fp32): max |diff| "
+                                         "per part; exit 0 under --tol, 1 above")
+    cmp.add_argument("--hf", required=True, help="Hugging Face model folder")
+    cmp.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
+    cmp.add_argument("--image", default=None, help="image file (default: deterministic noise)")
+    cmp.add_argument("--audio", default=None, help="audio file for a Whisper encoder (default: noise features)")
+    cmp.add_argument("--text", default="a photo of", help="prompt text (after the image placeholders)")
+    cmp.add_argument("--tol", type=float, default=1e-4, help="largest max |diff| that passes")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 a bad input (one line on stderr naming the file: missing, damaged, unsupported)."""
+    """Exit codes: 0 done (compare: equal within --tol), 1 compare found a larger difference, 2 a bad input
+    (one line on stderr naming the file: missing, damaged, unsupported)."""
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ConvertError, *hf_errors(), HFFolderError, CheckpointFormatError, FileNotFoundError) as exc:
+    except (ConvertError, EncoderHFError, *hf_errors(), HFFolderError, CheckpointFormatError, FileNotFoundError) as exc:
         print(f"python -m mmtrain.convert {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -51,8 +63,21 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "hf-to-mmtrain":
         folder = hf_to_mmtrain(args.hf, args.out, args.tp, args.pp, args.pipeline_layers)
-        print(f"wrote weights-only checkpoint {folder} (tp={args.tp}, pp={args.pp}); model config in "
+        meta = json.loads((folder / "complete.json").read_text())
+        layout = meta["layout"]  # a tower alone is written for pp=1 (it lives on the first stage)
+        print(f"wrote weights-only checkpoint {folder} (tp={layout['tp']}, pp={layout['pp']}); model config in "
               f"{folder.parent / 'model.yaml'}")
+        if meta.get("vlm_parts"):
+            left = meta.get("hf_left_out") or []
+            print(f"VLM parts {', '.join(meta['vlm_parts'])}; {len(left)} HF tensor(s) left out on purpose"
+                  + (f" (e.g. {left[0]})" if left else ""))
+    elif args.command == "compare":
+        from mmtrain.convert.compare import compare
+
+        worst = compare(args.hf, args.ckpt, args.image, args.audio, args.text)
+        ok = worst < args.tol
+        print(f"{'OK' if ok else 'DIFFERENT'}: largest max |diff| {worst:.3e} {'<' if ok else '>='} {args.tol:g}")
+        return 0 if ok else 1
     else:
         folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None, args.lora)
         print(f"wrote Hugging Face folder {folder}")

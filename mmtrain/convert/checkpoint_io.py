@@ -145,10 +145,17 @@ def _layout_chunks(full: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, pp:
                   pipeline_layers: list[int] | None = None) -> list[Chunk]:
     """The chunks (views of ``full``) that the ranks of a TP x PP run hold, as a training checkpoint stores them
     (replicated values once)."""
+    stages = [_stage_state(cfg, pp, stage, pipeline_layers) for stage in range(pp)]
+    return layout_chunks(full, stages, model_family(cfg).sharding_spec(cfg), tp)
+
+
+def layout_chunks(full: dict[str, torch.Tensor], stage_states: list[dict[str, torch.Tensor]], spec: ShardingSpec,
+                  tp: int) -> list[Chunk]:
+    """The chunks (views of ``full``) that the TP ranks of each pipeline stage hold (``stage_states``: each
+    stage's state dict, meta tensors: names and shapes), replicated values once."""
     chunks: dict[tuple, Chunk] = {}
-    spec = model_family(cfg).sharding_spec(cfg)
-    for stage in range(pp):
-        for name, t in _stage_state(cfg, pp, stage, pipeline_layers).items():
+    for state in stage_states:
+        for name, t in state.items():
             if stored_name(name, spec) != name:
                 continue  # a tied copy (the last stage's tied embedding): stored once, as the tensor it copies
             for r in range(tp):
@@ -164,21 +171,31 @@ def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cf
     """Write ``root/step_XXXXXXXX/`` (DCP files + ``complete.json``) + ``root/latest`` + ``root/model.yaml`` (the
     model section to include in a run config). This process alone writes (no process group). Returns the step
     folder."""
+    return write_chunks_checkpoint(root, _layout_chunks(full, cfg, tp, pp, pipeline_layers), tp, pp,
+                                   _run_config_dict(cfg, tp, pp, pipeline_layers), {"model": dataclasses.asdict(cfg)},
+                                   step, extra_meta)
+
+
+def write_chunks_checkpoint(root: str | Path, chunks: list[Chunk], tp: int, pp: int, run_config: dict[str, Any],
+                            model_yaml: dict[str, Any], step: int = 0,
+                            extra_meta: dict[str, Any] | None = None) -> Path:
+    """A weights-only checkpoint of ``chunks`` (``layout_chunks``) with ``run_config`` in its complete.json and
+    ``model_yaml`` in ``root/model.yaml``; ``latest`` last. Returns the step folder."""
     root = Path(root)
     folder = root / f"step_{step:08d}"
-    save_chunks(folder, _layout_chunks(full, cfg, tp, pp, pipeline_layers), no_dist=True)
+    save_chunks(folder, chunks, no_dist=True)
     meta = {"step": step, "layout": _layout_dict(tp, pp), "weights_only": True, "format": "torch.distributed.checkpoint",
             "mmtrain_version": mmtrain.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "config": _run_config_dict(cfg, tp, pp, pipeline_layers), **(extra_meta or {})}
+            "config": run_config, **(extra_meta or {})}
     atomic_write_text(folder / "complete.json", json.dumps(meta, indent=1))
     atomic_write_text(root / "model.yaml", "# Model shape of the converted checkpoint; include it in a run config.\n"
-                      + yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False))
+                      + yaml.safe_dump(model_yaml, sort_keys=False))
     atomic_write_text(root / "latest", folder.name + "\n")
     return folder
 
 
 # ------------------------------------------------------------------------------------------------ read
-def _resolve_checkpoint_folder(path: str | Path) -> Path:
+def resolve_checkpoint_folder(path: str | Path) -> Path:
     """A step folder itself, or a checkpoints root through its ``latest`` file."""
     path = Path(path)
     if (path / "complete.json").is_file():
@@ -187,6 +204,14 @@ def _resolve_checkpoint_folder(path: str | Path) -> Path:
     if latest.is_file() and (path / latest.read_text().strip() / "complete.json").is_file():
         return path / latest.read_text().strip()
     raise ConvertError(f"{path}: not a complete mmtrain checkpoint (no complete.json, no latest naming one)")
+
+
+def read_checkpoint_json(folder: Path) -> dict[str, Any]:
+    """complete.json of a checkpoint step folder (a ``ConvertError`` when it is damaged)."""
+    try:
+        return json.loads((folder / "complete.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConvertError(f"{folder}/complete.json: not valid JSON ({exc}); the file is damaged") from None
 
 
 def _read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[int]]:
@@ -222,16 +247,20 @@ def read_full_state(path: str | Path,
                     verify: bool = True) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """Full tensors, ModelConfig and complete.json of a checkpoint (weights-only or from training, any layout).
     ``verify``: check its files against ``checksums.json``, as a resume does."""
-    folder = _resolve_checkpoint_folder(path)
+    folder = resolve_checkpoint_folder(path)
     meta, cfg, _ = _read_checkpoint_meta(folder)
+    return read_model_tensors(folder, verify), cfg, meta
 
+
+def read_model_tensors(folder: Path, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every ``model.*`` tensor of the checkpoint step folder ``folder``, whole (any saved layout)."""
     def read():
         full = {key.removeprefix("model."): torch.empty(shape, dtype=dtype)
                 for key, (shape, dtype) in saved_tensors(folder, verify).items() if key.startswith("model.")}
         load_chunks(folder, [Chunk(f"model.{name}", tuple(t.shape), (0,) * t.ndim, t) for name, t in full.items()],
                     verify)
         return full
-    return _checked_read(folder, "--ckpt", verify, read), cfg, meta
+    return _checked_read(folder, "--ckpt", verify, read)
 
 
 @torch.no_grad()
@@ -242,7 +271,7 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     training starts at step 0 from these weights, so call it before the optimizer copies its fp32 masters.
     ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's. ``verify``:
     check the files read against ``checksums.json`` (``checkpoint.verify``)."""
-    folder = _resolve_checkpoint_folder(path)
+    folder = resolve_checkpoint_folder(path)
     meta, cfg, _ = _read_checkpoint_meta(folder)
     if run_model_cfg is not None:
         ours, theirs = _architecture(run_model_cfg), _architecture(cfg)

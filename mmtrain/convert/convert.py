@@ -1,4 +1,5 @@
-"""The two conversions end to end: HF folder -> mmtrain checkpoint, and mmtrain checkpoint -> HF folder."""
+"""The two conversions end to end: HF folder -> mmtrain checkpoint, and mmtrain checkpoint -> HF folder (VLM
+towers, Whisper and LLaVA through ``mmtrain.convert.vlm_convert``)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,17 @@ from pathlib import Path
 
 import torch
 
-from mmtrain.convert.checkpoint_io import read_full_state, write_weights_checkpoint
 from mmtrain.config.loader import apply_mapping
 from mmtrain.config.schema import LoraConfig
-from mmtrain.convert.checkpoint_io import ConvertError
+from mmtrain.convert.checkpoint_io import (
+    ConvertError,
+    read_checkpoint_json,
+    read_full_state,
+    resolve_checkpoint_folder,
+    write_weights_checkpoint,
+)
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder, write_peft_adapter
+from mmtrain.convert.vlm_convert import is_vlm_checkpoint, is_vlm_hf, vlm_hf_to_mmtrain, vlm_mmtrain_to_hf
 from mmtrain.models.registry import family_for_hf, model_family
 
 LORA_EXPORTS = ("merge", "adapter")
@@ -21,6 +28,8 @@ def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
     """Convert a Hugging Face folder into a weights-only mmtrain checkpoint root ``out``; returns the step
     folder. Tensors keep their stored dtype."""
     hf_config = read_hf_config(hf_dir)
+    if is_vlm_hf(hf_config):  # a CLIP/SigLIP tower, a Whisper model or a LLaVA
+        return vlm_hf_to_mmtrain(hf_dir, out, tp, pp, pipeline_layers)[0]
     hf_tensors = read_hf_tensors(hf_dir)  # every file read (and checked) before its values are interpreted
     adapter = family_for_hf(hf_config).hf  # by model_type
     try:
@@ -47,9 +56,12 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
     """Convert an mmtrain checkpoint (a step folder or a checkpoints root with ``latest``; weights-only or from
     training, any TP/PP) into a Hugging Face folder ``out``. ``dtype`` casts floating tensors when given.
     A LoRA run's checkpoint: ``lora="merge"`` writes the merged model, ``"adapter"`` only the adapters as a
-    ``peft`` folder (adapter_config.json + adapter_model.safetensors) for the HF export of the base."""
+    ``peft`` folder (adapter_config.json + adapter_model.safetensors) for the HF export of the base. A VLM
+    checkpoint is written as ``LlavaForConditionalGeneration`` (or its single tower)."""
     if lora not in LORA_EXPORTS:
         raise ConvertError(f"--lora {lora}: choose {' or '.join(LORA_EXPORTS)}")
+    if is_vlm_checkpoint(read_checkpoint_json(resolve_checkpoint_folder(ckpt))):
+        return vlm_mmtrain_to_hf(ckpt, out, dtype)
     full, cfg, meta = read_full_state(ckpt)
     adapter = model_family(cfg).hf
     lora_cfg = _lora_of(meta, ckpt)

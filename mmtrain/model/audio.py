@@ -5,7 +5,9 @@ Whisper's dynamic-range clamp and scaling, computed in fp32) -> conv stem (two c
 stride 2: 10 ms frames become 20 ms positions) -> fixed sinusoidal positions -> pre-norm bidirectional
 transformer blocks (padded frames hidden from attention) -> LayerNorm -> average pooling of each clip's *valid*
 frames into ``num_tokens`` vectors (a fixed number of placeholders per clip, as the task encoder writes).
-The blocks live in ``layers``, so the GPT tensor-parallel plan shards them like the vision encoder's.
+``encode_log_mel`` is the part after the features, what a Whisper encoder imported from Hugging Face
+(``mmtrain.models.encoders_hf``) computes from its input features. The blocks live in ``layers``, so the GPT
+tensor-parallel plan shards them like the vision encoder's.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ class AudioEncoder(nn.Module):
                 power=2.0)
         self.conv1 = nn.Conv1d(cfg.n_mels, cfg.hidden_size, 3, padding=1)
         self.conv2 = nn.Conv1d(cfg.hidden_size, cfg.hidden_size, 3, stride=2, padding=1)
-        self.register_buffer("positions", _sinusoids(cfg.max_frames, cfg.hidden_size), persistent=False)
+        if cfg.position_embedding == "learned":  # Whisper checkpoints store their (sinusoid-initialized) table
+            self.pos_embed = nn.Parameter(_sinusoids(cfg.max_frames, cfg.hidden_size))
+        else:
+            self.register_buffer("positions", _sinusoids(cfg.max_frames, cfg.hidden_size), persistent=False)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
                                      for i in range(cfg.num_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -73,6 +78,8 @@ class AudioEncoder(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int, prefix: str = "audio.") -> None:
         init_by_name(self, seed, prefix, self.cfg.init_std, self.cfg.num_layers)
+        if self.cfg.position_embedding == "learned":  # starts as the fixed table (as Whisper's does)
+            self.pos_embed.copy_(_sinusoids(self.cfg.max_frames, self.cfg.hidden_size))
 
     def log_mel(self, audio_MT: torch.Tensor) -> torch.Tensor:
         """(M, n_mels, frames) Whisper-scaled log-mel features, fp32: ``samples // hop_length`` frames, as Whisper
@@ -83,20 +90,32 @@ class AudioEncoder(nn.Module):
         return (log + 4.0) / 4.0
 
     def forward(self, audio_MT: torch.Tensor, lengths_M: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        feats = self.log_mel(audio_MT).to(self.conv1.weight.dtype)
-        x = F.gelu(self.conv1(feats))
+        feats = self.log_mel(audio_MT)
+        frames = (feats.shape[-1] + 1) // 2
+        if frames > self.cfg.max_frames:
+            raise ValueError(f"audio encoder: a clip of {audio_MT.shape[1]} samples gives {frames} positions, more "
+                             f"than model.audio.max_frames={self.cfg.max_frames}; cut clips shorter "
+                             "(media.max_audio_seconds) or raise max_frames")
+        # valid positions: the clip's spectrogram frames (len // hop), halved (rounded up) by the stem
+        valid = (lengths_M.to(feats.device) // self.cfg.hop_length + 1) // 2
+        return pool_valid_frames(self.encode_log_mel(feats, valid), valid, self.cfg.num_tokens)
+
+    def encode_log_mel(self, mel_MCF: torch.Tensor, valid_M: torch.Tensor | None = None) -> torch.Tensor:
+        """(M, positions, D) encoder features of log-mel features (M, n_mels, frames): the conv stem, positions,
+        blocks and final LayerNorm (what Whisper's encoder computes from its input features). ``valid_M``: each
+        clip's valid positions (padded ones are hidden from attention); None = all valid."""
+        x = F.gelu(self.conv1(mel_MCF.to(self.conv1.weight.dtype)))
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # (M, F, D)
         frames = x.shape[1]
-        if frames > c.max_frames:
-            raise ValueError(f"audio encoder: a clip of {audio_MT.shape[1]} samples gives {frames} positions, more "
-                             f"than model.audio.max_frames={c.max_frames}; cut clips shorter "
-                             "(media.max_audio_seconds) or raise max_frames")
-        x = x + self.positions[:frames].to(x.dtype)
-        # valid positions: the clip's spectrogram frames (len // hop), halved (rounded up) by the stem
-        valid = (lengths_M.to(x.device) // c.hop_length + 1) // 2
-        keep_MF = torch.arange(frames, device=x.device)[None] < valid[:, None]
-        mask = keep_MF[:, None, None, :]  # (M, 1, 1, F): every query sees the clip's valid frames only
+        if frames > self.cfg.max_frames:
+            raise ValueError(f"audio encoder: {mel_MCF.shape[-1]} feature frames give {frames} positions, more than "
+                             f"model.audio.max_frames={self.cfg.max_frames}")
+        table = self.pos_embed if self.cfg.position_embedding == "learned" else self.positions
+        x = x + table[:frames].to(x.dtype)
+        mask = None
+        if valid_M is not None:
+            keep_MF = torch.arange(frames, device=x.device)[None] < valid_M.to(x.device)[:, None]
+            mask = keep_MF[:, None, None, :]  # (M, 1, 1, F): every query sees the clip's valid frames only
         for layer in self.layers.values():
             x = layer(x, None, None, mask)
-        return pool_valid_frames(self.norm(x), valid, c.num_tokens)
+        return self.norm(x)

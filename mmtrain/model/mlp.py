@@ -22,12 +22,25 @@ def swiglu_or_gelu(h: torch.Tensor, gated: bool) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
 
 
+def activate(h: torch.Tensor, name: str) -> torch.Tensor:
+    """The MLP activation ``name`` (``ModelConfig.activation``) on ``h`` (``[gate | up]`` for swiglu). The
+    non-gated kinds are the ones pretrained encoders were trained with, so imported weights compute the same."""
+    if name in ("swiglu", "gelu"):
+        return swiglu_or_gelu(h, name == "swiglu")
+    if name == "gelu_erf":
+        return F.gelu(h)
+    if name == "quick_gelu":
+        return h * torch.sigmoid(1.702 * h)
+    raise ValueError(f"unknown MLP activation {name!r}")
+
+
 class MLP(nn.Module):
     """``down(act(up(x)))``; for SwiGLU ``up`` is one fused [gate | up] projection (``part_sizes`` tells the TP plan)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gated = cfg.activation == "swiglu"
+        self.activation = cfg.activation
         width = cfg.ffn_hidden_size * (2 if self.gated else 1)
         self.up = nn.Linear(cfg.hidden_size, width, bias=cfg.add_bias)
         if self.gated:
@@ -37,7 +50,7 @@ class MLP(nn.Module):
         self.recompute_activation = False  # selective recomputation: keep `up`'s output, not the activation's
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
-        return swiglu_or_gelu(h, self.gated)
+        return activate(h, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)

@@ -1,8 +1,11 @@
 """The ViT image encoder (SigLIP/CLIP-like), for one device.
 
-Images (N, 3, H, W) -> patches (conv with stride = patch size) -> + 2D positions (+ a temporal row for video
-frames) -> pre-norm *bidirectional* transformer blocks (the LM's ``TransformerBlock`` with ``causal=False``)
--> optional final norm -> features (N, P, D). The blocks live in ``layers`` like the GPT's, so the GPT tensor-
+Images (N, 3, H, W) -> patches (conv with stride = patch size) (+ a class token) -> + 2D positions (+ a temporal
+row for video frames) -> optional norm (CLIP's pre_layrnorm) -> pre-norm *bidirectional* transformer blocks (the
+LM's ``TransformerBlock`` with ``causal=False``) -> optional final norm -> features (N, P, D). The features may be
+an earlier block's output (``feature_layer``, LLaVA's ``vision_feature_layer``) and may drop the first token
+(``drop_first_token``), so CLIP and SigLIP towers imported from Hugging Face (``mmtrain.models.encoders_hf``)
+compute exactly what LLaVA takes from them. The blocks live in ``layers`` like the GPT's, so the GPT tensor-
 parallel plan (``mmtrain.parallel.tensor.apply_tensor_parallel``) shards this encoder unchanged (without
 sequence parallelism: its input, the images, is the same on every TP rank).
 
@@ -76,12 +79,15 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         block_cfg = cfg.block_config()
-        self.patch_embed = nn.Conv2d(3, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size, bias=True)
-        self.pos_embed = (nn.Parameter(torch.zeros(cfg.num_patches, cfg.hidden_size))
+        self.patch_embed = nn.Conv2d(3, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
+        self.class_embed = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.class_token else None
+        self.pos_embed = (nn.Parameter(torch.zeros(cfg.num_positions, cfg.hidden_size))
                           if cfg.position_embedding == "learned" else None)
         if cfg.position_embedding == "sincos2d":
             self.register_buffer("pos_table", _sincos_2d(cfg.grid, cfg.hidden_size), persistent=False)
-        self.temporal_embed = nn.Embedding(cfg.max_video_frames, cfg.hidden_size)
+        self.temporal_embed = (nn.Embedding(cfg.max_video_frames, cfg.hidden_size) if cfg.temporal_embedding
+                               else None)
+        self.pre_norm = make_norm(block_cfg) if cfg.pre_norm else None
         self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
                                      for i in range(cfg.num_layers)})
         self.norm = make_norm(block_cfg) if cfg.post_norm else None
@@ -103,20 +109,29 @@ class VisionEncoder(nn.Module):
                              f"{c.image_size}x{c.image_size} (model.vision.image_size; the media path resizes to it)")
         dtype = self.patch_embed.weight.dtype
         x = self.patch_embed(images_NCHW.to(dtype)).flatten(2).transpose(1, 2)  # (N, P, D)
+        if self.class_embed is not None:
+            x = torch.cat([self.class_embed.to(x.dtype).expand(x.shape[0], 1, -1), x], dim=1)
         if self.pos_embed is not None:
             x = x + self.pos_embed
         elif c.position_embedding == "sincos2d":
             x = x + self.pos_table.to(x.dtype)
-        if frame_index_N is None:
-            frame_index_N = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-        x = x + self.temporal_embed(frame_index_N.clamp(max=c.max_video_frames - 1))[:, None, :]
+        if self.temporal_embed is not None:
+            if frame_index_N is None:
+                frame_index_N = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+            x = x + self.temporal_embed(frame_index_N.clamp(max=c.max_video_frames - 1))[:, None, :]
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
         cos = sin = None
         if c.position_embedding == "rope2d":
             cos, sin = _rope_2d_cos_sin(c.grid, c.hidden_size // c.num_attention_heads, c.rope_theta, x.dtype,
                                        x.device)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin, None)
-        return self.norm(x) if self.norm is not None else x
+        # feature_layer -k stops after block num_layers - k: the blocks after it (kept, so the weights round-trip
+        # to the pretrained tower) do not run
+        for i in range(c.num_layers + c.feature_layer + (1 if c.feature_layer else 0)):
+            x = self.layers[str(i)](x, cos, sin, None)
+        if c.feature_layer == 0 and self.norm is not None:
+            x = self.norm(x)
+        return x[:, 1:] if c.drop_first_token else x
 
 
 @torch.no_grad()
@@ -128,6 +143,8 @@ def init_by_name(module: nn.Module, seed: int, prefix: str, std: float, num_laye
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(full.encode()))
         if name.endswith("bias"):
             p.zero_()
+        elif name == "class_embed":
+            p.copy_(torch.randn(p.shape, generator=g) * std)
         elif p.ndim == 1:
             p.fill_(1.0)
         else:

@@ -57,6 +57,16 @@ def _trainable_names(model: torch.nn.Module) -> list[str]:
     return sorted(name for name, p in model.named_parameters() if p.requires_grad)
 
 
+def _rank_file_for(saved_layout: dict, mesh: ParallelMesh) -> int:
+    """Which saved rank's JSON this rank reads at another layout: one of the same data-parallel (and context-
+    parallel) coordinate when the saved run had the same dp and cp sizes (its loader state is this rank's
+    data: a VLM's media rows are per dp rank), else rank 0's (a loader whose state is global resumes from any)."""
+    d, c = mesh.dims, mesh.coord
+    if saved_layout.get("dp") == d.dp and saved_layout.get("cp") == d.cp and saved_layout.get("tp"):
+        return saved_layout["tp"] * (c.cp + d.cp * c.dp)  # rank = tp + TP * (cp + CP * (dp + DP * pp)), tp = pp = 0
+    return 0
+
+
 def _layout(mesh: ParallelMesh) -> dict[str, int]:
     d = mesh.dims
     return {"world_size": d.world_size, "tp": d.tp, "pp": d.pp, "cp": d.cp, "dp": d.dp, "ep": d.ep}
@@ -265,7 +275,7 @@ def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, op
     checksums = _checksums_of(folder, verify)
     meta = _read_json(folder / "complete.json")
     same = meta.get("layout") == _layout(mesh)
-    rank_file = folder / f"rank_{mesh.rank if same else 0:05d}.json"
+    rank_file = folder / f"rank_{mesh.rank if same else _rank_file_for(meta.get('layout') or {}, mesh):05d}.json"
     try:
         check_file(folder, rank_file.name, checksums)
         extra = _read_json(rank_file)

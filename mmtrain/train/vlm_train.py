@@ -63,6 +63,33 @@ def _load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Modu
     get_logger("train").info(f"initialized the weights from {folder}; training starts at step 0")
 
 
+def _check_resume_data_layout(found: Path, mesh: ParallelMesh) -> None:
+    """Weights and optimizer reshard to any layout, but the media rows of each data-parallel rank come from its
+    own energon stream (not in lockstep with the others): their loader state resumes at the same dp x cp only."""
+    import json
+
+    saved = json.loads((found / "complete.json").read_text()).get("layout") or {}
+    if (saved.get("dp"), saved.get("cp")) != (mesh.dims.dp, mesh.dims.cp):
+        raise ConfigError(f"{found}: saved at dp={saved.get('dp')}, cp={saved.get('cp')}; this run has dp="
+                          f"{mesh.dims.dp}, cp={mesh.dims.cp}. A VLM on media shards resumes at another tp/pp but "
+                          "the same dp and cp (start from its weights with init_from at any layout instead)")
+
+
+def _load_parts(cfg: VLMRunConfig, mesh: ParallelMesh, model: torch.nn.Module) -> None:
+    """``init.*``: the pretrained parts' weights into this rank's stage, the report in the log (rank 0)."""
+    from mmtrain.convert.checkpoint_io import ConvertError
+    from mmtrain.convert.vlm_parts import load_vlm_parts, report_lines
+
+    try:
+        report = load_vlm_parts(model, cfg.model, cfg.init.sources(), mesh.coord.tp, mesh.dims.tp,
+                                cfg.init.expect_unused, cfg.init.expect_missing)
+    except ConvertError as exc:
+        raise ConfigError(str(exc)) from None
+    if mesh.rank == 0:
+        for line in report_lines(report):
+            get_logger("train").info(line)
+
+
 def _freeze_and_scales(model: torch.nn.Module, cfg: VLMRunConfig):
     """Apply ``cfg.freeze`` (requires_grad=False) and return ``lr_scale_of(param)``; a prefix that names no
     parameter is a ``ConfigError``."""
@@ -128,20 +155,16 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     lr_scale_of = _freeze_and_scales(model, cfg)
     found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
     if found is not None and is_weights_only(found):
-        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: weights-only (converted) checkpoints are not "
-                          "loaded into a VLM yet; resume from a pretrain_vlm checkpoint")
-    if found is not None:
-        import json
-
-        saved = json.loads((found / "complete.json").read_text())["layout"]
-        here = {"world_size": mesh.dims.world_size, "tp": mesh.dims.tp, "pp": mesh.dims.pp, "cp": mesh.dims.cp,
-                "dp": mesh.dims.dp, "ep": mesh.dims.ep}
-        if saved != here:  # VLM shapes are not resharded; energon's loader state is per data-parallel rank
-            raise ConfigError(f"{found}: saved at layout {saved}, this run is {here}; a VLM resumes only at the same "
-                              "layout (start from its weights with init_from at the same tp/pp/cp instead)")
+        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: a weights-only (converted) checkpoint is no "
+                          "resume point (no optimizer or loader state); start from it with init_from (a whole VLM, "
+                          "e.g. a converted LLaVA) or init.vision / init.language (its parts)")
+    if found is not None and not cfg.data.mock:
+        _check_resume_data_layout(found, mesh)
     lr_schedule = resolve_resume(found, cfg, mesh.dims.dp)  # before the data is built: a changed order is an error
     if found is None and cfg.init_from:
         _load_stage_weights(cfg.init_from, mesh, model, cfg.checkpoint.verify)
+    if found is None and cfg.init.sources():
+        _load_parts(cfg, mesh, model)
     batches = build_vlm_batches(cfg, mesh, "train")
     val_batches = build_vlm_batches(cfg, mesh, "valid") if cfg.train.eval_every else None
     return train_model(cfg, mesh, device, model, batches, val_batches, _vlm_task(cfg, mesh, device, model), found,

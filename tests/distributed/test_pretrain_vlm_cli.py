@@ -176,3 +176,27 @@ def test_bad_config_on_the_command_line_exits_2_without_traceback():
                            "lr_scale={vision: 2}", "freeze=[vision]"], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2 and "lr_scale.vision names a frozen component" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+
+def _resume_other_layout(rank: int, world_size: int, root: str, layout: list[str]):
+    import torch.distributed as dist
+
+    run = Path(root) / ("_".join(layout) or "dp2")
+    if rank == 0:  # the tp1/pp1/dp1 run's checkpoint at step 2, as this run's own
+        shutil.copytree(Path(root) / "full" / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000002")
+        (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    dist.barrier()
+    return _train(rank, world_size, str(run), [*RESUME, *layout])[0]
+
+
+RESUME = ["train.steps=4", "checkpoint.save_every=2", "model.language.num_layers=2"]
+
+
+def test_full_resume_at_another_tp_pp_dp_layout(tmp_path):
+    """Weights, optimizer and loader state saved at tp1/pp1/dp1 continue at tp2, pp2 and dp2: the losses of steps
+    3-4 are the uninterrupted run's."""
+    full = run_distributed(_train, 1, str(tmp_path / "full"), RESUME)[0][0]
+    for layout in (["parallel.tp=2"], ["parallel.pp=2"], []):
+        tail = run_distributed(_resume_other_layout, 2, str(tmp_path), layout)[-1]
+        assert tail == pytest.approx(full[2:], rel=1e-5), layout
