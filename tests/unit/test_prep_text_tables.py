@@ -1,0 +1,180 @@
+"""`mmtrain-prep text` on Parquet files and `datasets.save_to_disk` folders: the same bytes as from JSONL,
+bad rows as rejects naming file, row group and row, hostile dataset folders refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from dataprep.cli import main as prep  # noqa: E402
+from tests.unit.test_prep_text import DOCS, write_jsonl  # noqa: E402
+from tests.unit.test_tokenizer import build_sentencepiece  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> Path:
+    return build_sentencepiece(tmp_path_factory.mktemp("sp"))
+
+
+def write_parquet(path: Path, columns: dict, row_group_size: int = 64, schema=None) -> Path:
+    pq.write_table(pa.table(columns, schema=schema), path, row_group_size=row_group_size)
+    return path
+
+
+def save_to_disk_layout(folder: Path, columns: dict, shards: int = 2) -> Path:
+    """The folder `datasets.Dataset.save_to_disk` writes: Arrow IPC stream shards, state.json, dataset_info.json.
+    Written with `datasets` itself when it is installed."""
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
+    if datasets is not None:
+        datasets.Dataset.from_dict(columns).save_to_disk(str(folder), num_shards=shards)
+        return folder
+    folder.mkdir(parents=True)
+    table = pa.table(columns)
+    n = table.num_rows
+    names = []
+    for s in range(shards):
+        part = table.slice(s * n // shards, (s + 1) * n // shards - s * n // shards)
+        name = f"data-{s:05d}-of-{shards:05d}.arrow"
+        with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, part.schema) as writer:
+            for batch in part.to_batches(max_chunksize=50):
+                writer.write_batch(batch)
+        names.append(name)
+    (folder / "state.json").write_text(json.dumps({
+        "_data_files": [{"filename": n} for n in names], "_fingerprint": "0123456789abcdef",
+        "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
+        "_split": None}))
+    (folder / "dataset_info.json").write_text(json.dumps({
+        "citation": "", "description": "", "homepage": "", "license": "",
+        "features": {k: {"dtype": "string", "_type": "Value"} for k in columns}}))
+    return folder
+
+
+def run_text(inp, prefix, sp_model, *extra) -> int:
+    return prep(["text", "--input", *map(str, inp if isinstance(inp, list) else [inp]), "--output-prefix",
+                 str(prefix), "--tokenizer", str(sp_model), "--append-eod", "--block-mb", "0.002", *extra])
+
+
+def outputs(prefix) -> tuple[bytes, bytes]:
+    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def rejects(prefix) -> list[dict]:
+    path = Path(f"{prefix}.rejects.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_parquet_and_save_to_disk_equal_jsonl_bytes(tmp_path, sp_model, workers):
+    titles = [f"title {i}" for i in range(len(DOCS))]
+    write_jsonl(tmp_path / "in.jsonl", DOCS, title="title ")
+    cols = {"id": list(range(len(DOCS))), "text": DOCS, "title": titles}
+    write_parquet(tmp_path / "in.parquet", cols)
+    save_to_disk_layout(tmp_path / "ds", cols)
+    for keys in (["text"], ["text", "title"]):
+        got = {}
+        for name, inp in (("jsonl", tmp_path / "in.jsonl"), ("parquet", tmp_path / "in.parquet"),
+                          ("hf", tmp_path / "ds")):
+            prefix = tmp_path / f"{name}{len(keys)}"
+            assert run_text(inp, prefix, sp_model, "--workers", workers, "--json-keys", *keys) == 0
+            got[name] = [outputs(prefix if len(keys) == 1 else f"{prefix}_{k}") for k in keys]
+            m = json.loads(Path(f"{prefix}.manifest.json").read_text())
+            assert m["documents"]["read"] == len(DOCS) and m["documents"]["rejected"] == 0
+            assert all(i["sha256"] and i["records"] for i in m["inputs"])
+        assert got["jsonl"] == got["parquet"] == got["hf"]
+    assert pq.ParquetFile(tmp_path / "in.parquet").metadata.num_row_groups > 3  # several groups, several blocks
+
+
+def test_bad_rows_become_rejects_naming_row_group_and_row(tmp_path, sp_model):
+    n = 130
+    texts = [f"good document {i}" for i in range(n)]
+    texts[5] = None
+    raw = [t.encode() if t is not None else b"x" for t in texts]
+    raw[70] = b"bad \xff\xfe utf-8"
+    write_parquet(tmp_path / "a.parquet", {"text": texts, "body": pa.array(raw, pa.binary()),
+                                           "num": list(range(n))})
+    prefix = tmp_path / "o"
+    assert run_text(tmp_path / "a.parquet", prefix, sp_model, "--workers", "0") == 0
+    r = rejects(prefix)
+    assert [(x["row_group"], x["row"], x["code"]) for x in r] == [(0, 5, "null_value")]
+    assert r[0]["file"].endswith("a.parquet") and "column 'text' is null" in r[0]["reason"]
+
+    assert run_text(tmp_path / "a.parquet", prefix, sp_model, "--workers", "0", "--json-keys", "body") == 0
+    r = rejects(prefix)
+    assert [(x["row_group"], x["row"], x["code"]) for x in r] == [(1, 70, "invalid_utf8")]
+    assert "bad \\xff\\xfe" in r[0]["excerpt"]
+
+    # a number column and a missing column: every row rejected -> nothing written, one-line error
+    assert run_text(tmp_path / "a.parquet", prefix, sp_model, "--workers", "0", "--json-keys", "num") == 2
+    assert {x["code"] for x in rejects(tmp_path / "o.failed")} == {"not_a_string"}
+    assert run_text(tmp_path / "a.parquet", prefix, sp_model, "--workers", "0", "--json-keys", "nope") == 2
+    assert {x["code"] for x in rejects(tmp_path / "o.failed")} == {"missing_key"}
+
+
+def test_strict_names_file_row_group_and_row(tmp_path, sp_model, capsys):
+    write_parquet(tmp_path / "a.parquet", {"text": ["ok"] * 100 + [None]}, row_group_size=40)
+    assert run_text(tmp_path / "a.parquet", tmp_path / "o", sp_model, "--workers", "0", "--strict") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a.parquet: row group 2, row 100: column 'text' is null" in err[0]
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_cut_short_parquet_is_a_reject_and_the_other_files_are_read(tmp_path, sp_model):
+    write_parquet(tmp_path / "a.parquet", {"text": [f"doc {i}" for i in range(50)]})
+    data = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])  # no footer
+    write_jsonl(tmp_path / "c.jsonl", ["tail doc"])
+    prefix = tmp_path / "o"
+    assert run_text(tmp_path, prefix, sp_model, "--workers", "0") == 0
+    r = rejects(prefix)
+    assert [(Path(x["file"]).name, x["row"], x["code"]) for x in r] == [("b.parquet", 0, "truncated_file")]
+    m = json.loads(Path(f"{prefix}.manifest.json").read_text())
+    assert [Path(i["path"]).name for i in m["inputs"]] == ["a.parquet", "b.parquet", "c.jsonl"]
+    assert m["documents"]["written"] == 51
+
+
+def test_folder_walk_reads_datasets_folders_in_their_shard_order(tmp_path, sp_model):
+    save_to_disk_layout(tmp_path / "root" / "ds", {"text": [f"hf {i}" for i in range(20)]}, shards=3)
+    # state.json lists the shards in the dataset's order, not the names' order
+    state = json.loads((tmp_path / "root" / "ds" / "state.json").read_text())
+    state["_data_files"].reverse()
+    (tmp_path / "root" / "ds" / "state.json").write_text(json.dumps(state))
+    write_jsonl(tmp_path / "root" / "a.jsonl", ["first"])
+    prefix = tmp_path / "o"
+    assert run_text(tmp_path / "root", prefix, sp_model, "--workers", "0") == 0
+    m = json.loads(Path(f"{prefix}.manifest.json").read_text())
+    names = [Path(i["path"]).name for i in m["inputs"]]
+    assert names == ["a.jsonl"] + [d["filename"] for d in state["_data_files"]]
+    assert m["skipped_inputs"] == []  # state.json / dataset_info.json are the dataset's, not records
+
+
+@pytest.mark.parametrize("filename", ["../x.arrow", "/etc/passwd", "sub/x.arrow", 7])
+def test_hostile_state_json_is_refused(tmp_path, sp_model, capsys, filename):
+    folder = save_to_disk_layout(tmp_path / "ds", {"text": ["a", "b"]}, shards=1)
+    (tmp_path / "x.arrow").write_bytes((folder / "data-00000-of-00001.arrow").read_bytes())
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": filename}]}))
+    assert run_text(folder, tmp_path / "o", sp_model, "--workers", "0") == 2
+    err = capsys.readouterr().err
+    assert "state.json" in err and "Traceback" not in err
+
+
+def test_dataset_dict_asks_for_a_split(tmp_path, sp_model, capsys):
+    save_to_disk_layout(tmp_path / "dd" / "train", {"text": ["a"]}, shards=1)
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    assert run_text(tmp_path / "dd", tmp_path / "o", sp_model, "--workers", "0") == 2
+    assert f"--input {tmp_path / 'dd' / 'train'}" in capsys.readouterr().err
+
+
+def test_train_tokenizer_reads_parquet(tmp_path, capsys):
+    write_parquet(tmp_path / "a.parquet", {"text": [f"some words number {i} again" for i in range(200)] + [None]})
+    assert prep(["train-tokenizer", "--input", str(tmp_path / "a.parquet"), "--output-prefix", str(tmp_path / "t"),
+                 "--vocab-size", "300", "--threads", "1"]) == 0
+    assert (tmp_path / "t.model").is_file()
+    assert "a.parquet: row group 3, row 200: column 'text' is null" in capsys.readouterr().err
