@@ -22,6 +22,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from dataprep.errors import PrepError
+from dataprep.progress import add_progress_argument, progress_enabled
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
 from dataprep.text_input import Truncated, describe_skipped, find_inputs, stream_inputs
 from dataprep.text_output import (RejectLog, failed_rejects_path, human_rate, key_prefixes, manifest_path,
@@ -69,12 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-empty", action="store_true",
                    help="write documents with no tokens too (default: count and skip them)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of rejecting it")
-    p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
-                   help="progress bar (default: only on a terminal)")
+    add_progress_argument(p)
 
 
 def _progress_bar(total_bytes: int, mode: str):
-    if mode == "never" or (mode == "auto" and not sys.stderr.isatty()):
+    if not progress_enabled(mode):
         return None
     from tqdm import tqdm
 
