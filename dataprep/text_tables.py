@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 from dataprep.errors import PrepError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -109,15 +111,17 @@ def _contiguous(chunks: list) -> Any:
 
 
 def _value_bytes(array) -> int:
+    """Bytes of the values (offsets of a string/binary array; no pyarrow.compute, whose import takes ~1 s)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    t = array.type
-    if pa.types.is_dictionary(t):
-        t = t.value_type
+    if pa.types.is_dictionary(array.type):
         array = array.dictionary_decode()
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        return int(pc.sum(pc.binary_length(array)).as_py() or 0)
+    t = array.type
+    if (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t)) and len(array):
+        wide = pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+        offsets = np.frombuffer(array.buffers()[1], np.int64 if wide else np.int32)
+        return int(offsets[array.offset + len(array)] - offsets[array.offset])
     return int(array.nbytes)
 
 
@@ -272,7 +276,9 @@ def column_texts(key: str, array) -> tuple[list, dict[int, tuple[str, str, str]]
     n = len(array)
     problems: dict[int, tuple[str, str, str]] = {}
     if array.null_count:
-        for i in array.is_null().to_numpy(zero_copy_only=False).nonzero()[0].tolist():
+        valid = array.buffers()[0]  # the validity bitmap (Array.is_null would import pyarrow.compute)
+        bits = np.unpackbits(np.frombuffer(valid, np.uint8), bitorder="little")[array.offset:array.offset + n]
+        for i in np.flatnonzero(bits == 0).tolist():
             problems[i] = ("null_value", f"column {key!r} is null in this row, not a string", "null")
     stringy = (pa.types.is_string(t) or pa.types.is_large_string(t)
                or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t)))

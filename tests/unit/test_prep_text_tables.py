@@ -178,3 +178,15 @@ def test_train_tokenizer_reads_parquet(tmp_path, capsys):
                  "--vocab-size", "300", "--threads", "1"]) == 0
     assert (tmp_path / "t.model").is_file()
     assert "a.parquet: row group 3, row 200: column 'text' is null" in capsys.readouterr().err
+
+
+def test_every_string_column_type_gives_the_same_bytes(tmp_path, sp_model):
+    docs = DOCS[:40]
+    got = []
+    for i, array in enumerate([pa.array(docs, pa.string()), pa.array(docs, pa.large_string()),
+                               pa.array(docs).dictionary_encode(), pa.array([d.encode() for d in docs], pa.binary()),
+                               pa.array([d.encode() for d in docs], pa.large_binary())]):
+        pq.write_table(pa.table({"text": array}), tmp_path / f"{i}.parquet", row_group_size=16)
+        assert run_text(tmp_path / f"{i}.parquet", tmp_path / f"o{i}", sp_model, "--workers", "0") == 0
+        got.append(outputs(tmp_path / f"o{i}"))
+    assert all(g == got[0] for g in got)
