@@ -6,6 +6,7 @@ Each check names the keys involved and the values, so the fix is obvious from th
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
 from mmtrain.config.loader import ConfigError
@@ -51,6 +52,9 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
                           f"({p.tp}) with sequence parallelism")
     if not d.mock and not d.prefixes and not d.blend:
         raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb=true needs the wandb package: pip install 'mmtrain[wandb]' (or set "
+                          "logging.wandb=false)")
     _validate_data(d)
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
