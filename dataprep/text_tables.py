@@ -26,6 +26,7 @@ from dataprep.errors import PrepError
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ARROW_SUFFIXES = (".arrow",)
 HF_STATE = "state.json"  # written by datasets.Dataset.save_to_disk next to dataset_info.json
+HF_INFO = "dataset_info.json"
 HF_DICT = "dataset_dict.json"  # written by datasets.DatasetDict.save_to_disk above one folder per split
 _MAX_BATCH_ROWS = 8192  # Parquet rows decoded at a time (fewer when the metadata says rows are large)
 
@@ -58,21 +59,29 @@ def describe_row(kind: str, row: int, row_group: int | None) -> tuple[dict, str]
     return {"row": row}, f"row {row}"
 
 
+def _dataset_dict_splits(folder: Path) -> list[str]:
+    if not (folder / HF_DICT).is_file():
+        return []
+    try:
+        splits = json.loads((folder / HF_DICT).read_text(encoding="utf-8")).get("splits")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(splits, list):
+        return []
+    return [s for s in splits if isinstance(s, str) and (folder / s / HF_STATE).is_file()]
+
+
 def hf_dataset_files(folder: Path) -> list[Path] | None:
-    """The ``.arrow`` shards of a ``save_to_disk`` folder in the dataset's row order, or None when ``folder``
-    is not one. A DatasetDict folder (one sub-folder per split) is an error naming its splits."""
-    if (folder / HF_DICT).is_file() and not (folder / HF_STATE).is_file():
-        try:
-            splits = json.loads((folder / HF_DICT).read_text(encoding="utf-8")).get("splits")
-        except (OSError, ValueError, AttributeError):
-            splits = None
-        names = ", ".join(map(str, splits)) if isinstance(splits, list) and splits else "see dataset_dict.json"
-        first = splits[0] if isinstance(splits, list) and splits else "train"
-        raise PrepError(f"--input {folder} is a datasets DatasetDict (splits: {names}); name the split to read, "
-                        f"e.g. --input {folder / str(first)}")
+    """The ``.arrow`` shards of a ``save_to_disk`` folder (``state.json`` + ``dataset_info.json``) in the dataset's
+    row order, or None when ``folder`` is not one. A DatasetDict folder (``dataset_dict.json`` listing splits that
+    are such folders) is an error naming its splits: reading them all in one run is rarely meant."""
+    splits = _dataset_dict_splits(folder)
+    if splits:
+        raise PrepError(f"--input {folder} is a datasets DatasetDict (splits: {', '.join(splits)}); name the "
+                        f"split to read, e.g. --input {folder / splits[0]}")
     state_path = folder / HF_STATE
-    if not state_path.is_file():
-        return None
+    if not (state_path.is_file() and (folder / HF_INFO).is_file()):
+        return None  # both files are what save_to_disk writes; one alone may be anyone's JSON
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
         entries = state["_data_files"]

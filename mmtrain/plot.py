@@ -23,7 +23,7 @@ from mmtrain.utils.atomic import atomic_write_bytes
 
 # (file stem, metrics.jsonl key, y-axis label, log scale)
 FIGURES = (
-    ("loss", "loss", "training loss", False),
+    ("loss", "loss", "loss", False),  # training loss, with the validation loss dashed
     ("val_loss", "val_loss", "validation loss", False),
     ("lr", "lr", "learning rate", False),
     ("tokens_per_s", "tokens_per_s", "tokens/s per device", False),
@@ -106,18 +106,26 @@ def plot_runs(runs: list[str | Path], out: str | Path) -> list[Path]:
             continue
         fig = Figure(figsize=(7, 4), dpi=100, layout="constrained")
         ax = fig.add_subplot()
+        lines = 0
         for d in with_values:
             steps, values = d.series[key]
-            ax.plot(steps, values, label=d.label, marker="o" if len(steps) < 30 else None, markersize=3)
+            drawn = ax.plot(steps, values, label=d.label if key != "loss" else f"{d.label} (training)",
+                            marker="o" if len(steps) < 30 else None, markersize=3)
+            lines += 1
+            if key == "loss" and d.series.get("val_loss"):  # validation loss beside it, same colour, dashed
+                v_steps, v_values = d.series["val_loss"]
+                ax.plot(v_steps, v_values, "--o", color=drawn[0].get_color(), markersize=4,
+                        label=f"{d.label} (validation)")
+                lines += 1
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
-        ax.set_title(ylabel + (" (lower is better)" if "loss" in key else ""))
+        ax.set_title({"loss": "training and validation loss"}.get(key, ylabel))
         if log_y:
             ax.set_yscale("log")
         if key == "mfu":
             ax.yaxis.set_major_formatter(lambda v, _: f"{100 * v:.0f}%")
         ax.grid(True, alpha=0.3)
-        if len(data) > 1:
+        if lines > 1:
             ax.legend()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")

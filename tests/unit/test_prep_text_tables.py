@@ -190,3 +190,10 @@ def test_every_string_column_type_gives_the_same_bytes(tmp_path, sp_model):
         assert run_text(tmp_path / f"{i}.parquet", tmp_path / f"o{i}", sp_model, "--workers", "0") == 0
         got.append(outputs(tmp_path / f"o{i}"))
     assert all(g == got[0] for g in got)
+
+
+def test_a_lone_state_json_is_still_a_jsonl_input(tmp_path, sp_model):
+    write_jsonl(tmp_path / "d" / "state.json" if (tmp_path / "d").mkdir() is None else None, ["one", "two"])
+    prefix = tmp_path / "o"
+    assert run_text(tmp_path / "d", prefix, sp_model, "--workers", "0") == 0
+    assert json.loads(Path(f"{prefix}.manifest.json").read_text())["documents"]["written"] == 2
