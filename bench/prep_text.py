@@ -31,6 +31,9 @@ then uses one thread per worker). Load averages are printed with the figures.
 ``--parquet`` also runs ours on the same documents written as Parquet (one ``text`` column, row groups of
 ``--parquet-rows`` rows, snappy, pyarrow's defaults otherwise): rows ``ours parquet t=..``, whose MB and MB/s
 are those of the JSONL (the same text), and whose ``.bin/.idx`` must be byte-identical to the JSONL run's.
+It first prints the CPU seconds of the input side alone (read, hash, parse/convert to strings; no tokenizer),
+JSONL against Parquet, measured in this process: what the two paths differ in, where a loaded machine's wall
+times cannot tell them apart.
 
 Without --input, a corpus of real text is built from the .py/.md/.rst/.txt files of the running Python
 installation, cut into documents with a log-normal length distribution (median ~1 KB, long tail), and
@@ -246,6 +249,30 @@ def parquet_copy(corpus: Path, rows_per_group: int) -> Path:
     return out
 
 
+def input_cost(jsonl: Path, parquet: Path, rounds: int = 3) -> None:
+    """CPU seconds of the input side alone (stream, hash, parse to strings), JSONL vs Parquet; medians."""
+    sys.path.insert(0, str(REPO))
+    import pyarrow  # noqa: F401 - its import is start-up, not input cost
+    from dataprep.text_encode import EncodedBlock, parse_records
+    from dataprep.text_input import InputFile, split_lines, stream_inputs
+    from dataprep.text_tables import TableBlock, table_texts
+
+    def cost(path: Path, kind: str) -> float:
+        start = time.process_time()
+        for b in stream_inputs([InputFile(path, path.stat().st_size, kind=kind)], ("text",)):
+            if isinstance(b, TableBlock):
+                table_texts(b, ("text",))
+            else:
+                parse_records(split_lines(b.data), b.first_line, ("text",), EncodedBlock(0, b.first_line, 0))
+        return time.process_time() - start
+
+    size = jsonl.stat().st_size / 1e6
+    for kind, path in (("jsonl", jsonl), ("parquet", parquet)):
+        cpu = median([cost(path, kind) for _ in range(rounds)])
+        print(f"input side only, {kind:7s}: {cpu:6.3f} CPU s for {size:.1f} MB of JSONL text = {size / cpu:7.1f} MB/s "
+              f"per core (median of {rounds})", flush=True)
+
+
 def probe_input(corpus: Path, docs: int) -> Path:
     out = corpus.with_name(f"{corpus.stem}_first{docs}.jsonl")
     if not out.exists():
@@ -376,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parquet = {path: parquet_copy(path, args.parquet_rows) for path in set(inputs.values())} if args.parquet else {}
     for path, pq_path in parquet.items():
         print(f"parquet copy {pq_path}: {pq_path.stat().st_size / 1e6:.1f} MB", flush=True)
+        input_cost(path, pq_path)
     for path, (docs, size) in sorted(stats.items()):
         print(f"input {path}: {docs:,} documents, {size / 1e6:.1f} MB", flush=True)
     print(f"cpus available {len(os.sched_getaffinity(0))}; pinned: {args.pin_cores}; rounds: {args.repeats}",
