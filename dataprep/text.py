@@ -27,7 +27,7 @@ from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, enco
 from dataprep.text_input import Truncated, describe_skipped, find_inputs, stream_inputs
 from dataprep.text_output import (RejectLog, failed_rejects_path, human_rate, key_prefixes, manifest_path,
                                   output_paths, print_summary, rejects_path, replace_outputs, write_manifest)
-from dataprep.text_tables import describe_row
+from dataprep.text_tables import describe_row, preload
 from mmtrain.core.indexed import IndexedDatasetWriter, token_dtype_for
 from mmtrain.core.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
@@ -206,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     prefixes = key_prefixes(prefix, keys)
     files, skipped = find_inputs(args.input, exclude=output_paths(prefix, list(prefixes.values())))
     _check_writable(prefix)  # before the tokenizer loads and workers start
+    if any(f.kind != "jsonl" for f in files):
+        preload()  # before the workers fork: they share it
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
                                add_special_tokens=args.add_special_tokens, merge_file=args.merge_file)
     if args.append_eod and tokenizer.eod_id is None:
