@@ -14,6 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from mmtrain.config.loader import ConfigError
 from mmtrain.utils.atomic import atomic_write_text
 
 RUN_ID_FILE = "wandb_run_id"
@@ -52,11 +53,17 @@ class WandbSink:
         except ImportError as exc:  # validate.py checks this before any process group; kept for library use
             raise RuntimeError("logging.wandb=true needs the wandb package: pip install 'mmtrain[wandb]'") from exc
         run_dir = Path(run_dir)
-        self._run = wandb.init(
-            project=logging.wandb_project, name=logging.wandb_name or run_dir.resolve().name,
-            entity=logging.wandb_entity or None, tags=list(logging.wandb_tags) or None, mode=logging.wandb_mode,
-            dir=str(run_dir), id=_run_id(run_dir), resume="allow", config=config or {},
-            settings=wandb.Settings(console="off", silent=True))
+        try:
+            self._run = wandb.init(
+                project=logging.wandb_project, name=logging.wandb_name or run_dir.resolve().name,
+                entity=logging.wandb_entity or None, tags=list(logging.wandb_tags) or None, mode=logging.wandb_mode,
+                dir=str(run_dir), id=_run_id(run_dir), resume="allow", config=config or {},
+                settings=wandb.Settings(console="off", silent=True))
+        except Exception as exc:  # noqa: BLE001 - not logged in, no network, a refused entity: one line
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise ConfigError(f"logging.wandb: W&B could not start the run ({type(exc).__name__}: {first}); run "
+                              "`wandb login`, or set logging.wandb_mode=offline (sync later) or logging.wandb=false") \
+                from None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         figures = wandb_figures(metrics)

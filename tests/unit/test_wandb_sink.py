@@ -71,6 +71,15 @@ def test_sink_gets_every_row_and_the_config_and_keeps_its_run_id(tmp_path, fake_
     assert fake_wandb[1].init["id"] == kept
 
 
+def test_a_refused_start_is_one_config_error(tmp_path, fake_wandb):
+    def refuse(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)\nmore lines")
+    sys.modules["wandb"].init = refuse
+    with pytest.raises(ConfigError, match=r"^logging.wandb: W&B could not start the run \(RuntimeError: api_key not "
+                                          r"configured \(no-tty\)\); run `wandb login`"):
+        WandbSink(LoggingConfig(run_dir=str(tmp_path), wandb=True), tmp_path, {})
+
+
 def test_other_ranks_never_log(tmp_path):
     class Sink:
         logged = 0
