@@ -197,3 +197,17 @@ def test_a_lone_state_json_is_still_a_jsonl_input(tmp_path, sp_model):
     prefix = tmp_path / "o"
     assert run_text(tmp_path / "d", prefix, sp_model, "--workers", "0") == 0
     assert json.loads(Path(f"{prefix}.manifest.json").read_text())["documents"]["written"] == 2
+
+
+def test_blocks_stay_small_and_inside_one_row_group(tmp_path):
+    from dataprep.text_tables import TableBlock, table_blocks
+
+    texts = [f"row {i} " + "x" * (i % 50) for i in range(5000)]
+    write_parquet(tmp_path / "a.parquet", {"text": texts, "other": list(range(5000))}, row_group_size=1000)
+    blocks = list(table_blocks(tmp_path / "a.parquet", "parquet", 0, ("text",), block_bytes=4096))
+    assert all(isinstance(b, TableBlock) for b in blocks)
+    assert [b.first_row for b in blocks] == [sum(x.num_rows for x in blocks[:i]) for i in range(len(blocks))]
+    assert sum(b.num_rows for b in blocks) == 5000 and len({b.row_group for b in blocks}) == 5
+    assert all(b.first_row // 1000 == (b.first_row + b.num_rows - 1) // 1000 == b.row_group for b in blocks)
+    assert max(b.text_bytes for b in blocks) < 3 * 4096  # about --block-mb each, whatever the file's size
+    assert set(blocks[0].columns) == {"text"}  # only the key columns are read
