@@ -88,6 +88,8 @@ def test_parquet_and_save_to_disk_equal_jsonl_bytes(tmp_path, sp_model, workers)
             m = json.loads(Path(f"{prefix}.manifest.json").read_text())
             assert m["documents"]["read"] == len(DOCS) and m["documents"]["rejected"] == 0
             assert all(i["sha256"] and i["records"] for i in m["inputs"])
+            assert sum(i["records"] for i in m["inputs"]) == len(DOCS)
+            assert prep(["verify", str(prefix)]) == 0  # counts, sizes and checksums reconcile
         assert got["jsonl"] == got["parquet"] == got["hf"]
     assert pq.ParquetFile(tmp_path / "in.parquet").metadata.num_row_groups > 3  # several groups, several blocks
 
