@@ -168,8 +168,12 @@ def test_hostile_state_json_is_refused(tmp_path, sp_model, capsys, filename):
 
 
 def test_dataset_dict_asks_for_a_split(tmp_path, sp_model, capsys):
-    save_to_disk_layout(tmp_path / "dd" / "train", {"text": ["a"]}, shards=1)
-    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    try:
+        import datasets
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "dd"))
+    except ImportError:
+        save_to_disk_layout(tmp_path / "dd" / "train", {"text": ["a"]}, shards=1)
+        (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
     assert run_text(tmp_path / "dd", tmp_path / "o", sp_model, "--workers", "0") == 2
     assert f"--input {tmp_path / 'dd' / 'train'}" in capsys.readouterr().err
 
