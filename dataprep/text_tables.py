@@ -239,13 +239,21 @@ def _arrow_blocks(path: Path, index: int, keys, block_bytes: int, on_rows) -> It
 
 
 def count_rows(path: Path, kind: str) -> int | None:
-    """Rows of a Parquet file from its footer (None when unreadable or not Parquet), for progress."""
-    if kind != "parquet":
-        return None
+    """Rows of a Parquet file (its footer) or an Arrow file (its batch headers, memory-mapped: no data is read);
+    None when unreadable. For the progress bar only."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path).metadata.num_rows
+        if kind == "parquet":
+            return pq.ParquetFile(path).metadata.num_rows
+        with pa.memory_map(str(path)) as source:
+            try:
+                return sum(b.num_rows for b in pa.ipc.open_stream(source))
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+                return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
     except _arrow_error_types():
         return None
 

@@ -134,7 +134,7 @@ def test_cut_short_parquet_is_a_reject_and_the_other_files_are_read(tmp_path, sp
     (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])  # no footer
     write_jsonl(tmp_path / "c.jsonl", ["tail doc"])
     prefix = tmp_path / "o"
-    assert run_text(tmp_path, prefix, sp_model, "--workers", "0") == 0
+    assert run_text(tmp_path, prefix, sp_model, "--workers", "0", "--progress", "always") == 0
     r = rejects(prefix)
     assert [(Path(x["file"]).name, x["row"], x["code"]) for x in r] == [("b.parquet", 0, "truncated_file")]
     m = json.loads(Path(f"{prefix}.manifest.json").read_text())
@@ -150,7 +150,7 @@ def test_folder_walk_reads_datasets_folders_in_their_shard_order(tmp_path, sp_mo
     (tmp_path / "root" / "ds" / "state.json").write_text(json.dumps(state))
     write_jsonl(tmp_path / "root" / "a.jsonl", ["first"])
     prefix = tmp_path / "o"
-    assert run_text(tmp_path / "root", prefix, sp_model, "--workers", "0") == 0
+    assert run_text(tmp_path / "root", prefix, sp_model, "--workers", "0", "--progress", "always") == 0
     m = json.loads(Path(f"{prefix}.manifest.json").read_text())
     names = [Path(i["path"]).name for i in m["inputs"]]
     assert names == ["a.jsonl"] + [d["filename"] for d in state["_data_files"]]
