@@ -60,7 +60,8 @@ def describe_blend(split: str, entries, fraction: float) -> str:
                          for e in es)
     parts = ([f"text {fraction:.4f} of rows ({named(text)})"] if text else []) + \
             ([f"media {1 - fraction:.4f} of rows ({named(media)})"] if media else [])
-    return f"{split} VLM blend: {len(entries)} dataset(s): " + "; ".join(parts)
+    return (f"{split} VLM blend: {len(entries)} dataset(s): " + "; ".join(parts)
+            + ("; the text part's own blend follows" if text else ""))
 
 
 def _split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Path | str | None, float]:

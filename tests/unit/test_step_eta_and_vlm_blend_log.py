@@ -46,4 +46,6 @@ def test_vlm_blend_line_names_text_and_media_datasets():
                BlendEntry("/d/captions", 0.6, "energon", "b.yaml: datasets[2]")]
     line = describe_blend("train", entries, 0.4)
     assert line == ("train VLM blend: 3 dataset(s): text 0.4000 of rows (web_text 0.3000, books 0.1000); "
-                    "media 0.6000 of rows (captions 0.6000)")
+                    "media 0.6000 of rows (captions 0.6000); the text part's own blend follows")
+    media_only = describe_blend("valid", [BlendEntry("/d/caps", None, "energon", "b.yaml: valid[0]")], 0.0)
+    assert media_only == "valid VLM blend: 1 dataset(s): media 1.0000 of rows (caps)"
