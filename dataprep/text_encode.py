@@ -183,8 +183,12 @@ class BlockEncoder:
         for i, (code, reason, value) in bad.items():
             out.rejects.append(Reject(block.first_row + i, reason, value, code))
 
+        position: dict[int, int] = {}  # row in the block -> index in texts, built only if a row is refused
+
         def excerpt_of(i: int) -> str:
-            return " | ".join(texts[k][where.index(i)][:EXCERPT_CHARS] for k in texts)[:EXCERPT_CHARS]
+            if not position:
+                position.update((row, j) for j, row in enumerate(where))
+            return " | ".join(texts[k][position[i]][:EXCERPT_CHARS] for k in texts)[:EXCERPT_CHARS]
 
         ids = self._encode_all(texts, where, lambda i: block.first_row + i, excerpt_of, out) if where else {}
         return self._finish(ids, out)
