@@ -217,3 +217,25 @@ def test_blocks_stay_small_and_inside_one_row_group(tmp_path):
     assert all(b.first_row // 1000 == (b.first_row + b.num_rows - 1) // 1000 == b.row_group for b in blocks)
     assert max(b.text_bytes for b in blocks) < 3 * 4096  # about --block-mb each, whatever the file's size
     assert set(blocks[0].columns) == {"text"}  # only the key columns are read
+
+
+def test_a_row_the_tokenizer_refuses_is_rejected_alone():
+    from dataprep.text_encode import BlockEncoder, EncodeOptions
+    from dataprep.text_tables import TableBlock
+
+    class Tok:
+        eod_id = 2
+
+        def set_threads(self, n):
+            pass
+
+        def encode_batch(self, texts):
+            if any("BAD" in t for t in texts):
+                raise ValueError("refused")
+            return [[1] * len(t) for t in texts]
+
+    encoder = BlockEncoder(EncodeOptions("t", None, None, False, ("text",), False, None, False, "uint16"), Tok())
+    out = encoder.encode(TableBlock(0, 3, 100, 3, {"text": pa.array(["ok", "BAD one", None])}, 10))
+    assert [(r.line, r.code, r.excerpt) for r in out.rejects] == [(101, "tokenizer_error", "BAD one"),
+                                                                  (102, "null_value", "null")]
+    assert out.row_group == 3 and out.records == 3 and out.lengths["text"].tolist() == [2]
