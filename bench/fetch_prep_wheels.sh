@@ -15,7 +15,8 @@
 #   .device/megatron-lm-head.tar.gz  the mirror's newest commit, same folders (needs Python 3.12; its
 #                                    GPT2BPETokenizer runs on transformers)
 # Carry them with: carry=[".device"]  (about 50 MB: the av wheel is most of it; TEXT_ONLY=1 fetches only
-# what the text benchmark needs, a few MB).
+# what the text benchmark needs, a few MB). PARQUET=1 adds pyarrow 26.0.1 (~45 MB: use it with TEXT_ONLY=1 to
+# stay under the 64 MiB carry) for the text benchmark's Parquet rows (prep_device.sh PARQUET=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-/work/main/.venv/bin/pip}
@@ -23,6 +24,7 @@ MIRROR=${MEGATRON_MIRROR:-/work/.mirror/NVIDIA+Megatron-LM/repo}
 mkdir -p .device/whl
 SPECS="six==1.17.0"
 [ "${TEXT_ONLY:-0}" = 1 ] || SPECS="$SPECS av==18.1.0 webdataset==1.0.2 braceexpand==0.1.7 megatron-energon==7.4.1"
+[ "${PARQUET:-0}" = 1 ] && SPECS="$SPECS pyarrow==26.0.1"
 for spec in $SPECS; do
   "$PIP" download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .device/whl "$spec"

@@ -7,7 +7,9 @@
 # Knobs: TEXT_MB (corpus MB, default 20), TEXT_TIMEOUT (s, default 240), GPT2_MB (MB for the GPT-2 case, default 6), TEXT_ROUNDS (1),
 #        MEDIA_IMAGES (2000), MEDIA_AUDIO (40), MEDIA_ROUNDS (3), HEAD=0 skips the newest Megatron-LM,
 #        MEDIA=0 skips the media case, PIN=0 runs text unpinned (every tool sees every core: Megatron-LM runs
-#        its N worker processes, ours N workers x THREADS tokenizer threads), THREADS ("1"; "0" = auto, CPUs/N).
+#        its N worker processes, ours N workers x THREADS tokenizer threads), THREADS ("1"; "0" = auto, CPUs/N),
+#        PARQUET=1 also runs ours on the corpus as Parquet (rows "ours parquet"; needs pyarrow: fetch with
+#        TEXT_ONLY=1 PARQUET=1 bash bench/fetch_prep_wheels.sh, and MEDIA=0).
 # About 3-4 minutes on a 16-core host (stages are cut at 240 + 90 + 200 s, inside the 600 s of one device call).
 # Results: $OUT (or /tmp/prep_device) *.log and *.json, one table last.
 set -uo pipefail
@@ -29,13 +31,14 @@ fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 MEG=.device/megatron-lm
 PIN_FLAG=--pin-cores; [ "${PIN:-1}" = 1 ] || PIN_FLAG=""
+PARQUET_FLAG=""; [ "${PARQUET:-0}" = 1 ] && PARQUET_FLAG=--parquet
 
 [ -d "$MEG/tools" ] || { echo "no $MEG/tools: run bench/fetch_prep_wheels.sh here first and carry .device"; exit 2; }
 
 echo "### text: Megatron-LM $(cat $MEG/megatron/core/package_info.py | grep -E '^(MAJOR|MINOR|PATCH) ' | awk '{printf $3"."}')"
 timeout "${TEXT_TIMEOUT:-240}" $PY bench/prep_text.py --megatron "$MEG" --megatron-pythonpath "$SITE" --work-dir "$WORK/text" \
   --build-mb "${TEXT_MB:-20}" --kinds sentencepiece huggingface gpt2-bpe --kind-mb "gpt2-bpe=${GPT2_MB:-6}" \
-  --workers 1 2 --repeats "${TEXT_ROUNDS:-1}" $PIN_FLAG --threads-per-worker ${THREADS:-1} \
+  --workers 1 2 --repeats "${TEXT_ROUNDS:-1}" $PIN_FLAG $PARQUET_FLAG --threads-per-worker ${THREADS:-1} \
   --json-out "$RES/prep_text.json" 2>&1 \
   | tee "$RES/prep_text.log" || echo "(text benchmark stopped: rc $?; see the log)"
 

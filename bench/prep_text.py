@@ -2,7 +2,7 @@
 
     python bench/prep_text.py --megatron /path/to/Megatron-LM [--megatron-pythonpath EXTRA] \\
         [--input corpus.jsonl | --build-mb 110] [--kinds sentencepiece huggingface gpt2-bpe] \\
-        [--kind-mb gpt2-bpe=20] [--workers 1 2] [--repeats 3] [--pin-cores]
+        [--kind-mb gpt2-bpe=20] [--workers 1 2] [--repeats 3] [--pin-cores] [--parquet] [--skip-megatron]
 
 Both tools run as subprocesses on the same JSONL, the same tokenizer and the same worker count, with
 --append-eod, in interleaved rounds (ours, Megatron, ours, Megatron, ...) so both see the same machine load;
@@ -27,6 +27,13 @@ tools on the first 20 documents (``--startup-docs``, at the first worker count):
 start-up (imports, tokenizer load, pool start); the "steady" ratio divides the run times less their start-ups, the end-to-end ratio does not. ``--pin-cores`` runs each
 command under ``taskset`` on as many cores as it has workers (so each side gets the same CPU; our tokenizer
 then uses one thread per worker). Load averages are printed with the figures.
+
+``--parquet`` also runs ours on the same documents written as Parquet (one ``text`` column, row groups of
+``--parquet-rows`` rows, snappy, pyarrow's defaults otherwise): rows ``ours parquet t=..``, whose MB and MB/s
+are those of the JSONL (the same text), and whose ``.bin/.idx`` must be byte-identical to the JSONL run's.
+It first prints the CPU seconds of the input side alone (read, hash, parse/convert to strings; no tokenizer),
+JSONL against Parquet, measured in this process: what the two paths differ in, where a loaded machine's wall
+times cannot tell them apart.
 
 Without --input, a corpus of real text is built from the .py/.md/.rst/.txt files of the running Python
 installation, cut into documents with a log-normal length distribution (median ~1 KB, long tail), and
@@ -218,6 +225,54 @@ def pin(cmd: list[str], cores: int | None) -> list[str]:
     return ["taskset", "-c", ",".join(map(str, allowed[:cores]))] + cmd
 
 
+def parquet_copy(corpus: Path, rows_per_group: int) -> Path:
+    """The corpus' ``text`` values as a Parquet file beside it (written once, streamed: memory stays small)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = corpus.with_name(f"{corpus.stem}_rg{rows_per_group}.parquet")
+    if out.exists():
+        return out
+    tmp = out.with_suffix(".partial")
+    schema = pa.schema([("text", pa.string())])
+    with open(corpus, "rb") as src, pq.ParquetWriter(tmp, schema) as writer:
+        texts: list[str] = []
+        for line in src:
+            if line.strip():
+                texts.append(json.loads(line)["text"])
+            if len(texts) == rows_per_group:
+                writer.write_table(pa.table({"text": texts}, schema=schema), row_group_size=rows_per_group)
+                texts = []
+        if texts:
+            writer.write_table(pa.table({"text": texts}, schema=schema), row_group_size=rows_per_group)
+    os.replace(tmp, out)
+    return out
+
+
+def input_cost(jsonl: Path, parquet: Path, rounds: int = 3) -> None:
+    """CPU seconds of the input side alone (stream, hash, parse to strings), JSONL vs Parquet; medians."""
+    sys.path.insert(0, str(REPO))
+    import pyarrow  # noqa: F401 - its import is start-up, not input cost
+    from dataprep.text_encode import EncodedBlock, parse_records
+    from dataprep.text_input import InputFile, split_lines, stream_inputs
+    from dataprep.text_tables import TableBlock, table_texts
+
+    def cost(path: Path, kind: str) -> float:
+        start = time.process_time()
+        for b in stream_inputs([InputFile(path, path.stat().st_size, kind=kind)], ("text",)):
+            if isinstance(b, TableBlock):
+                table_texts(b, ("text",))
+            else:
+                parse_records(split_lines(b.data), b.first_line, ("text",), EncodedBlock(0, b.first_line, 0))
+        return time.process_time() - start
+
+    size = jsonl.stat().st_size / 1e6
+    for kind, path in (("jsonl", jsonl), ("parquet", parquet)):
+        cpu = median([cost(path, kind) for _ in range(rounds)])
+        print(f"input side only, {kind:7s}: {cpu:6.3f} CPU s for {size:.1f} MB of JSONL text = {size / cpu:7.1f} MB/s "
+              f"per core (median of {rounds})", flush=True)
+
+
 def probe_input(corpus: Path, docs: int) -> Path:
     out = corpus.with_name(f"{corpus.stem}_first{docs}.jsonl")
     if not out.exists():
@@ -299,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="documents in the start-up probe run of each tool (0: no probe)")
     ap.add_argument("--json-out", default=None, help="also write every run as JSON here")
     ap.add_argument("--skip-megatron", action="store_true")
+    ap.add_argument("--parquet", action="store_true",
+                    help="also run ours on the corpus as Parquet; outputs must equal the JSONL run's")
+    ap.add_argument("--parquet-rows", type=int, default=50_000, help="rows per Parquet row group")
     args = ap.parse_args(argv)
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="prep_text_bench_")).resolve()
@@ -342,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"version), served offline from {meg_cwd['gpt2-bpe']}/gpt2", flush=True)
     inputs = {k: corpus_head(corpus, kind_mb[k]) if k in kind_mb else corpus for k in tokenizers}
     stats = {path: (count_lines(path), path.stat().st_size) for path in set(inputs.values())}
+    parquet = {path: parquet_copy(path, args.parquet_rows) for path in set(inputs.values())} if args.parquet else {}
+    for path, pq_path in parquet.items():
+        print(f"parquet copy {pq_path}: {pq_path.stat().st_size / 1e6:.1f} MB", flush=True)
+        input_cost(path, pq_path)
     for path, (docs, size) in sorted(stats.items()):
         print(f"input {path}: {docs:,} documents, {size / 1e6:.1f} MB", flush=True)
     print(f"cpus available {len(os.sched_getaffinity(0))}; pinned: {args.pin_cores}; rounds: {args.repeats}",
@@ -382,6 +444,21 @@ def main(argv: list[str] | None = None) -> int:
                     ours_prefixes.append(prefix)
                     print(f"  round {rnd + 1} {kind:13s} ours t={threads or 'auto'} w={workers}: {wall:6.1f}s "
                           f"CPU {cpu:6.1f}s  RSS {rss / 2**20:5.0f}MB  (load {load})", flush=True)
+                    if data in parquet:
+                        pq_prefix = work / f"ours_parquet_{kind}_w{workers}_t{threads}"
+                        cmd = ours_cmd(py, parquet[data], pq_prefix, tokenizer, workers, threads)
+                        load = load_avg()
+                        wall, rss, cpu, _ = run_measured(pin(cmd, cores), ours_env, REPO)
+                        if not all(filecmp.cmp(f"{pq_prefix}{ext}", f"{prefix}{ext}", shallow=False)
+                                   for ext in (".bin", ".idx")):
+                            raise SystemExit(f"{kind} workers={workers}: the Parquet run's .bin/.idx differ from "
+                                             f"the JSONL run's ({pq_prefix} vs {prefix})")
+                        runs.append({"round": rnd, "kind": kind, "tool": f"ours parquet t={threads or 'auto'}",
+                                     "workers": workers, "wall": wall, "rss": rss, "cpu": cpu, "tokens": tokens,
+                                     "input": str(data), "load": load})
+                        print(f"  round {rnd + 1} {kind:13s} ours parquet t={threads or 'auto'} w={workers}: "
+                              f"{wall:6.1f}s CPU {cpu:6.1f}s  RSS {rss / 2**20:5.0f}MB  (load {load}); .bin/.idx "
+                              "equal to the JSONL run's", flush=True)
                 if args.skip_megatron:
                     continue
                 meg_prefix = work / f"megatron_{kind}_w{workers}"
@@ -424,7 +501,7 @@ def summarize(runs: list[dict], startup: dict, stats: dict, args, show: bool = T
     out = print if show else (lambda *a, **k: None)
     out(f"\nmedians of {args.repeats} interleaved round(s); cores pinned = workers: {args.pin_cores}; "
         f"load now {load_avg()}")
-    out(f"{'tokenizer':<13} {'tool':<12} {'workers':>7} {'MB':>6} {'wall s':>7} {'docs/s':>8} {'MB/s':>6} "
+    out(f"{'tokenizer':<13} {'tool':<20} {'workers':>7} {'MB':>6} {'wall s':>7} {'docs/s':>8} {'MB/s':>6} "
           f"{'tokens/s':>10} {'CPU s':>7} {'peak RSS':>9} {'start s':>7} {'vs Megatron':>11} {'steady':>7}")
     table = []
     for (kind, tool, workers), rs in groups.items():
@@ -441,7 +518,7 @@ def summarize(runs: list[dict], startup: dict, stats: dict, args, show: bool = T
                "cpu": median([r["cpu"] for r in rs]), "rss_mb": max(r["rss"] for r in rs) / 2**20,
                "startup_s": up, "vs_megatron": ratio, "vs_megatron_steady": steady, "rounds": len(rs)}
         table.append(row)
-        out(f"{kind:<13} {tool:<12} {workers:>7} {row['mb']:>6.1f} {wall:>7.1f} {row['docs_s']:>8,.0f} "
+        out(f"{kind:<13} {tool:<20} {workers:>7} {row['mb']:>6.1f} {wall:>7.1f} {row['docs_s']:>8,.0f} "
               f"{row['mb_s']:>6.2f} {row['tokens_s']:>10,.0f} {row['cpu']:>7.1f} {row['rss_mb']:>7,.0f}MB "
               f"{up:>7.1f} {ratio:>10.2f}x {steady:>6.2f}x")
     return table

@@ -16,9 +16,10 @@ from mmtrain.core.tokenizer import TokenizerError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "text": ("dataprep.text", "Tokenize JSONL (.jsonl, .gz, .zst) into Megatron-compatible indexed .bin/.idx shards."),
+    "text": ("dataprep.text", "Tokenize JSONL (.jsonl, .gz, .zst), Parquet or datasets save_to_disk folders into "
+                               "Megatron-compatible indexed .bin/.idx shards."),
     "sft": ("dataprep.sft", "Chat/instruction JSONL -> chat-template tokens + loss mask (SFT), or preference pairs (DPO)."),
-    "train-tokenizer": ("dataprep.tokenizer_train", "Train a SentencePiece BPE/unigram tokenizer from JSONL."),
+    "train-tokenizer": ("dataprep.tokenizer_train", "Train a SentencePiece BPE/unigram tokenizer from JSONL or Parquet."),
     "merge": ("dataprep.merge", "Concatenate indexed datasets into one."),
     "media": ("dataprep.media", "Pack images, video and audio with their text into energon-ready WebDataset shards."),
     "inspect": ("dataprep.inspect", "Show what an indexed prefix or a media shard folder holds."),

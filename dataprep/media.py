@@ -30,6 +30,7 @@ from dataprep.jsonl import jsonl_line
 from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
 from dataprep.media_manifest import Reject, input_fingerprint, is_val, iter_rows
 from dataprep.media_shards import NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta
+from dataprep.progress import add_progress_argument, progress_enabled
 from mmtrain.utils.atomic import atomic_write_text, fsync_dir
 
 STATE_FILE = ".mmtrain-prep-state.json"
@@ -88,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--resume", action="store_true", help="continue an interrupted run into the same DIR")
     r.add_argument("--overwrite", action="store_true", help="build anew and replace a previous output of this command in DIR once the new one is "
                         "complete (until then the previous one stays whole)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_argument(r)
     # Test hook: behave as if interrupted after K shards were completed (exercises --resume).
     r.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -306,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     counts = collections.Counter()
     kinds: set[tuple[str, str]] = set()  # (modality, text field) of written rows, for the sample type
     source_order = {str(Path(p)): i for i, p in enumerate(args.input)}
-    progress = _Progress(not args.no_progress, args.input)
+    progress = _Progress(progress_enabled(args.progress), args.input)
     t0 = time.monotonic()
 
     def batches() -> Iterator[list]:

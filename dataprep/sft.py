@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     keys = output_keys(args.preference)
     prefixes = {k: prefix if k == "tokens" else f"{prefix}_{k}" for k in keys}
     files, skipped = find_inputs(args.input, exclude=output_paths(prefix, list(prefixes.values())))
+    tables = [str(f.path) for f in files if f.kind != "jsonl"]
+    if tables:  # conversations are nested records: JSONL only
+        raise PrepError(f"mmtrain-prep sft reads JSONL conversations; {tables[0]} is a table (Parquet/Arrow): "
+                        "write it as JSONL, or pass only .jsonl inputs")
     _check_writable(prefix)
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
                                merge_file=args.merge_file)

@@ -1,6 +1,8 @@
-"""`mmtrain-prep text`: JSONL (.jsonl, .gz, .zst) -> tokens -> Megatron-compatible ``PREFIX.bin/.idx``.
+"""`mmtrain-prep text`: JSONL (.jsonl, .gz, .zst), Parquet or ``datasets.save_to_disk`` folders -> tokens ->
+Megatron-compatible ``PREFIX.bin/.idx``.
 
-Pipeline: this process streams the inputs as ~1 MB blocks of whole lines (``text_input``), worker
+Pipeline: this process streams the inputs as ~1 MB blocks of whole lines (``text_input``) or of table rows
+(``text_tables``: the key columns only, a Parquet row group at a time), worker
 processes parse and batch-encode each block (``text_encode``), and this process writes the results in
 input order (``mmtrain.core.indexed``). At most a few blocks per worker are in flight, so memory stays
 flat on inputs of any size. Outputs appear only when complete (``text_output`` has the protocol).
@@ -22,10 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from dataprep.errors import PrepError
+from dataprep.progress import add_progress_argument, progress_enabled
 from dataprep.text_encode import BlockEncoder, EncodedBlock, EncodeOptions, encode_in_worker, excerpt, init_worker
-from dataprep.text_input import Truncated, describe_skipped, find_inputs, stream_blocks
+from dataprep.text_input import Truncated, describe_skipped, find_inputs, stream_inputs
 from dataprep.text_output import (RejectLog, failed_rejects_path, human_rate, key_prefixes, manifest_path,
                                   output_paths, print_summary, rejects_path, replace_outputs, write_manifest)
+from dataprep.text_tables import describe_row, preload
 from mmtrain.core.indexed import IndexedDatasetWriter, token_dtype_for
 from mmtrain.core.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
@@ -39,7 +43,8 @@ def available_cpus() -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), globs, or folders of them")
+                   help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst), Parquet files (.parquet), datasets "
+                        "save_to_disk folders, globs, or folders of them")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json (PREFIX_<key>.* for several keys)")
     p.add_argument("--tokenizer", required=True,
@@ -50,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-file", default=None, metavar="MERGES",
                    help="GPT-2 merges.txt for a --tokenizer vocab.json that has none next to it (type gpt2-bpe)")
     p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                   help="JSON keys to tokenize; several keys give one .bin/.idx pair per key (default: text)")
+                   help="JSON keys (Parquet/Arrow: columns) to tokenize; several keys give one .bin/.idx pair "
+                        "per key (default: text)")
     p.add_argument("--append-eod", action="store_true",
                    help="append the tokenizer's end-of-sequence id to every document")
     p.add_argument("--eod-token", default=None, metavar="TOKEN",
@@ -61,16 +67,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizing worker processes (default: all CPUs; 0 = encode in this process)")
     p.add_argument("--threads-per-worker", type=int, default=None, metavar="T",
                    help="tokenizer threads inside each worker (default: CPUs / workers)")
-    p.add_argument("--block-mb", type=float, default=1.0, help="MB of JSONL per work unit (default 1)")
+    p.add_argument("--block-mb", type=float, default=1.0, help="MB of JSONL (or of table text) per work unit "
+                                                               "(default 1)")
     p.add_argument("--keep-empty", action="store_true",
                    help="write documents with no tokens too (default: count and skip them)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of rejecting it")
-    p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
-                   help="progress bar (default: only on a terminal)")
+    add_progress_argument(p)
 
 
 def _progress_bar(total_bytes: int, mode: str, title: str = "prep text"):
-    if mode == "never" or (mode == "auto" and not sys.stderr.isatty()):
+    if not progress_enabled(mode):
         return None
     from tqdm import tqdm
 
@@ -88,22 +94,30 @@ class _Run:
         self.blocks = 0
         self.start = time.monotonic()
 
-    def _reject(self, file_index: int, line: int, reason: str, excerpt: str, code: str) -> None:
-        path = str(self.files[file_index].path)
+    def _reject(self, file_index: int, line: int, reason: str, excerpt: str, code: str,
+                row_group: int | None = None) -> None:
+        entry = self.files[file_index]
+        path = str(entry.path)
+        if entry.kind == "jsonl":
+            where, named = {"line": line}, f"{path}:{line}"
+        else:
+            where, at = describe_row(entry.kind, line, row_group)
+            named = f"{path}: {at}"
         if self.args.strict:
-            raise PrepError(f"{path}:{line}: {reason} (--strict stops at the first bad record; "
+            raise PrepError(f"{named}: {reason} (--strict stops at the first bad record; "
                             "drop --strict to collect them in PREFIX.rejects.jsonl)")
-        self.rejects.add(path, line, reason, excerpt, code)
+        self.rejects.add(path, where, reason, excerpt, code)
         self.rejected += 1
 
     def consume(self, item: EncodedBlock | Truncated) -> None:
         if isinstance(item, Truncated):
             self.read += 1
             self.files[item.file_index].records += 1
-            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial), "truncated_file")
+            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial), "truncated_file",
+                         item.row_group)
             return
         for r in item.rejects:
-            self._reject(item.file_index, r.line, r.reason, r.excerpt, r.code)
+            self._reject(item.file_index, r.line, r.reason, r.excerpt, r.code, item.row_group)
         for key, writer in self.writers.items():
             writer.add(item.tokens[key], item.lengths[key])
         self.read += item.records
@@ -185,11 +199,13 @@ def _check_writable(prefix: str) -> None:
 
 
 def write_indexed_outputs(args, prefix: str, files, outputs: dict[str, tuple[str, np.dtype]], options,
-                          workers: int, tokenizer, encoder_class=BlockEncoder, title: str = "prep text"):
+                          workers: int, tokenizer, encoder_class=BlockEncoder, title: str = "prep text",
+                          table_keys: tuple[str, ...] = ()):
     """Stream ``files`` through the encoder pool into one ``.bin/.idx`` writer per output key
     (``outputs``: key -> (data prefix, dtype)) and switch PREFIX over to the new complete set (the caller
     writes the manifest next). Returns (counters, writers, rejects file or None). Shared by `text` and `sft`:
-    ``args`` brings ``strict``, ``block_mb`` and ``progress``."""
+    ``args`` brings ``strict``, ``block_mb`` and ``progress``; ``table_keys``: the columns read from Parquet /
+    Arrow inputs (JSONL files are read whole)."""
     # Everything is written beside a complete earlier output of PREFIX, which stays until the new one is
     # complete (replace_outputs); a run that fails, is killed or writes nothing leaves it as it was.
     writers: dict[str, IndexedDatasetWriter] = {}
@@ -202,7 +218,7 @@ def write_indexed_outputs(args, prefix: str, files, outputs: dict[str, tuple[str
         for key, (p, dtype) in outputs.items():
             writers[key] = IndexedDatasetWriter(p, dtype)
         state = _Run(args, files, writers, rejects)
-        blocks = stream_blocks(files, int(args.block_mb * (1 << 20)),
+        blocks = stream_inputs(files, table_keys, int(args.block_mb * (1 << 20)),
                                on_progress=bar.update if bar is not None else None)
         results = _pipeline(blocks, options, workers, tokenizer, encoder_class)
         for result in results:
@@ -247,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
     prefixes = key_prefixes(prefix, keys)
     files, skipped = find_inputs(args.input, exclude=output_paths(prefix, list(prefixes.values())))
     _check_writable(prefix)  # before the tokenizer loads and workers start
+    if any(f.kind != "jsonl" for f in files):
+        preload()  # before the workers fork: they share it
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_type, eod_token=args.eod_token,
                                add_special_tokens=args.add_special_tokens, merge_file=args.merge_file)
     if args.append_eod and tokenizer.eod_id is None:
@@ -262,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
                             str(tokenizer.merges_path) if tokenizer.type == "gpt2-bpe" else None)
 
     state, writers, rejects_file = write_indexed_outputs(
-        args, prefix, files, {k: (p, dtype) for k, p in prefixes.items()}, options, workers, tokenizer)
+        args, prefix, files, {k: (p, dtype) for k, p in prefixes.items()}, options, workers, tokenizer,
+        table_keys=keys)
 
     elapsed = time.monotonic() - started
     counts = state.counts()

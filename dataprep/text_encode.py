@@ -1,10 +1,12 @@
-"""Worker side of `mmtrain-prep text`: one block of JSONL lines -> token arrays, rejects and counts.
+"""Worker side of `mmtrain-prep text`: one block of JSONL lines (or of Parquet/Arrow rows) -> token arrays,
+rejects and counts.
 
 Per line the work is the unavoidable minimum in Python (UTF-8 check, ``json.loads``, key checks); the
 tokenizer then encodes the whole block in one batch call (C++/Rust), and ids become one flat numpy array
 per key plus an int32 length array. That keeps per-document Python overhead small and the result cheap
 to send back to the writing process. Every non-blank line ends up in exactly one of: written, empty,
-rejected (with its line number and reason).
+rejected (with its line number and reason). A table block's rows go the same way (``text_tables`` turns its
+columns into strings); a reject's ``line`` is then its 0-based row in the file, and the block names the row group.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from itertools import chain
 import numpy as np
 
 from dataprep.text_input import Block, split_lines
+from dataprep.text_tables import TableBlock, table_texts
 from mmtrain.core.tokenizer import Tokenizer, load_tokenizer
 
 EXCERPT_CHARS = 200
@@ -50,9 +53,10 @@ class Reject:
 @dataclass
 class EncodedBlock:
     file_index: int
-    first_line: int
+    first_line: int  # a table block: its first row (0-based)
     text_bytes: int
-    records: int = 0  # non-blank lines
+    row_group: int | None = None  # a Parquet block's row group
+    records: int = 0  # non-blank lines (table rows)
     blank: int = 0
     empty: int = 0
     rejects: list[Reject] = field(default_factory=list)
@@ -132,8 +136,9 @@ class BlockEncoder:
         self.tokenizer.set_threads(options.threads)
         self.dtype = np.dtype(options.dtype)
 
-    def _encode_all(self, texts: dict[str, list[str]], where: list[int], lines: list[bytes],
-                    first_line: int, out: EncodedBlock) -> dict[str, list[list[int]]]:
+    def _encode_all(self, texts: dict[str, list[str]], where: list[int], line_of, excerpt_of,
+                    out: EncodedBlock) -> dict[str, list[list[int]]]:
+        """``line_of(i)`` / ``excerpt_of(i)``: a record's position and excerpt by its index in the block."""
         try:
             return {k: self.tokenizer.encode_batch(v) for k, v in texts.items()}
         except Exception:  # noqa: BLE001 - find the record(s) the tokenizer refuses, reject only those
@@ -154,18 +159,42 @@ class BlockEncoder:
                     bad[j] = "tokenizer_error", f"tokenizer refused key {k!r}: {type(exc).__name__}: {exc}"[:300]
                     break
         for j, (code, reason) in bad.items():
-            out.rejects.append(Reject(first_line + where[j], reason, excerpt(lines[where[j]]), code))
+            out.rejects.append(Reject(line_of(where[j]), reason, excerpt_of(where[j]), code))
         out.rejects.sort(key=lambda r: r.line)
         keep = [j for j in range(len(where)) if j not in bad]
         for k in texts:
             texts[k] = [texts[k][j] for j in keep]
         return {k: self.tokenizer.encode_batch(v) for k, v in texts.items()}
 
-    def encode(self, block: Block) -> EncodedBlock:
+    def encode(self, block: Block | TableBlock) -> EncodedBlock:
+        if isinstance(block, TableBlock):
+            return self._encode_table(block)
         out = EncodedBlock(block.file_index, block.first_line, len(block.data))
         lines = split_lines(block.data)
         texts, where = parse_records(lines, block.first_line, self.options.json_keys, out)
-        ids = self._encode_all(texts, where, lines, block.first_line, out) if where else {}
+        ids = (self._encode_all(texts, where, lambda i: block.first_line + i, lambda i: excerpt(lines[i]), out)
+               if where else {})
+        return self._finish(ids, out)
+
+    def _encode_table(self, block: TableBlock) -> EncodedBlock:
+        out = EncodedBlock(block.file_index, block.first_row, block.text_bytes, row_group=block.row_group,
+                           records=block.num_rows)
+        texts, where, bad = table_texts(block, self.options.json_keys)
+        for i, (code, reason, value) in bad.items():
+            out.rejects.append(Reject(block.first_row + i, reason, value, code))
+
+        position: dict[int, int] = {}  # row in the block -> index in texts, built only if a row is refused
+
+        def excerpt_of(i: int) -> str:
+            if not position:
+                position.update((row, j) for j, row in enumerate(where))
+            return " | ".join(texts[k][position[i]][:EXCERPT_CHARS] for k in texts)[:EXCERPT_CHARS]
+
+        ids = self._encode_all(texts, where, lambda i: block.first_row + i, excerpt_of, out) if where else {}
+        return self._finish(ids, out)
+
+    def _finish(self, ids: dict[str, list[list[int]]], out: EncodedBlock) -> EncodedBlock:
+        """Token ids per key -> one flat array and the lengths per key; empty documents counted (and dropped)."""
         n = len(next(iter(ids.values()))) if ids else 0
         lengths = {k: np.fromiter(map(len, v), np.int64, count=n) for k, v in ids.items()}
         keep = None
@@ -215,6 +244,6 @@ def init_worker(options, preloaded: Tokenizer | None = None, encoder_class=Block
     _ENCODER = encoder_class(options, preloaded)
 
 
-def encode_in_worker(block: Block):
+def encode_in_worker(block: Block | TableBlock) -> EncodedBlock:
     assert _ENCODER is not None, "init_worker was not run in this process"
     return _ENCODER.encode(block)

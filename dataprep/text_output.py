@@ -85,8 +85,10 @@ class RejectLog:
         self.count = 0
         self.codes: collections.Counter = collections.Counter()
 
-    def add(self, file: str, line: int, reason: str, excerpt: str, code: str = "bad_record") -> None:
-        self._f.write(jsonl_line({"file": file, "line": line, "code": code, "reason": reason, "excerpt": excerpt}))
+    def add(self, file: str, line: int | dict, reason: str, excerpt: str, code: str = "bad_record") -> None:
+        """``line``: a JSONL line number, or the location fields of a table row ({"row_group": 2, "row": 7})."""
+        where = line if isinstance(line, dict) else {"line": line}
+        self._f.write(jsonl_line({"file": file, **where, "code": code, "reason": reason, "excerpt": excerpt}))
         self.count += 1
         self.codes[code] += 1
 

@@ -20,14 +20,16 @@ from pathlib import Path
 
 from dataprep.errors import PrepError
 from dataprep.text_encode import EncodedBlock, parse_records
-from dataprep.text_input import Truncated, expand_inputs, split_lines, stream_blocks
+from dataprep.text_input import Truncated, expand_inputs, split_lines, stream_inputs
+from dataprep.text_tables import TableBlock, describe_row, table_texts
 from dataprep.text_output import write_manifest
 from mmtrain.core.tokenizer import file_sha256
 from mmtrain.utils.atomic import fsync_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="JSONL files, globs or folders")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="JSONL or Parquet files, datasets save_to_disk folders, globs or folders")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
@@ -53,15 +55,28 @@ def _sample(args) -> tuple[list[str], dict, list, list[str]]:
     sample: list[str] = []
     counts = {"read": 0, "bad": 0}
     examples: list[str] = []
-    for item in stream_blocks(files):
+    keys = tuple(args.json_keys)
+
+    def where(file_index: int, line: int, row_group: int | None = None) -> str:
+        entry = files[file_index]
+        return (f"{entry.path}:{line}" if entry.kind == "jsonl"
+                else f"{entry.path}: {describe_row(entry.kind, line, row_group)[1]}")
+
+    for item in stream_inputs(files, keys):
         if isinstance(item, Truncated):
             counts["bad"] += 1
-            examples.append(f"{files[item.file_index].path}:{item.line}: {item.reason}")
+            examples.append(f"{where(item.file_index, item.line, item.row_group)}: {item.reason}")
             continue
-        out = EncodedBlock(item.file_index, item.first_line, len(item.data))
-        texts, _ = parse_records(split_lines(item.data), item.first_line, tuple(args.json_keys), out)
-        counts["bad"] += len(out.rejects)
-        examples += [f"{files[item.file_index].path}:{r.line}: {r.reason}" for r in out.rejects[:3]]
+        if isinstance(item, TableBlock):
+            texts, _, bad = table_texts(item, keys)
+            counts["bad"] += len(bad)
+            examples += [f"{where(item.file_index, item.first_row + i, item.row_group)}: {reason}"
+                         for i, (_, reason, _) in list(bad.items())[:3]]
+        else:
+            out = EncodedBlock(item.file_index, item.first_line, len(item.data))
+            texts, _ = parse_records(split_lines(item.data), item.first_line, keys, out)
+            counts["bad"] += len(out.rejects)
+            examples += [f"{where(item.file_index, r.line)}: {r.reason}" for r in out.rejects[:3]]
         for i in range(len(next(iter(texts.values())))):
             doc = "\n".join(texts[k][i] for k in args.json_keys)
             counts["read"] += 1

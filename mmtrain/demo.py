@@ -3,7 +3,8 @@
     python -m mmtrain.demo [--out runs/demo] [--steps N] [--no-vlm]
 
 Steps (each printed as it runs): generate a sample corpus -> train a tokenizer -> `mmtrain-prep text` ->
-`mmtrain-prep verify` -> train a tiny GPT on the shards; then the multimodal path (``mmtrain.demo_vlm``):
+`mmtrain-prep verify` -> train a tiny GPT on the shards -> plot its metrics (``mmtrain.plot``: loss, validation
+loss, learning rate, tokens/s as PNGs in ``OUT/plots/``, when matplotlib is installed); then the multimodal path (``mmtrain.demo_vlm``):
 sample images/audio/video -> `mmtrain-prep text` and `media` -> a blend of text and image-caption shards ->
 `mmtrain.pretrain_vlm` for 50 steps -> a caption generated for an image. Each step is the same public command a
 user runs by hand, executed as a subprocess, so the demo shows exactly what works end to end.
@@ -31,6 +32,13 @@ def _step(title: str, cmd: list[str]) -> None:
 
 def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+def _plot(py: str, run_dir: Path, plots: Path) -> None:
+    if _have("matplotlib"):
+        _step("plot the run's metrics", [py, "-m", "mmtrain.plot", str(run_dir), "--out", str(plots)])
+    else:
+        print(f"=== (no plots of {run_dir}: matplotlib is not installed; pip install 'mmtrain[plot]')", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                                           "--config", str(REPO / "configs" / "gpt" / "tiny_cpu.yaml"),
                                           f"train.steps={args.steps}", f"logging.run_dir={out / 'train'}",
                                           *train_overrides])
+    _plot(py, out / "train", out / "plots")
     if not args.no_vlm:
         _step("the multimodal path: images, audio and text -> a tiny VLM -> a caption",
               [py, "-m", "mmtrain.demo_vlm", "--out", str(out / "vlm"), "--steps", str(args.vlm_steps)])
+        _plot(py, out / "vlm" / "train", out / "vlm" / "plots")
     print(f"\nAll done. Outputs under {out}/", flush=True)
     return 0
 

@@ -187,6 +187,16 @@ class LoggingConfig:
     log_every: int = doc(1, "Print one metrics line every N steps (rank 0).", ge=1)
     tensorboard: bool = doc(False, "Also write TensorBoard event files to run_dir/tb (needs the tensorboard package).")
     peak_tflops: float = doc(0.0, "Per-device peak TFLOP/s for MFU; 0 hides MFU.", ge=0)
+    wandb: bool = doc(False, "Also log to Weights & Biases from rank 0: every metrics.jsonl figure per step and "
+                             "the resolved config (needs the wandb package: pip install 'mmtrain[wandb]'). A "
+                             "resumed run continues the same W&B run (id in run_dir/wandb_run_id).")
+    wandb_project: str = doc("mmtrain", "W&B project of the run.")
+    wandb_name: str = doc("", "W&B run name; empty: the name of logging.run_dir's folder.")
+    wandb_entity: str = doc("", "W&B entity (user or team); empty: the account's default.")
+    wandb_tags: list[str] = doc([], "W&B tags of the run.")
+    wandb_mode: Literal["online", "offline", "disabled"] = doc(
+        "online", "online uploads as the run goes; offline writes run_dir/wandb/ only (upload later with "
+                  "`wandb sync`); disabled logs nothing.")
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+import importlib.util
 
 from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
 from mmtrain.config.loader import ConfigError
@@ -70,6 +71,9 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
                           f"({p.tp}) with sequence parallelism")
     if not d.mock and not d.prefixes and not d.blend:
         raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb=true needs the wandb package: pip install 'mmtrain[wandb]' (or set "
+                          "logging.wandb=false)")
     _validate_data(d)
     if (t.objective == "dpo") != (d.type == "preference"):
         raise ConfigError(f"train.objective={t.objective} with data.type={d.type}: DPO trains on preference pairs "

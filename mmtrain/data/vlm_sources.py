@@ -18,6 +18,9 @@ from mmtrain.data.blend_spec import BlendSpecError, load_blend_spec
 from mmtrain.data.gpt_dataset import packed_document_inputs
 from mmtrain.data.vlm_batches import EnergonRows, MockMediaSamples, VLMBatches
 from mmtrain.utils.atomic import atomic_write_text
+from mmtrain.utils.log import get_logger
+
+log = get_logger("mmtrain.data")
 
 
 def _entry(e) -> dict:
@@ -47,13 +50,29 @@ def _is_media(e) -> bool:
     return e.type == "energon"
 
 
+def describe_blend(split: str, entries, fraction: float) -> str:
+    """One log line naming every dataset of a VLM blend, text and media, with its share of the rows."""
+    total = sum(e.weight for e in entries if e.weight is not None)
+    text, media = [e for e in entries if _is_text(e)], [e for e in entries if _is_media(e)]
+
+    def named(es) -> str:
+        return ", ".join(Path(e.path).name + (f" {e.weight / total:.4f}" if e.weight is not None and total else "")
+                         for e in es)
+    parts = ([f"text {fraction:.4f} of rows ({named(text)})"] if text else []) + \
+            ([f"media {1 - fraction:.4f} of rows ({named(media)})"] if media else [])
+    return (f"{split} VLM blend: {len(entries)} dataset(s): " + "; ".join(parts)
+            + ("; the text part's own blend follows" if text else ""))
+
+
 def _split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Path | str | None, float]:
     """(text-only spec or None, media source or None, text fraction of ``split``) for ``data.blend``."""
     path = Path(blend)
     if path.is_dir() or not path.is_file():
+        log.info("%s VLM data: media from %s (every row)", split, blend)
         return None, blend, 0.0  # a media folder (or a missing path: the multimodal loader names it)
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     if isinstance(raw, dict) and "__class__" in raw:
+        log.info("%s VLM data: media from the energon metadataset %s (every row)", split, blend)
         return None, blend, 0.0  # an energon metadataset
     spec = load_blend_spec(path)
     entries = spec.entries_for(split)
@@ -65,6 +84,7 @@ def _split_blend(blend: str, run_dir: str, split: str) -> tuple[Path | None, Pat
         raise BlendSpecError(f"{missing.where}: a blend mixing text and energon entries must weigh every entry "
                              "(energon sets have no token counts to weigh by); add weight: to each")
     fraction = 1.0 if not media else 0.0 if not text else sum(e.weight for e in text) / sum(e.weight for e in entries)
+    log.info(describe_blend(split, entries, fraction))  # the text blend's own lines follow (blend.py)
     out = Path(run_dir) / "data"
     stem = path.stem
     text_spec = _write_spec(spec, _is_text, out / f"{stem}.text.yaml") if text else None

@@ -38,6 +38,7 @@ from mmtrain.train.precision import precision_for
 from mmtrain.train.resume_inputs import LrSchedule, resolve_resume, resume_records
 from mmtrain.train.samples import SampleLogger
 from mmtrain.train.step_hooks import PreemptionCheck, RouterBiasBalancer, StepHooks
+from mmtrain.train.wandb_sink import WandbSink
 from mmtrain.utils.log import get_logger
 
 
@@ -281,8 +282,11 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
         batches.load_state_dict(restored["loader"])
         if val_batches is not None and restored["valid_loader"] is not None:  # evaluations continue their order
             val_batches.load_state_dict(restored["valid_loader"])
+    sinks = []
+    if cfg.logging.wandb and mesh.rank == 0:  # wandb is imported here, on rank 0 only
+        sinks.append(WandbSink(cfg.logging, cfg.logging.run_dir, dataclasses.asdict(cfg)))
     metrics = MetricsLogger(cfg.logging.run_dir, mesh.rank, cfg.train.steps, cfg.logging.log_every,
-                            cfg.logging.tensorboard, resume_step=start_step)
+                            cfg.logging.tensorboard, resume_step=start_step, sinks=sinks)
     n_params = sum(p.numel() for p in stage.parameters())
     n_frozen = n_params - sum(p.numel() for p in params)
     frozen = f" ({n_frozen / 1e6:.2f}M frozen)" if n_frozen else ""

@@ -1,4 +1,5 @@
-"""Per-step metrics: one console line per logged step on rank 0, a JSONL file, optional TensorBoard.
+"""Per-step metrics: one console line per logged step on rank 0, a JSONL file, optional TensorBoard and other
+sinks (``sinks``: objects with ``log(step, metrics)`` and ``close()``, e.g. ``wandb_sink.WandbSink``).
 
 ``metrics.jsonl`` keeps one row per step: a run resumed from the checkpoint of step k first removes the rows of
 steps after k (logged by the interrupted run after its last checkpoint, now run again), and TensorBoard purges
@@ -6,13 +7,18 @@ its events after k the same way.
 
 The line format is fixed and greppable::
 
-    step 12/100 | loss 3.2104 | lr 3.00e-04 | grad_norm 1.234 | tok/s 12.3k | tflops 45.1 | mfu 6.1% | mem 3.2GiB
+    step 12/100 | loss 3.2104 | lr 3.00e-04 | grad_norm 1.234 | tok/s 12.3k | tflops 45.1 | mfu 6.1% | mem 3.2GiB | 412ms | eta 36s
+
+``eta`` is the time left: the steps to go times the median of the last 20 step times (the median, so that the
+first steps' compilation and an evaluation or checkpoint step do not swing it). It is on the line only.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +52,42 @@ def _fmt_value(key: str, value: Any) -> str:
     return f"{key} {value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{key} {value:.3e}"
 
 
-def format_step_line(step: int, total_steps: int, metrics: dict[str, Any]) -> str:
+ETA_WINDOW = 20  # recent step times the time left is estimated from
+
+
+def format_duration(seconds: float) -> str:
+    """'45s', '12m05s', '3h07m', '2d04h'."""
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def format_step_line(step: int, total_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
     metrics = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}  # those go to metrics.jsonl
     keys = [k for k in _ORDER if k in metrics] + sorted(k for k in metrics if k not in _ORDER)
-    return " | ".join([f"step {step}/{total_steps}"] + [_fmt_value(k, metrics[k]) for k in keys])
+    eta = [f"eta {format_duration(eta_s)}"] if eta_s is not None and math.isfinite(eta_s) else []
+    return " | ".join([f"step {step}/{total_steps}"] + [_fmt_value(k, metrics[k]) for k in keys] + eta)
+
+
+class StepTimes:
+    """The last ``window`` step times; ``eta(step, total)`` = steps left x their median (None before any)."""
+
+    def __init__(self, window: int = ETA_WINDOW) -> None:
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+
+    def add(self, seconds: Any) -> None:
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds):
+            self.recent.append(float(seconds))
+
+    def eta(self, step: int, total_steps: int) -> float | None:
+        if not self.recent:
+            return None
+        return max(total_steps - step, 0) * statistics.median(self.recent)
 
 
 def _drop_rows_after(path: Path, step: int, log) -> None:
@@ -82,13 +120,15 @@ class MetricsLogger:
     """Writes metrics on rank 0 only; other ranks get a no-op object with the same methods."""
 
     def __init__(self, run_dir: str | Path, rank: int = 0, total_steps: int = 0, log_every: int = 1,
-                 tensorboard: bool = False, resume_step: int = 0) -> None:
+                 tensorboard: bool = False, resume_step: int = 0, sinks: list | None = None) -> None:
         self.enabled = rank == 0
         self.total_steps = total_steps
         self.log_every = max(1, log_every)
         self._log = get_logger("metrics")
         self._jsonl = None
         self._tb = None
+        self._times = StepTimes()
+        self._sinks = list(sinks or []) if self.enabled else []
         if not self.enabled:
             return
         run_dir = Path(run_dir)
@@ -115,11 +155,17 @@ class MetricsLogger:
             if metrics.get("samples"):  # train.sample_every: prompt -> completion, as markdown text
                 self._tb.add_text("samples", "\n\n".join(f"**{s['prompt']}** {s['completion']}"
                                                           for s in metrics["samples"]), step)
+        for sink in self._sinks:
+            sink.log(step, metrics)
+        self._times.add(metrics.get("step_time_s"))
         if force or step % self.log_every == 0 or step == self.total_steps:
-            self._log.info(format_step_line(step, self.total_steps, metrics))
+            self._log.info(format_step_line(step, self.total_steps, metrics,
+                                            self._times.eta(step, self.total_steps)))
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
