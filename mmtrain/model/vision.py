@@ -1,7 +1,7 @@
 """The ViT image encoder (SigLIP/CLIP-like), for one device.
 
 Images (N, 3, H, W) -> patches (conv with stride = patch size) -> + 2D positions (+ a temporal row for video
-frames) -> pre-norm *bidirectional* transformer blocks (the LM's ``TransformerBlock`` with ``causal=False``)
+frames) -> pre-norm *bidirectional* transformer blocks (the LM's ``TransformerBlock`` with ``BidirectionalAttention``)
 -> optional final norm -> features (N, P, D). The blocks live in ``layers`` like the GPT's, so the GPT tensor-
 parallel plan (``mmtrain.parallel.tensor.apply_tensor_parallel``) shards this encoder unchanged (without
 sequence parallelism: its input, the images, is the same on every TP rank).
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.config.vlm_schema import VisionConfig
+from mmtrain.model.attention import BidirectionalAttention
 from mmtrain.model.layers import TransformerBlock, make_norm
 from mmtrain.models.llama.spec import encoder_sharding_spec
 
@@ -82,7 +83,7 @@ class VisionEncoder(nn.Module):
         if cfg.position_embedding == "sincos2d":
             self.register_buffer("pos_table", _sincos_2d(cfg.grid, cfg.hidden_size), persistent=False)
         self.temporal_embed = nn.Embedding(cfg.max_video_frames, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, BidirectionalAttention())
                                      for i in range(cfg.num_layers)})
         self.norm = make_norm(block_cfg) if cfg.post_norm else None
 

@@ -1,7 +1,8 @@
 """Model families by ``model.family``: what the trainer needs of each, so that it names no family's classes.
 
-A family is a ``ModelFamily``: ``build_stage(model_cfg, layer_range, pre_process, post_process)`` makes one
-pipeline stage (global layer names, not yet initialized: the caller runs ``init_weights(seed)``),
+A family is a ``ModelFamily``: ``build_stage(model_cfg, layer_range, pre_process, post_process, attention)``
+makes one pipeline stage (global layer names, not yet initialized: the caller runs ``init_weights(seed)``;
+``attention``: the attention strategy of ``mmtrain.model.attention``, None for the default),
 ``flops_per_token(model_cfg, seq_length)`` its training FLOPs per token, ``has_routed_experts(model_cfg)``
 whether it has MoE layers (the expert-parallel plan and the router-bias balancing apply),
 ``sharding_spec(model_cfg)`` the whole model's spec (checkpoints, the HF bridge), ``architecture(model_cfg)``
@@ -40,7 +41,7 @@ class HFAdapter:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    build_stage: Callable[[ModelConfig, tuple[int, int], bool, bool], nn.Module]
+    build_stage: Callable[[ModelConfig, tuple[int, int], bool, bool, Any], nn.Module]
     flops_per_token: Callable[[ModelConfig, int], float]
     has_routed_experts: Callable[[ModelConfig], bool]
     sharding_spec: Callable[[ModelConfig], ShardingSpec]
@@ -48,10 +49,10 @@ class ModelFamily:
     hf: HFAdapter
 
 
-def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool) -> nn.Module:
+def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool, attention=None) -> nn.Module:
     from mmtrain.models.llama.model import GPTModel
 
-    return GPTModel(m, layer_range, pre_process=pre, post_process=post)
+    return GPTModel(m, layer_range, pre_process=pre, post_process=post, attention=attention)
 
 
 def _llama_flops(m: ModelConfig, seq_length: int) -> float:
@@ -60,10 +61,11 @@ def _llama_flops(m: ModelConfig, seq_length: int) -> float:
     return flops_per_token(m, seq_length)
 
 
-def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool) -> nn.Module:
+def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool,
+                       attention=None) -> nn.Module:
     from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 
-    return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post)
+    return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post, attention=attention)
 
 
 def _deepseek_v3_flops(m: ModelConfig, seq_length: int) -> float:

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from mmtrain.config.schema import GPTRunConfig
+from mmtrain.model.attention_cp import attention_for
 from mmtrain.model.fp8 import Fp8Runtime, apply_fp8, resolve_fp8_backend
 from mmtrain.models.registry import model_family
-from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import apply_expert_parallel
 from mmtrain.parallel.pipeline import stage_layer_ranges
@@ -41,10 +41,10 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
                  fp8_backend: str | None = None) -> nn.Module:
     family = model_family(cfg.model)
     has_experts = family.has_routed_experts(cfg.model)
-    model = family.build_stage(cfg.model, layer_range, pre, post)
+    # the CP plan is the attention strategy the model is built with (K/V all-gather, per-chunk masks)
+    model = family.build_stage(cfg.model, layer_range, pre, post, attention_for(mesh.cp_group))
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
-    apply_context_parallel(model, mesh.cp_group)
     if has_experts:
         sp = cfg.parallel.sequence_parallel and mesh.dims.tp > 1
         apply_expert_parallel(model, mesh.ep_group, token_groups=[mesh.tp_group if sp else None, mesh.cp_group])
