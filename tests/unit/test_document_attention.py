@@ -233,3 +233,27 @@ def test_auto_kernel_is_flex_on_cuda_and_dense_on_cpu():
     assert attention.kernel_for(torch.device("cuda")).name == "flex"
     assert attention.kernel_for(torch.device("cpu")) is attention.kernel_for(torch.device("cpu"))  # one object
     assert attention.prepare(None) is None  # no document ids: SDPA's causal kernel
+
+
+def test_vlm_packing_flex_equals_dense_loss_and_every_gradient(cpu_flex):
+    """``data.mm_pack``: row 0 of the batch packs two image-caption samples (two document ids)."""
+    from mmtrain.model.vlm import VLMModel
+    from tests.vlm_helpers import make_batch, tiny_vlm_config
+
+    batch = make_batch()
+    assert set(batch.document_ids[0].tolist()) == {-1, 0, 1}  # two samples, then padding (ids not sorted)
+    results = []
+    for kernel in (FlexDocuments(block=8), DenseDocuments()):
+        model = VLMModel(tiny_vlm_config(), attention=CausalAttention(kernel))
+        model.init_weights(3)
+        losses = model(batch.tokens, batch.labels, batch.position_ids, batch.document_ids, images=batch.images,
+                       image_counts=batch.image_counts, audio=batch.audio, audio_lengths=batch.audio_lengths,
+                       audio_counts=batch.audio_counts, sample_keys=batch.__key__)
+        losses.sum().backward()
+        results.append((losses.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}))
+    (flex_losses, flex_grads), (ref_losses, ref_grads) = results
+    torch.testing.assert_close(flex_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert flex_grads.keys() == ref_grads.keys() and any(n.startswith("vision.") for n in ref_grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(flex_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
