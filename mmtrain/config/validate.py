@@ -52,6 +52,9 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if not d.mock and not d.prefixes and not d.blend:
         raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
     _validate_data(d)
+    if t.document_attention == "flex" and t.device == "cpu":
+        raise ConfigError("train.document_attention=flex needs a GPU (FlexAttention has no backward on the CPU in "
+                          "this torch); use auto or dense")
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
     if t.precision == "fp8" and m.family != "llama":

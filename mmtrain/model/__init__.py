@@ -18,6 +18,7 @@ _PUBLIC = {
     "Projector": "mmtrain.model.projector", "CausalAttention": "mmtrain.model.attention",
     "BidirectionalAttention": "mmtrain.model.attention", "ContextParallelAttention": "mmtrain.model.attention_cp",
 }
-__all__ = ["AudioEncoder", "BidirectionalAttention", "CausalAttention", "ContextParallelAttention", "GPTModel", "Projector", "VLMModel", "VisionEncoder", "count_parameters",
+__all__ = ["AudioEncoder", "BidirectionalAttention", "CausalAttention", "ContextParallelAttention",
+           "GPTModel", "Projector", "VLMModel", "VisionEncoder", "count_parameters",
            "flops_per_token"]
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())

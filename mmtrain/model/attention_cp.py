@@ -68,8 +68,9 @@ class ContextParallelAttention(CausalAttention):
         return torch.cat(outs, dim=2)
 
 
-def attention_for(cp_group) -> CausalAttention:
-    """The attention strategy for a model under this CP group: context-parallel when it has several ranks."""
+def attention_for(cp_group, documents: str = "auto") -> CausalAttention:
+    """The attention strategy for a model under this CP group: context-parallel when it has several ranks.
+    ``documents``: the document kernel (``train.document_attention``)."""
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        return ContextParallelAttention(cp_group)
-    return CausalAttention()
+        return ContextParallelAttention(cp_group, documents)
+    return CausalAttention(documents)

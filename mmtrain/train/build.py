@@ -42,7 +42,8 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
     family = model_family(cfg.model)
     has_experts = family.has_routed_experts(cfg.model)
     # the CP plan is the attention strategy the model is built with (K/V all-gather, per-chunk masks)
-    model = family.build_stage(cfg.model, layer_range, pre, post, attention_for(mesh.cp_group))
+    attention = attention_for(mesh.cp_group, cfg.train.document_attention)
+    model = family.build_stage(cfg.model, layer_range, pre, post, attention)
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
     if has_experts:

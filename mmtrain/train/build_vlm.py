@@ -66,7 +66,7 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
     pp, stage = mesh.dims.pp, mesh.coord.pp
     ranges = stage_layer_ranges(cfg.model.language.num_layers, pp, p.pipeline_layers)
     model = VLMModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1,
-                     attention=attention_for(mesh.cp_group))
+                     attention=attention_for(mesh.cp_group, t.document_attention))
     model.init_weights(t.seed)
     _apply_vlm_parallel(model, mesh, p.sequence_parallel)
     mode = t.activation_checkpointing
