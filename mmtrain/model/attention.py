@@ -63,8 +63,9 @@ def _block_ranges(ids_BS: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     """Smallest and largest document id in each block of ``block`` tokens (the last block may be short)."""
     B, S = ids_BS.shape
     n = -(-S // block)
-    padded = F.pad(ids_BS, (0, n * block - S), mode="replicate") if n * block != S else ids_BS
-    blocks = padded.view(B, n, block)
+    if n * block != S:  # repeat the last id: the padding adds no id range
+        ids_BS = torch.cat([ids_BS, ids_BS[:, -1:].expand(B, n * block - S)], dim=1)
+    blocks = ids_BS.view(B, n, block)
     return blocks.amin(-1), blocks.amax(-1)
 
 

@@ -92,9 +92,10 @@ def _assert_blocks_match(mask, dense_BQK: torch.Tensor, block: int) -> None:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 # q_offset 16/32: a context-parallel chunk of queries against the keys up to its end
-@pytest.mark.parametrize("block, q_offset", [(8, 0), (8, 16), (8, 32), (16, 0), (16, 32)])
+# (16, 20): lengths that are no multiple of the block (44 keys, 24 queries)
+@pytest.mark.parametrize("block, q_offset", [(8, 0), (8, 16), (8, 32), (16, 0), (16, 32), (16, 20)])
 def test_block_mask_equals_dense_reference(cpu_flex, layout, block, q_offset):
-    S, Q = 48, 16 if q_offset else 48
+    S, Q = (48, 16 if q_offset else 48) if q_offset != 20 else (44, 24)
     ids = torch.stack([_docs_from_bounds(S, LAYOUTS[layout]), _docs_from_bounds(S, [3, 30])])
     kv_ids, q_ids = ids[:, :q_offset + Q], ids[:, q_offset:q_offset + Q]
     q, k, v = _qkv(2, 4, 2, Q, q_offset + Q, 8)
