@@ -6,7 +6,8 @@
     torchrun --nproc_per_node 2 bench/train_gpt.py parallel.tp=2 parallel.sequence_parallel=true
 
 Runs the real training loop (``mmtrain.train.loop.train_gpt``) for warmup + timed steps and reports the median
-timed step: tokens/s per GPU, model TFLOP/s per GPU (6N + causal attention, the anchors' formula), MFU against
+timed step (``logging.log_every=1``: every step is a sync point, so each step's time is its own; with a
+longer interval the loop shares the interval's wall time out over its steps, compile steps included): tokens/s per GPU, model TFLOP/s per GPU (6N + causal attention, the anchors' formula), MFU against
 the measured H200 bf16 ceiling (736 TFLOP/s), peak memory. Compare with ../shared/bench anchors in the same call.
 
 Data: mock tokens by default (no documents: the EOD token only by chance); ``--data PREFIX`` reads
@@ -108,7 +109,7 @@ def main() -> None:
     cfg = load_config(GPTRunConfig, a.model, [
         *data, f"data.seq_length={a.seq}", f"train.micro_batch_size={a.batch}",
         f"train.steps={a.steps + a.warmup}", "train.precision=bf16", "optim.warmup_steps=1", "optim.lr=1e-4",
-        "logging.run_dir=/tmp/mmtrain-bench", "logging.log_every=1000000", "checkpoint.save_final=false",
+        "logging.run_dir=/tmp/mmtrain-bench", "logging.log_every=1", "checkpoint.save_final=false",
         *(PACKED if a.packed else []), *a.overrides])
     validate_gpt_config(cfg, world)
     device = pick_device(cfg.train.device)
