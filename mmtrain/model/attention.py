@@ -15,10 +15,12 @@ Document masks (query i attends key j iff j <= i and both lie in the same docume
   FlexAttention has no backward (torch 2.11), and as the reference the tests compare with.
 ``CausalAttention(documents="auto")`` picks flex on CUDA tensors and dense on CPU ones.
 
-Why flex rather than ``torch.nn.attention.varlen.varlen_attn`` (cu_seqlens): varlen takes (T, H, D) packed
-tokens with one flat batch, i.e. a different layout from the (B, H, S, D) the blocks produce, and has no GQA
-or context-parallel (query offset into longer keys) form; a block mask covers one-device, GQA and every CP
-chunk pair with one builder. Measured numbers: docs/packed-documents.md.
+Why flex rather than ``torch.nn.attention.varlen.varlen_attn`` (cu_seqlens, flash): flex was measured faster than
+causal SDPA once documents are shorter than the sequence (issue 18's H200 table); varlen takes the tokens as one
+flat (T, H, D) batch, not the (B, H, S, D) the blocks produce, and its API documents one head count for q, k and
+v (GQA would expand K/V); a block mask is one builder for one device and for every context-parallel chunk pair.
+``bench/attention_packed.py`` times both; another kernel would be one more class with ``mask``/``attend``.
+Numbers: docs/packed-documents.md.
 """
 
 from __future__ import annotations
