@@ -258,3 +258,30 @@ def test_vlm_packing_flex_equals_dense_loss_and_every_gradient(cpu_flex):
     assert flex_grads.keys() == ref_grads.keys() and any(n.startswith("vision.") for n in ref_grads)
     for name, g in ref_grads.items():
         torch.testing.assert_close(flex_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_loader_hands_document_ids_with_each_micro_batch():
+    """The train loop gets positions, document ids and the loss mask from the loader; it builds no mask."""
+    from mmtrain.data.documents import DocumentRule, GPTMicroBatch
+    from mmtrain.data.loader import MicroBatches
+
+    cfg = load_config(GPTRunConfig, None, ["data.mock=true", "data.reset_attention_mask=true",
+                                           "data.eod_mask_loss=true"])
+    samples = [_packed_tokens([[3, 9]], 16, seed=i)[0] for i in range(4)]
+    rule = DocumentRule.from_config(cfg.data, E)
+    batch = MicroBatches(samples, 2, 0, 1, documents=rule).next()
+    assert isinstance(batch, GPTMicroBatch)
+    positions, doc_ids, loss_mask = packed_document_inputs(batch.tokens, E, False, True, True)
+    assert torch.equal(batch.document_ids, doc_ids) and torch.equal(batch.loss_mask, loss_mask)
+    assert torch.equal(batch.position_ids, positions)  # reset_position_ids is off: 0..S-1
+    assert batch.document_ids[0].tolist()[3:5] == [0, 1]  # the token after the EOD starts document 1
+    assert DocumentRule.from_config(load_config(GPTRunConfig, None, ["data.mock=true"]).data, E) is None
+    assert torch.is_tensor(MicroBatches(samples, 2, 0, 1).next())  # without packed documents: plain tokens
+
+
+def test_flex_on_a_cpu_run_is_a_config_error():
+    from mmtrain.config import ConfigError, validate_gpt_config
+
+    cfg = load_config(GPTRunConfig, None, ["data.mock=true", "train.device=cpu", "train.document_attention=flex"])
+    with pytest.raises(ConfigError, match="train.document_attention=flex needs a GPU"):
+        validate_gpt_config(cfg, 1)
