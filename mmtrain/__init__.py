@@ -9,8 +9,9 @@ Configuration
     GPTRunConfig, ModelConfig, VLMRunConfig, VLMModelConfig, load_config, save_config, validate_gpt_config,
     validate_vlm_config, ConfigError
 Models and parallel plans
-    GPTModel, VLMModel, build_gpt_stage, build_vlm_stage, apply_tensor_parallel, apply_context_parallel,
-    apply_expert_parallel, expert_dispatch (the MoE layers' token dispatch, passed in at construction)
+    GPTModel, VLMModel, build_gpt_stage, build_vlm_stage, apply_tensor_parallel, apply_expert_parallel,
+    expert_dispatch (the MoE layers' token dispatch, passed in at construction), CausalAttention,
+    ContextParallelAttention (attention strategies a model is built with)
 Forward-backward schedule
     run_micro_batches, reduce_loss_stats
 Gradients and optimizer
@@ -42,7 +43,8 @@ _PUBLIC = {
     "load_config": "mmtrain.config.loader", "save_config": "mmtrain.config.loader",
     "ConfigError": "mmtrain.config.loader", "validate_gpt_config": "mmtrain.config.validate",
     "GPTModel": "mmtrain.models.llama.model", "build_gpt_stage": "mmtrain.train.build",
-    "apply_tensor_parallel": "mmtrain.parallel.tensor", "apply_context_parallel": "mmtrain.parallel.context",
+    "apply_tensor_parallel": "mmtrain.parallel.tensor", "CausalAttention": "mmtrain.model.attention",
+    "ContextParallelAttention": "mmtrain.model.attention_cp",
     "apply_expert_parallel": "mmtrain.parallel.expert", "expert_dispatch": "mmtrain.parallel.expert",
     "run_micro_batches": "mmtrain.train.loop", "reduce_loss_stats": "mmtrain.train.loop",
     "GradBuckets": "mmtrain.parallel.grad_buckets", "MixedPrecisionAdamW": "mmtrain.train.optimizer",
@@ -60,10 +62,10 @@ _PUBLIC = {
     "train_vlm": "mmtrain.train.vlm_train",
 }
 
-__all__ = ["CheckpointWriter", "ConfigError", "GPTModel", "GPTRunConfig", "GPTSamples", "GradBuckets",
+__all__ = ["CausalAttention", "CheckpointWriter", "ConfigError", "ContextParallelAttention", "GPTModel", "GPTRunConfig", "GPTSamples", "GradBuckets",
            "IndexedDataset", "MicroBatches", "MixedPrecisionAdamW", "MockGPTSamples", "ModelConfig",
            "MultimodalBatch", "ParallelDims", "ParallelMesh", "VLMModel", "VLMModelConfig", "VLMRunConfig",
-           "apply_context_parallel", "apply_expert_parallel", "apply_tensor_parallel",
+           "apply_expert_parallel", "apply_tensor_parallel",
            "build_gpt_samples_from_config", "build_gpt_stage", "build_multimodal_loader", "build_vlm_stage",
            "clip_grad_norm", "expert_dispatch", "finalize_grads", "find_checkpoint", "init_distributed", "load_checkpoint",
            "load_config", "load_model_weights_only", "lr_at", "pick_device", "reduce_loss_stats",

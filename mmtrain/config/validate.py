@@ -81,6 +81,9 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if t.objective == "dpo" and p.cp > 1:
         raise ConfigError("train.objective=dpo does not support parallel.cp > 1 yet (sequence log-probs would be "
                           "split over the context ranks); use tp/pp/dp")
+    if t.document_attention == "flex" and t.device == "cpu":
+        raise ConfigError("train.document_attention=flex needs a GPU (FlexAttention has no backward on the CPU in "
+                          "this torch); use auto or dense")
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
     if t.precision == "fp8" and m.family != "llama":

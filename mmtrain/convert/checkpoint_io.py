@@ -301,5 +301,5 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
 def checkpoint_model_config(path: str | Path) -> tuple[Path, ModelConfig]:
     """(the step folder, its ModelConfig) of a checkpoint (a step folder or a root with ``latest``), without
     reading tensors: what a caller needs to build the model before ``load_model_weights``."""
-    folder = _resolve_checkpoint_folder(path)
+    folder = resolve_checkpoint_folder(path)
     return folder, _read_checkpoint_meta(folder)[1]

@@ -6,8 +6,9 @@ cached by ``mmtrain.data.index_cache``. ``samples_needed`` sizes a split from th
 gets its samples from ``mmtrain.data.blend.build_gpt_samples_from_config``, which builds ``GPTSamples`` and
 blends them (that module imports this one, never the reverse).
 
-``packed_document_inputs`` gives the per-token position ids, document ids and loss mask of packed samples,
-so attention and positions can restart at every end-of-document token.
+``packed_document_inputs`` (``mmtrain.data.documents``, re-exported here) gives the per-token position ids,
+document ids and loss mask of packed samples, so attention and positions can restart at every end-of-document
+token.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data import gpt_indices
+from mmtrain.data.documents import packed_document_inputs  # noqa: F401 - re-exported
 from mmtrain.data.index_cache import IndexCache, file_identity
 from mmtrain.data.splits import SPLITS, SplitError, parse_split, split_document_ranges  # noqa: F401 - re-exported
 from mmtrain.utils.log import get_logger
@@ -112,43 +114,6 @@ class GPTSamples:
                                         self.sample_index, int(self.shuffle_index[i % n]), out)
         assert got == self.seq_length + 1, (got, self.seq_length)
         return out
-
-
-def packed_document_inputs(tokens_BS1: torch.Tensor, eod_id: int | None, reset_position_ids: bool,
-                           reset_attention_mask: bool, eod_mask_loss: bool
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Position ids, document ids and loss mask, each (B, S), for the inputs ``tokens_BS1[:, :-1]``.
-
-    The token after an end-of-document token starts a new document: with ``reset_position_ids`` positions
-    restart at 0 there, with ``reset_attention_mask`` it gets the next document id (attention must not cross
-    document ids; without the flag every id is 0), with ``eod_mask_loss`` the loss is masked where the input is
-    the EOD token (predicting a new document's first token from the previous one). Same rules as Megatron's
-    ``_get_ltor_masks_and_position_ids``.
-    """
-    inputs = tokens_BS1[:, :-1]
-    B, S = inputs.shape
-    device = inputs.device
-    if (reset_position_ids or reset_attention_mask or eod_mask_loss) and eod_id is None:
-        raise ValueError("packed-document inputs need the end-of-document id, but the datasets' manifests name "
-                         "none (prepare the data with EOD tokens appended, or turn off data.reset_position_ids, "
-                         "data.reset_attention_mask and data.eod_mask_loss)")
-    is_eod = inputs == eod_id if eod_id is not None else torch.zeros_like(inputs, dtype=torch.bool)
-    # document of position j = number of EOD tokens strictly before j
-    doc = torch.cumsum(is_eod.to(torch.int64), dim=1) - is_eod.to(torch.int64)
-    positions = torch.arange(S, device=device, dtype=torch.int64).expand(B, S)
-    if reset_position_ids:
-        # first position of each document: index after an EOD (or 0); position = j - start of its document
-        starts = torch.where(is_eod, torch.arange(1, S + 1, device=device).expand(B, S), torch.zeros_like(positions))
-        starts = torch.cummax(torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=device), starts[:, :-1]],
-                                        dim=1), dim=1).values
-        position_ids = positions - starts
-    else:
-        position_ids = positions.clone()
-    document_ids = doc if reset_attention_mask else torch.zeros_like(doc)
-    loss_mask = torch.ones(B, S, dtype=torch.float32, device=device)
-    if eod_mask_loss:
-        loss_mask[is_eod] = 0.0
-    return position_ids, document_ids, loss_mask
 
 
 def samples_needed(cfg, split: str, dp_size: int = 1) -> int:

@@ -26,6 +26,7 @@ import torch
 from mmtrain.core.indexed import IndexedDataset, IndexedFormatError
 from mmtrain.data import gpt_indices
 from mmtrain.data.blend_spec import BlendSpecError, blend_from_prefixes, check_text_datasets
+from mmtrain.data.documents import GPTMicroBatch
 from mmtrain.data.gpt_dataset import SPLITS, samples_needed, split_document_ranges
 from mmtrain.utils.log import get_logger
 
@@ -177,6 +178,13 @@ def build_sft_samples_from_config(cfg, split: str, dp_size: int):
     samples = datasets[0] if len(datasets) == 1 else BlendedSFTSamples(datasets, weights, size)
     samples.eod_id = pad_id
     return samples
+
+
+def sft_micro_batch(batch_B4S1: torch.Tensor) -> GPTMicroBatch:
+    """A micro-batch of SFT samples as the loop's ``GPTMicroBatch``: tokens, positions and conversation ids, the
+    loss where the prep's mask says and the next token belongs to the same conversation."""
+    inputs, labels, positions, doc_ids, loss_mask = sft_step_inputs(batch_B4S1)
+    return GPTMicroBatch(batch_B4S1[:, 0], positions, doc_ids, loss_mask)
 
 
 def sft_step_inputs(batch_B4S1: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -2,7 +2,9 @@
 
 Public (loaded lazily): ``GPTModel`` (Llama-family decoder, one device or one pipeline stage),
 ``VLMModel`` (vision/audio encoders + projector + the GPT language model), ``VisionEncoder``,
-``AudioEncoder``, ``Projector``, ``count_parameters``, ``flops_per_token``.
+``AudioEncoder``, ``Projector``, ``count_parameters``, ``flops_per_token``; attention strategies a model is
+built with: ``CausalAttention`` (causal / document-masked), ``BidirectionalAttention`` (encoders),
+``ContextParallelAttention`` (under CP).
 Everything else in this package is internal and may change.
 """
 
@@ -13,8 +15,10 @@ _PUBLIC = {
     "GPTModel": "mmtrain.models.llama.model", "count_parameters": "mmtrain.models.llama.model",
     "flops_per_token": "mmtrain.models.llama.model",
     "VLMModel": "mmtrain.model.vlm", "VisionEncoder": "mmtrain.model.vision", "AudioEncoder": "mmtrain.model.audio",
-    "Projector": "mmtrain.model.projector",
+    "Projector": "mmtrain.model.projector", "CausalAttention": "mmtrain.model.attention",
+    "BidirectionalAttention": "mmtrain.model.attention", "ContextParallelAttention": "mmtrain.model.attention_cp",
 }
-__all__ = ["AudioEncoder", "GPTModel", "Projector", "VLMModel", "VisionEncoder", "count_parameters",
+__all__ = ["AudioEncoder", "BidirectionalAttention", "CausalAttention", "ContextParallelAttention",
+           "GPTModel", "Projector", "VLMModel", "VisionEncoder", "count_parameters",
            "flops_per_token"]
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.config.vlm_schema import AudioConfig
+from mmtrain.model.attention import BidirectionalAttention
 from mmtrain.model.layers import TransformerBlock
 from mmtrain.model.vision import init_by_name
 from mmtrain.models.llama.spec import encoder_sharding_spec
@@ -66,7 +67,7 @@ class AudioEncoder(nn.Module):
             self.pos_embed = nn.Parameter(_sinusoids(cfg.max_frames, cfg.hidden_size))
         else:
             self.register_buffer("positions", _sinusoids(cfg.max_frames, cfg.hidden_size), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, BidirectionalAttention())
                                      for i in range(cfg.num_layers)})
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.model.attention import CausalAttention
 from mmtrain.model.mlp import MLP
 from mmtrain.model.moe import MoELayer
 from mmtrain.parallel.moe_dispatch import LocalDispatch
@@ -75,22 +76,11 @@ def apply_rope(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 # ------------------------------------------------------------------------------------------ attention
-def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention on (B, H, S, D) tensors; ``attn_mask`` (bool, True = attend) replaces plain causality."""
-    gqa = q.shape[1] != k.shape[1]
-    if attn_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
-
-
-def _bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """Full (encoder) attention on (B, H, S, D); ``attn_mask`` (bool, True = attend) e.g. hides padded keys."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+    """Fused-qkv self-attention; the kernel is the ``attention`` strategy (``mmtrain.model.attention``: causal
+    or document-masked for a decoder, bidirectional for an encoder, context-parallel under CP)."""
+
+    def __init__(self, cfg: ModelConfig, attention=None) -> None:
         super().__init__()
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.q_size = cfg.num_attention_heads * self.head_dim
@@ -100,11 +90,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.add_bias)
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
-        # the context-parallel plan swaps in its K/V-gathering version; encoders (ViT, audio) attend both ways
-        self.core_attention = _sdpa_attention if causal else _bidirectional_attention
+        self.attention = attention if attention is not None else CausalAttention()
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask=None) -> torch.Tensor:
+        """``attn_mask``: what the strategy's ``prepare`` made for this micro-batch (None: plain causal)."""
         qkv = self.qkv(x_BSD)
         B, S = qkv.shape[:2]  # with sequence parallelism x_BSD holds S/tp rows; qkv is gathered to S
         # local sizes (a TP shard holds q_size/tp etc.): split in the same proportion as the full layout
@@ -120,30 +110,31 @@ class Attention(nn.Module):
         if cos is not None:  # None: positions are added to the input instead (learned / sin-cos tables)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        out = self.core_attention(q, k, v, attn_mask)
+        out = self.attention(q, k, v, attn_mask)
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block. ``causal=False`` builds an encoder block (bidirectional attention) with the same
-    parameter layout, so the TP plan shards it the same way. ``moe_dispatch``: the MoE layer's token-dispatch
-    strategy (``mmtrain.parallel.moe_dispatch``; default local) when ``cfg.num_experts``."""
+    """Pre-norm block. ``attention``: the attention strategy (default causal); an encoder block passes
+    ``BidirectionalAttention()`` and keeps the same parameter layout, so the TP plan shards it the same way.
+    ``moe_dispatch``: the MoE layer's token-dispatch strategy (``mmtrain.parallel.moe_dispatch``; default local)
+    when ``cfg.num_experts``."""
 
-    def __init__(self, cfg: ModelConfig, causal: bool = True, moe_dispatch: LocalDispatch | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, attention=None, moe_dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, causal)
+        self.attn = Attention(cfg, attention)
         self.mlp_norm = make_norm(cfg)
         self.mlp = MoELayer(cfg, moe_dispatch) if cfg.num_experts else MLP(cfg)
         self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 attn_mask=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask=None) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, attn_mask, use_reentrant=False)
         return self._forward(x, cos, sin, attn_mask)

@@ -2,7 +2,7 @@
 
 Images (N, 3, H, W) -> patches (conv with stride = patch size) (+ a class token) -> + 2D positions (+ a temporal
 row for video frames) -> optional norm (CLIP's pre_layrnorm) -> pre-norm *bidirectional* transformer blocks (the
-LM's ``TransformerBlock`` with ``causal=False``) -> optional final norm -> features (N, P, D). The features may be
+LM's ``TransformerBlock`` with ``BidirectionalAttention``) -> optional final norm -> features (N, P, D). The features may be
 an earlier block's output (``feature_layer``, LLaVA's ``vision_feature_layer``) and may drop the first token
 (``drop_first_token``), so CLIP and SigLIP towers imported from Hugging Face (``mmtrain.models.encoders_hf``)
 compute exactly what LLaVA takes from them. The blocks live in ``layers`` like the GPT's, so the GPT tensor-
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.config.vlm_schema import VisionConfig
+from mmtrain.model.attention import BidirectionalAttention
 from mmtrain.model.layers import TransformerBlock, make_norm
 from mmtrain.models.llama.spec import encoder_sharding_spec
 
@@ -88,7 +89,7 @@ class VisionEncoder(nn.Module):
         self.temporal_embed = (nn.Embedding(cfg.max_video_frames, cfg.hidden_size) if cfg.temporal_embedding
                                else None)
         self.pre_norm = make_norm(block_cfg) if cfg.pre_norm else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, causal=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(block_cfg, BidirectionalAttention())
                                      for i in range(cfg.num_layers)})
         self.norm = make_norm(block_cfg) if cfg.post_norm else None
 

@@ -79,7 +79,9 @@ class VLMModel(nn.Module):
     Call ``init_weights(seed)`` after building."""
 
     def __init__(self, cfg: VLMModelConfig, layer_range: tuple[int, int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, moe_dispatch=None) -> None:
+                 pre_process: bool = True, post_process: bool = True, attention=None, moe_dispatch=None) -> None:
+        """``attention``: the language model's attention strategy (``mmtrain.model.attention``; default causal);
+        ``moe_dispatch``: the MoE LM's token-dispatch strategy (``mmtrain.parallel.moe_dispatch``; None: local)."""
         super().__init__()
         self.cfg = cfg
         self.pre_process, self.post_process = pre_process, post_process
@@ -96,9 +98,8 @@ class VLMModel(nn.Module):
                 {"image": Projector(cfg.projector, cfg.vision.hidden_size, lm_width, cfg.projector.pixel_shuffle)})
             if cfg.audio.enabled:
                 self.projector["audio"] = Projector(cfg.projector, cfg.audio.hidden_size, lm_width)
-        # moe_dispatch: the MoE LM's token-dispatch strategy (mmtrain.parallel.moe_dispatch; None: local)
         self.language = GPTModel(cfg.language, layer_range, pre_process=pre_process, post_process=post_process,
-                                 moe_dispatch=moe_dispatch)
+                                 attention=attention, moe_dispatch=moe_dispatch)
         # Set by the parallel plan (mmtrain.train.build_vlm): spliced full-sequence embeddings -> this rank's part.
         self.sequence_shard_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 

@@ -1,8 +1,9 @@
 """Model families by ``model.family``: what the trainer needs of each, so that it names no family's classes.
 
-A family is a ``ModelFamily``: ``build_stage(model_cfg, layer_range, pre_process, post_process,
+A family is a ``ModelFamily``: ``build_stage(model_cfg, layer_range, pre_process, post_process, attention,
 moe_dispatch=None)`` makes one pipeline stage (global layer names, not yet initialized: the caller runs
-``init_weights(seed)``; its MoE layers take ``moe_dispatch``, a ``mmtrain.parallel.moe_dispatch`` strategy),
+``init_weights(seed)``; ``attention``: the attention strategy of ``mmtrain.model.attention``, None for the
+default; its MoE layers take ``moe_dispatch``, a ``mmtrain.parallel.moe_dispatch`` strategy),
 ``flops_per_token(model_cfg, seq_length)`` its training FLOPs per token, ``has_routed_experts(model_cfg)``
 whether it has MoE layers (the expert-parallel plan and the router-bias balancing apply),
 ``sharding_spec(model_cfg)`` the whole model's spec (checkpoints, the HF bridge), ``architecture(model_cfg)``
@@ -45,7 +46,7 @@ class HFAdapter:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    build_stage: Callable[..., nn.Module]  # (model_cfg, layer_range, pre, post, moe_dispatch=None)
+    build_stage: Callable[..., nn.Module]  # (model_cfg, layer_range, pre, post, attention=None, moe_dispatch=None)
     flops_per_token: Callable[[ModelConfig, int], float]
     has_routed_experts: Callable[[ModelConfig], bool]
     sharding_spec: Callable[[ModelConfig], ShardingSpec]
@@ -53,11 +54,12 @@ class ModelFamily:
     hf: HFAdapter
 
 
-def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool,
+def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool, attention=None,
                  moe_dispatch=None, lora=None) -> nn.Module:
     from mmtrain.models.llama.model import GPTModel
 
-    return GPTModel(m, layer_range, pre_process=pre, post_process=post, moe_dispatch=moe_dispatch, lora=lora)
+    return GPTModel(m, layer_range, pre_process=pre, post_process=post, attention=attention,
+                    moe_dispatch=moe_dispatch, lora=lora)
 
 
 def _llama_flops(m: ModelConfig, seq_length: int) -> float:
@@ -67,12 +69,12 @@ def _llama_flops(m: ModelConfig, seq_length: int) -> float:
 
 
 def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool,
-                       moe_dispatch=None, lora=None) -> nn.Module:
+                       attention=None, moe_dispatch=None, lora=None) -> nn.Module:
     from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 
     if lora is not None and lora.rank:
         raise ValueError("LoRA is not implemented for deepseek_v3 (the config check refuses it)")
-    return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post,
+    return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post, attention=attention,
                            moe_dispatch=moe_dispatch)
 
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from mmtrain.config.schema import GPTRunConfig, ParallelConfig
+from mmtrain.model.attention_cp import attention_for
 from mmtrain.model.fp8 import Fp8Runtime, apply_fp8, resolve_fp8_backend
 from mmtrain.models.registry import model_family
-from mmtrain.parallel.context import apply_context_parallel
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import apply_expert_parallel, expert_dispatch
 from mmtrain.parallel.pipeline import stage_layer_ranges
@@ -50,12 +50,13 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
     family = model_family(cfg.model)
     has_experts = family.has_routed_experts(cfg.model)
     lora = cfg.peft.lora if cfg.peft.lora.rank else None
-    model = family.build_stage(cfg.model, layer_range, pre, post,
+    # the CP plan is the attention strategy the model is built with (K/V all-gather, per-chunk masks)
+    attention = attention_for(mesh.cp_group, cfg.train.document_attention)
+    model = family.build_stage(cfg.model, layer_range, pre, post, attention,
                                moe_dispatch=moe_dispatch_for(cfg.parallel, mesh) if has_experts else None,
                                **({"lora": lora} if lora else {}))
     model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
-    apply_context_parallel(model, mesh.cp_group)
     if has_experts:
         apply_expert_parallel(model, mesh.ep_group)
     if fp8_backend is not None:

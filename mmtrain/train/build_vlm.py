@@ -20,9 +20,10 @@ from functools import partial
 import torch
 
 from mmtrain.config.loader import ConfigError
+from mmtrain.model.attention_cp import attention_for
 from mmtrain.model.vlm import VLMModel
 from mmtrain.parallel.comm import split_seq
-from mmtrain.parallel.context import apply_context_parallel, shard_sequence
+from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import apply_expert_parallel
 from mmtrain.parallel.pipeline import stage_layer_ranges
@@ -36,12 +37,12 @@ def _shard_spliced(x_BSD: torch.Tensor, cp: int, cp_rank: int, tp_group, sequenc
 
 
 def _apply_vlm_parallel(model: VLMModel, mesh: ParallelMesh, sequence_parallel: bool = False) -> VLMModel:
-    """Shard a (stage of a) ``VLMModel`` in place over the mesh's TP, CP (and EP for an MoE LM) groups."""
+    """Shard a (stage of a) ``VLMModel`` in place over the mesh's TP (and EP for an MoE LM) groups, and set up
+    the spliced sequence's CP/SP split (CP attention is the strategy the LM was built with)."""
     tp = mesh.dims.tp
     sp = sequence_parallel and tp > 1
     lm = model.language
     apply_tensor_parallel(lm, mesh.tp_group, sp)
-    apply_context_parallel(lm, mesh.cp_group)
     if lm.cfg.num_experts:
         apply_expert_parallel(lm, mesh.ep_group)
     for encoder in (model.vision, model.audio):
@@ -67,7 +68,7 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
     ranges = stage_layer_ranges(cfg.model.language.num_layers, pp, p.pipeline_layers)
     dispatch = moe_dispatch_for(p, mesh) if cfg.model.language.num_experts else None
     model = VLMModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1,
-                     moe_dispatch=dispatch)
+                     attention=attention_for(mesh.cp_group, t.document_attention), moe_dispatch=dispatch)
     model.init_weights(t.seed)
     _apply_vlm_parallel(model, mesh, p.sequence_parallel)
     mode = t.activation_checkpointing

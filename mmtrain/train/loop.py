@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.config.schema import GPTRunConfig
-from mmtrain.data.gpt_dataset import packed_document_inputs
+from mmtrain.data.documents import DocumentRule, GPTMicroBatch
 from mmtrain.data.loader import MicroBatches
 from mmtrain.data.preference_dataset import build_preference_pairs_from_config
-from mmtrain.data.sft_dataset import build_sft_samples_from_config, sft_step_inputs
+from mmtrain.data.sft_dataset import build_sft_samples_from_config, sft_micro_batch
 from mmtrain.models.registry import model_family
 from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.dims import ParallelMesh
@@ -77,32 +77,25 @@ class TrainResult:
     optimizer: MixedPrecisionAdamW | None = None
 
 
-def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
-                      device: torch.device, buckets: list[GradBuckets] | None, eod_id: int | None = None) -> torch.Tensor:
-    """Forward (and backward when ``buckets`` is given) over micro-batches; returns [sum of token losses, loss
-    tokens] as seen by this rank (non-zero on the last pipeline stage only)."""
+def run_micro_batches(stage: torch.nn.Module, micro_batches: list, mesh: ParallelMesh, cfg: GPTRunConfig,
+                      device: torch.device, buckets: list[GradBuckets] | None) -> torch.Tensor:
+    """Forward (and backward when ``buckets`` is given) over micro-batches (``GPTMicroBatch``es, or plain
+    (B, S + 1) token tensors); returns [sum of token losses, loss tokens] as seen by this rank (non-zero on the
+    last pipeline stage only). Packed documents' positions, document ids and loss mask come with the
+    micro-batch (the loader made them); the model's attention strategy turns the ids into its mask."""
     stats = torch.zeros(2, device=device, dtype=torch.float64)
     cp, cp_rank = mesh.dims.cp, mesh.coord.cp
-    d = cfg.data
-    packed = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+    # SFT samples arrive as (B, 4, S + 1) rows (tokens, loss mask, conversations, positions)
+    micro_batches = [b if isinstance(b, GPTMicroBatch) else sft_micro_batch(b) if b.ndim == 3
+                     else GPTMicroBatch.plain(b) for b in micro_batches]
 
     def forward_step(i: int, received: torch.Tensor | None, module: torch.nn.Module = stage) -> torch.Tensor:
-        tokens = micro_batches[i].to(device, non_blocking=True)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        B, S = inputs.shape[0], inputs.shape[-1]
-        doc_ids = loss_mask = None
-        if d.type == "sft":  # (B, 4, S + 1): conversations with their loss mask, documents and positions
-            inputs, labels, positions, doc_ids, loss_mask = sft_step_inputs(tokens)
-        elif packed:  # documents packed into one sample: positions restart, attention and loss respect EOD
-            positions, doc_ids, loss_mask = packed_document_inputs(
-                tokens, eod_id, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
-            doc_ids = doc_ids if d.reset_attention_mask else None
-            loss_mask = loss_mask if d.eod_mask_loss else None
-        else:
-            positions = torch.arange(S, device=device).expand(B, S)
+        batch = micro_batches[i].to(device)
+        inputs, labels = batch.tokens[:, :-1], batch.tokens[:, 1:]
         # context parallelism: this rank's two zig-zag chunks of every per-token tensor
         inputs, labels, positions, doc_ids, loss_mask = (
-            None if t is None else shard_sequence(t, cp, cp_rank) for t in (inputs, labels, positions, doc_ids, loss_mask))
+            None if t is None else shard_sequence(t, cp, cp_rank)
+            for t in (inputs, labels, batch.position_ids, batch.document_ids, batch.loss_mask))
         out = module(inputs if module.pre_process else received, labels if module.post_process else None, positions,
                      doc_ids)
         if not module.post_process:
@@ -116,7 +109,7 @@ def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor],
         stats[0] += total.detach().double()
         return total
 
-    mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[-1] - 1
+    mbs, S = micro_batches[0].tokens.shape[0], micro_batches[0].tokens.shape[1] - 1
     schedule_micro_batches(forward_step, len(micro_batches), stage, mesh, cfg, device, buckets,
                            (mbs, S, cfg.model.shape().hidden_size))
     return stats
@@ -184,13 +177,12 @@ class StepTask:
     routed_experts: bool = False
 
 
-def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage: torch.nn.Module,
-             eod_id: int | None) -> StepTask:
+def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage: torch.nn.Module) -> StepTask:
     family = model_family(cfg.model)
     flops_tok = family.flops_per_token(cfg.model, cfg.data.seq_length)
     gbs = global_batch_size(cfg, mesh.dims.dp)
     return StepTask(
-        forward_backward=lambda micro, buckets: run_micro_batches(stage, micro, mesh, cfg, device, buckets, eod_id),
+        forward_backward=lambda micro, buckets: run_micro_batches(stage, micro, mesh, cfg, device, buckets),
         step_flops=lambda stats: gbs * cfg.data.seq_length * flops_tok, routed_experts=family.has_routed_experts(cfg.model))
 
 
@@ -230,13 +222,16 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
     lr_schedule = resolve_resume(found, cfg, dims.dp)  # before the data is built: a changed order is an error
     index_builder = mesh.node_local_rank == 0  # one process per node builds the data indices
     train_samples = _build_samples(cfg, "train", dims.dp, index_builder)
-    eod_id = getattr(train_samples, "eod_id", None)
-    batches = MicroBatches(train_samples, cfg.train.micro_batch_size, mesh.coord.dp, dims.dp)
+    # packed documents: the loader hands each micro-batch its positions, document ids and loss mask
+    # (SFT samples carry their own conversations; preference pairs are cut by the DPO step)
+    documents = (DocumentRule.from_config(cfg.data, getattr(train_samples, "eod_id", None))
+                 if cfg.data.type == "gpt" else None)
+    batches = MicroBatches(train_samples, cfg.train.micro_batch_size, mesh.coord.dp, dims.dp, documents=documents)
     val_batches = None
     if cfg.train.eval_every:
         val_batches = MicroBatches(_build_samples(cfg, "valid", dims.dp, index_builder), cfg.train.micro_batch_size,
-                                   mesh.coord.dp, dims.dp)
-    task = _gpt_task(cfg, mesh, device, stage, eod_id)
+                                   mesh.coord.dp, dims.dp, documents=documents)
+    task = _gpt_task(cfg, mesh, device, stage)
     if cfg.train.objective == "dpo":
         task = _dpo_task(cfg, mesh, device, stage, build_reference(cfg, mesh, device, found, build_gpt_stage), task)
     return train_model(cfg, mesh, device, stage, batches, val_batches, task,

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.config import GPTRunConfig, load_config
+from mmtrain.model.attention_cp import attention_for
 from mmtrain.models.llama.model import GPTModel
 from mmtrain.parallel.context import (
-    apply_context_parallel,
     shard_sequence,
     zigzag_indices,
 )
@@ -39,10 +39,9 @@ def _inputs(with_docs: bool):
 
 def _run(rank: int, world_size: int, with_docs: bool):
     cfg, tokens, positions, doc_ids = _inputs(with_docs)
-    model = GPTModel(cfg)
-    model.init_weights(3)
     group = dist.new_group(list(range(world_size)))
-    apply_context_parallel(model, group)
+    model = GPTModel(cfg, attention=attention_for(group))
+    model.init_weights(3)
     shard = lambda t: None if t is None else shard_sequence(t, world_size, rank)
     losses = model(shard(tokens[:, :-1]), shard(tokens[:, 1:]), shard(positions), shard(doc_ids))
     losses.sum().backward()

@@ -50,7 +50,7 @@ def _cp_logits_then_train(rank: int, world_size: int, run_dir: str, extra: list[
     and the losses of steps 4-5 resumed from it."""
     import torch.distributed as dist
 
-    from mmtrain.parallel.context import _global_order, shard_sequence
+    from mmtrain.parallel.context import shard_sequence, zigzag_global_order
 
     cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "train.exit_at_step=3", *extra])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
@@ -61,7 +61,7 @@ def _cp_logits_then_train(rank: int, world_size: int, run_dir: str, extra: list[
     if cp > 1:
         parts = [torch.empty_like(local) for _ in range(cp)]
         dist.all_gather(parts, local, group=mesh.cp_group)
-        local = _global_order(torch.cat(parts, dim=1), cp, 1)
+        local = zigzag_global_order(torch.cat(parts, dim=1), cp, 1)
     cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", *extra])
     return local, train_gpt(cfg, mesh, torch.device("cpu")).losses
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config
-from mmtrain.models.llama.model import GPTModel, count_parameters, document_causal_mask
+from mmtrain.model.attention import document_causal_mask
+from mmtrain.models.llama.model import GPTModel, count_parameters
 from mmtrain.model.layers import rope_frequencies
 
 

@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
-from mmtrain.models.llama.model import document_causal_mask
 from mmtrain.model.layers import MLP, RMSNorm
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
@@ -85,17 +85,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 # ------------------------------------------------------------------------------------------ attention
-def _causal_sdpa(q, k, v, attn_mask, scale):
-    """(B, H, S, D) attention; ``attn_mask`` (bool, True = attend) replaces plain causality."""
-    if attn_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-
-
 class LatentAttention(nn.Module):
-    """Multi-head latent attention (see the module docstring)."""
+    """Multi-head latent attention (see the module docstring); the kernel is the ``attention`` strategy
+    (``mmtrain.model.attention``, shared with the Llama family: it takes v_head_dim != qk_head_dim)."""
 
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, attention=None) -> None:
         super().__init__()
         self.cfg = cfg
         d, heads = cfg.hidden_size, cfg.num_attention_heads
@@ -111,10 +105,10 @@ class LatentAttention(nn.Module):
         self.kv_up = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.proj = nn.Linear(heads * cfg.v_head_dim, d, bias=False)
         self.softmax_scale = cfg.softmax_scale()
-        self.core_attention = _causal_sdpa  # a context-parallel plan would swap in its K/V-gathering version
+        self.attention = attention if attention is not None else CausalAttention()
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask=None) -> torch.Tensor:
         c = self.cfg
         q = self.q_proj(x_BSD) if c.q_lora_rank is None else self.q_up(self.q_norm(self.q_down(x_BSD)))
         B, S = q.shape[:2]  # the whole sequence: under sequence parallelism the projections gathered it
@@ -127,7 +121,7 @@ class LatentAttention(nn.Module):
         k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, c.rope_interleave).expand(B, S, heads, -1)
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # (B, H, S, qk_head_dim)
         k = torch.cat((k_nope, k_rope), dim=-1).transpose(1, 2)
-        out = self.core_attention(q, k, v.transpose(1, 2), attn_mask, self.softmax_scale)  # (B, H, S, v_dim)
+        out = self.attention(q, k, v.transpose(1, 2), attn_mask, self.softmax_scale)  # (B, H, S, v_dim)
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -192,10 +186,11 @@ class DeepseekMoE(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- model
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, index: int, moe_dispatch: LocalDispatch | None = None) -> None:
+    def __init__(self, cfg: DeepseekV3Config, index: int, attention=None,
+                 moe_dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = LatentAttention(cfg)
+        self.attn = LatentAttention(cfg, attention)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DeepseekMoE(cfg, moe_dispatch) if cfg.is_moe_layer(index) else MLP(_swiglu_shape(cfg, cfg.intermediate_size))
         self.recompute = "none"  # "full": keep only the layer's input and recompute the rest in backward
@@ -212,18 +207,21 @@ class DecoderLayer(nn.Module):
 
 class DeepseekV3Model(nn.Module):
     """DeepSeek-V3-style LM, or one pipeline stage of it (``layer_range`` of global layer indices; the first
-    stage embeds, the last one normalizes, projects and computes per-token losses; ``moe_dispatch``: the MoE
-    layers' token-dispatch strategy, default local). Call ``init_weights``."""
+    stage embeds, the last one normalizes, projects and computes per-token losses; ``attention``: the
+    attention strategy every layer shares, default ``CausalAttention()``; ``moe_dispatch``: the MoE layers'
+    token-dispatch strategy, default local). Call ``init_weights``."""
 
     def __init__(self, cfg: DeepseekV3Config, layer_range: tuple[int, int] | None = None,
-                 pre_process: bool = True, post_process: bool = True,
+                 pre_process: bool = True, post_process: bool = True, attention=None,
                  moe_dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
         self.cfg = cfg.check()
         start, end = layer_range or (0, cfg.num_layers)
         self.layer_range, self.pre_process, self.post_process = (start, end), pre_process, post_process
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, moe_dispatch) for i in range(start, end)})
+        self.attention = attention if attention is not None else CausalAttention()
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, self.attention, moe_dispatch)
+                                     for i in range(start, end)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post_process else None
         own_output = post_process and not (cfg.tie_word_embeddings and pre_process)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
@@ -273,7 +271,7 @@ class DeepseekV3Model(nn.Module):
             B, S = x.shape[:2]
             position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
         cos, sin = rope_cos_sin(position_ids_BS, self.inv_freq, self.cfg.yarn_attention_factor(), x.dtype)
-        attn_mask = document_causal_mask(doc_ids_BS) if doc_ids_BS is not None else None
+        attn_mask = self.attention.prepare(doc_ids_BS)  # once per micro-batch, outside the compiled layers
         for layer in self.layers.values():
             x = layer(x, cos, sin, attn_mask)
         if not self.post_process:

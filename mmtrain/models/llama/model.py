@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
 from mmtrain.model.lora import add_lora
@@ -23,39 +24,32 @@ from mmtrain.models.spec import ShardingSpec
 from mmtrain.parallel.moe_dispatch import LocalDispatch
 
 
-def document_causal_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, 1, S, S) mask, True where query i may attend key j: j <= i and both in the same document
-    (packed sequences: attention never crosses a document boundary)."""
-    S = doc_ids_BS.shape[1]
-    same_doc = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
-    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids_BS.device).tril()
-    return (same_doc & causal)[:, None]
-
-
 class GPTModel(nn.Module):
     """Decoder-only LM (or one pipeline stage of it: ``layer_range``, ``pre_process`` = holds the embedding,
     ``post_process`` = holds the final norm, output layer and loss; ``head``: its strategy, default the
-    one-device ``LossHead``; ``moe_dispatch``: the MoE layers' token-dispatch strategy, default local, or
+    one-device ``LossHead``; ``attention``: the attention strategy every layer shares, default
+    ``CausalAttention()``, e.g. ``mmtrain.model.attention_cp.ContextParallelAttention`` under CP;
+    ``moe_dispatch``: the MoE layers' token-dispatch strategy, default local, or
     ``mmtrain.parallel.expert.expert_dispatch``'s all-to-all; ``lora``: a ``LoraConfig`` with rank > 0 adds LoRA
     adapters to its target linears and freezes everything else). Call ``init_weights(seed)`` after building."""
 
     def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True, head: LossHead | None = None,
-                 moe_dispatch: LocalDispatch | None = None, lora=None) -> None:
+                 attention=None, moe_dispatch: LocalDispatch | None = None, lora=None) -> None:
         super().__init__()
         self.cfg = cfg
         start, end = layer_range or (0, cfg.num_layers)
         self.layer_range = (start, end)
         self.pre_process, self.post_process = pre_process, post_process
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, moe_dispatch=moe_dispatch)
+        self.attention = attention if attention is not None else CausalAttention()
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, self.attention, moe_dispatch=moe_dispatch)
                                      for i in range(start, end)})
         self.norm = make_norm(cfg) if post_process else None
         # A tied last stage that does not hold the embedding keeps its own copy, kept equal by the trainer.
         own_output = post_process and not (cfg.tie_embeddings and pre_process)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
         self.head = (head or LossHead()) if post_process else None
-        self.build_attention_mask = document_causal_mask  # context parallelism builds per-chunk masks instead
         self.sequence_parallel = False  # the layout the TP plan applied (resolves the spec's partial gradients)
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
@@ -109,10 +103,11 @@ class GPTModel(nn.Module):
         """``inputs``: token ids (B, S) on the first stage, hidden states (B, S, D) otherwise.
         ``inputs_embeds``: (B, S, D) used instead of embedding ``inputs`` (a VLM's spliced text+media embeddings).
         ``doc_ids_BS``: document index of each token of packed sequences; attention then stays inside documents
-        (pair it with position ids that restart at each document).
+        (pair it with position ids that restart at each document); the attention strategy turns them into its
+        mask once here, outside the (compiled) blocks.
         Returns per-token losses (B, S) on the last stage when ``labels_BS`` is given, else logits (last stage)
         or hidden states (other stages)."""
-        attn_mask = self.build_attention_mask(doc_ids_BS) if doc_ids_BS is not None else None
+        attn_mask = self.attention.prepare(doc_ids_BS)
         if inputs_embeds is not None:
             x = inputs_embeds
         else:
