@@ -69,9 +69,12 @@ class TrainResult:
 
 
 def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor], mesh: ParallelMesh, cfg: GPTRunConfig,
-                      device: torch.device, buckets: list[GradBuckets] | None, eod_id: int | None = None) -> torch.Tensor:
+                      device: torch.device, buckets: list[GradBuckets] | None, eod_id: int | None = None,
+                      row_masks: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Forward (and backward when ``buckets`` is given) over micro-batches; returns [sum of token losses, loss
-    tokens] as seen by this rank (non-zero on the last pipeline stage only)."""
+    tokens] as seen by this rank (non-zero on the last pipeline stage only). ``row_masks``: per micro-batch, a
+    (mbs,) 0/1 tensor; rows with 0 count no loss (an evaluation pads its last batch so every rank runs the same
+    shapes)."""
     stats = torch.zeros(2, device=device, dtype=torch.float64)
     cp, cp_rank = mesh.dims.cp, mesh.coord.cp
     d = cfg.data
@@ -89,6 +92,9 @@ def run_micro_batches(stage: torch.nn.Module, micro_batches: list[torch.Tensor],
             loss_mask = loss_mask if d.eod_mask_loss else None
         else:
             positions = torch.arange(S, device=device).expand(B, S)
+        if row_masks is not None:
+            rows = row_masks[i].to(device=device, dtype=torch.float32)[:, None].expand(B, S)
+            loss_mask = rows if loss_mask is None else loss_mask * rows
         # context parallelism: this rank's two zig-zag chunks of every per-token tensor
         inputs, labels, positions, doc_ids, loss_mask = (
             None if t is None else shard_sequence(t, cp, cp_rank) for t in (inputs, labels, positions, doc_ids, loss_mask))
