@@ -10,6 +10,7 @@ import torch
 from mmtrain.convert.checkpoint_io import ConvertError
 from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
 from mmtrain.convert.hf_files import HFFolderError
+from mmtrain.convert.hf_tokenizer import TokenizerExportError
 from mmtrain.models.registry import hf_errors
 from mmtrain.utils.dcp_storage import CheckpointFormatError
 
@@ -32,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
     to_hf.add_argument("--out", required=True, help="Hugging Face folder to write")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as stored)")
+    to_hf.add_argument("--tokenizer", default=None,
+                       help="tokenizer to export with the weights (.model, tokenizer.json or its folder, GPT-2 "
+                            "vocab.json); default: the one the checkpoint's data manifest names")
+    to_hf.add_argument("--no-tokenizer", action="store_true",
+                       help="write weights and config.json only (no tokenizer files, no generation_config.json)")
     return parser
 
 
@@ -40,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ConvertError, *hf_errors(), HFFolderError, CheckpointFormatError, FileNotFoundError) as exc:
+    except (ConvertError, *hf_errors(), HFFolderError, TokenizerExportError, CheckpointFormatError,
+            FileNotFoundError) as exc:
         print(f"python -m mmtrain.convert {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -51,8 +58,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote weights-only checkpoint {folder} (tp={args.tp}, pp={args.pp}); model config in "
               f"{folder.parent / 'model.yaml'}")
     else:
-        folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None)
-        print(f"wrote Hugging Face folder {folder}")
+        folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None,
+                               tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer)
+        if (folder / "tokenizer_config.json").is_file():
+            print(f"wrote Hugging Face folder {folder} (weights, tokenizer, generation_config.json)")
+        else:
+            print(f"wrote Hugging Face folder {folder} (weights only: no --tokenizer given and the checkpoint's "
+                  "data names none; pass --tokenizer to add one)")
     return 0
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from mmtrain.convert.checkpoint_io import read_full_state, write_weights_checkpoint
+from mmtrain.convert.checkpoint_io import ConvertError, read_checkpoint_config, read_full_state, write_weights_checkpoint
+from mmtrain.convert.hf_tokenizer import hf_tokenizer_files, open_tokenizer, recorded_tokenizer
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder
 from mmtrain.models.registry import family_for_hf, model_family
 
@@ -28,9 +30,21 @@ def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
                                     extra_meta={"hf_config": hf_config, "converted_from": str(hf_dir)})
 
 
-def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                  tokenizer: str | Path | None = None, with_tokenizer: bool = True) -> Path:
     """Convert an mmtrain checkpoint (a step folder or a checkpoints root with ``latest``; weights-only or from
-    training, any TP/PP) into a Hugging Face folder ``out``. ``dtype`` casts floating tensors when given."""
+    training, any TP/PP) into a Hugging Face folder ``out``. ``dtype`` casts floating tensors when given.
+    The tokenizer files and ``generation_config.json`` come from ``tokenizer`` (a path), else from the tokenizer
+    the checkpoint's data manifest names (``mmtrain.convert.hf_tokenizer``); ``with_tokenizer=False``: weights
+    and config only."""
+    tok = None
+    if with_tokenizer:  # checked before the tensors are read: a bad tokenizer fails fast
+        tok = open_tokenizer(tokenizer) if tokenizer is not None else recorded_tokenizer(
+            read_checkpoint_config(ckpt)[1].get("config") or {})
+    extra: dict[str, bytes] = {}
+    if tok is not None:
+        files, generation = hf_tokenizer_files(tok)
+        extra = {**files, "generation_config.json": (json.dumps(generation, indent=2, sort_keys=True) + "\n").encode()}
     full, cfg, meta = read_full_state(ckpt)
     adapter = model_family(cfg).hf
     tensors = adapter.state_to_hf(full, cfg)
@@ -40,4 +54,7 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
     some = next(iter(tensors.values()))
     # "torch_dtype" for transformers 4, "dtype" for transformers 5
     hf_config["torch_dtype"] = hf_config["dtype"] = str(some.dtype).removeprefix("torch.")
-    return write_hf_folder(out, hf_config, tensors)
+    if tok is not None and tok.max_id >= cfg.shape().vocab_size:
+        raise ConvertError(f"tokenizer {tok.path} has ids up to {tok.max_id} but the model's vocabulary is "
+                           f"{cfg.shape().vocab_size}; pass the tokenizer the model was trained with")
+    return write_hf_folder(out, hf_config, tensors, extra_files=extra)
