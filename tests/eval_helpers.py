@@ -45,3 +45,28 @@ def plain_loss(model: GPTModel, samples, indices) -> tuple[float, int]:
         total += F.cross_entropy(logits[0].double(), tokens[0, 1:], reduction="sum").item()
         count += tokens.shape[1] - 1
     return total / count, count
+
+
+def train_sentencepiece(folder: Path) -> Path:
+    """A SentencePiece model from ``mmtrain-prep train-tokenizer`` (its lossless defaults)."""
+    import json
+
+    from dataprep.cli import main as prep_main
+    from tests.unit.test_tokenizer import TRAINING_TEXT
+
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TRAINING_TEXT))
+    assert prep_main(["train-tokenizer", "--input", str(corpus), "--output-prefix", str(folder / "sp"),
+                      "--vocab-size", "400"]) == 0
+    return folder / "sp.model"
+
+
+def write_checkpoint_for(root: Path, vocab_size: int) -> tuple[Path, GPTModel]:
+    """A weights-only checkpoint of a random tiny model with ``vocab_size`` rows."""
+    cfg = tiny_model_config()
+    cfg.vocab_size = vocab_size
+    model = GPTModel(cfg)
+    model.init_weights(0)
+    write_weights_checkpoint(root, {k: v.detach().clone() for k, v in model.state_dict().items()}, cfg)
+    return root, model.eval()

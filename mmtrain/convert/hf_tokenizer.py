@@ -72,7 +72,11 @@ def _is_number(text: str) -> bool:  # Megatron-style prefix lists interleave wei
 
 def _hf_fast_tokenizer(tok: Tokenizer):
     """A transformers fast tokenizer equal to ``tok``."""
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise TokenizerExportError("exporting the tokenizer needs transformers (pip install 'mmtrain[eval]'), or "
+                                   "export without it: --no-tokenizer") from None
 
     path = Path(tok.path)
     if tok.type == "sentencepiece":
