@@ -11,43 +11,24 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dataprep.cli import main as prep_main  # noqa: E402
-from mmtrain.config.schema import ModelConfig  # noqa: E402
 from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
-from mmtrain.convert.checkpoint_io import write_weights_checkpoint  # noqa: E402
 from mmtrain.core.tokenizer import load_tokenizer  # noqa: E402
-from mmtrain.models.llama.model import GPTModel  # noqa: E402
-from tests.unit.test_tokenizer import TRAINING_TEXT, TRICKY_DOCS, build_hf_bpe  # noqa: E402
+from tests.eval_helpers import train_sentencepiece, write_checkpoint_for  # noqa: E402
+from tests.unit.test_tokenizer import TRICKY_DOCS, build_hf_bpe  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
 TEXTS = [*TRICKY_DOCS[:3], TRICKY_DOCS[5], "Hello world", "new\nline\n\n  indented", "two  spaces"]
 
 
-def _checkpoint(root: Path, vocab: int) -> tuple[Path, GPTModel]:
-    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=vocab, init_std=0.3)
-    model = GPTModel(cfg)
-    model.init_weights(0)
-    write_weights_checkpoint(root, {k: v.detach().clone() for k, v in model.state_dict().items()}, cfg)
-    return root, model.eval()
-
-
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory) -> Path:
-    """A SentencePiece model from mmtrain-prep train-tokenizer (its lossless defaults: identity normalization,
-    kept whitespace, byte fallback)."""
-    tmp = tmp_path_factory.mktemp("spm")
-    corpus = tmp / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TRAINING_TEXT))
-    assert prep_main(["train-tokenizer", "--input", str(corpus), "--output-prefix", str(tmp / "sp"),
-                      "--vocab-size", "400"]) == 0
-    return tmp / "sp.model"
+    return train_sentencepiece(tmp_path_factory.mktemp("spm"))
 
 
 def _export_and_check(tmp_path, tokenizer: Path, extra_args=()) -> Path:
     ours = load_tokenizer(tokenizer)
-    ckpt, model = _checkpoint(tmp_path / "ckpt", vocab=ours.vocab_size + 8)
+    ckpt, model = write_checkpoint_for(tmp_path / "ckpt", ours.vocab_size + 8)
     out = tmp_path / "hf"
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(ckpt), "--out", str(out), *extra_args,
                          *(["--tokenizer", str(tokenizer)] if tokenizer is not None and not extra_args else [])]) == 0
@@ -88,7 +69,7 @@ def test_a_sentencepiece_model_is_exported_as_a_fast_tokenizer(tmp_path, spm_mod
 
 def test_the_tokenizer_recorded_in_the_checkpoints_data_manifest_is_used(tmp_path, spm_model):
     ours = load_tokenizer(spm_model)
-    ckpt, _ = _checkpoint(tmp_path / "ckpt", vocab=ours.vocab_size)
+    ckpt, _ = write_checkpoint_for(tmp_path / "ckpt", ours.vocab_size)
     prefix = tmp_path / "data"
     Path(f"{prefix}.manifest.json").write_text(json.dumps({"tokenizer": {**ours.describe(),
                                                                          "sha256": ours.checksum()}}))
@@ -109,7 +90,7 @@ def test_the_tokenizer_recorded_in_the_checkpoints_data_manifest_is_used(tmp_pat
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path, spm_model, capsys):
-    ckpt, _ = _checkpoint(tmp_path / "ckpt", vocab=64)
+    ckpt, _ = write_checkpoint_for(tmp_path / "ckpt", 64)
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"), "--tokenizer",
                          str(spm_model)]) == 2
     err = capsys.readouterr().err.strip()
