@@ -12,6 +12,7 @@ from mmtrain.convert.checkpoint_io import ConvertError
 from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
 from mmtrain.convert.hf_files import HFFolderError
 from mmtrain.models.encoders_hf import EncoderHFError
+from mmtrain.convert.hf_tokenizer import TokenizerExportError
 from mmtrain.models.registry import hf_errors
 from mmtrain.utils.dcp_storage import CheckpointFormatError
 
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--audio", default=None, help="audio file for a Whisper encoder (default: noise features)")
     cmp.add_argument("--text", default="a photo of", help="prompt text (after the image placeholders)")
     cmp.add_argument("--tol", type=float, default=1e-4, help="largest max |diff| that passes")
+    to_hf.add_argument("--tokenizer", default=None,
+                       help="tokenizer to export with the weights (.model, tokenizer.json or its folder, GPT-2 "
+                            "vocab.json); default: the one the checkpoint's data manifest names")
+    to_hf.add_argument("--no-tokenizer", action="store_true",
+                       help="write weights and config.json only (no tokenizer files, no generation_config.json)")
     return parser
 
 
@@ -55,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ConvertError, EncoderHFError, *hf_errors(), HFFolderError, CheckpointFormatError, FileNotFoundError) as exc:
+    except (ConvertError, EncoderHFError, *hf_errors(), HFFolderError, TokenizerExportError, CheckpointFormatError,
+            FileNotFoundError) as exc:
         print(f"python -m mmtrain.convert {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -79,8 +86,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{'OK' if ok else 'DIFFERENT'}: largest max |diff| {worst:.3e} {'<' if ok else '>='} {args.tol:g}")
         return 0 if ok else 1
     else:
-        folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None, args.lora)
-        print(f"wrote Hugging Face folder {folder}")
+        folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None, args.lora,
+                               tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer)
+        if (folder / "tokenizer_config.json").is_file():
+            print(f"wrote Hugging Face folder {folder} (weights, tokenizer, generation_config.json)")
+        elif (folder / "adapter_config.json").is_file():
+            print(f"wrote peft adapter folder {folder}")
+        else:
+            print(f"wrote Hugging Face folder {folder} (weights only: no --tokenizer given and the checkpoint's "
+                  "data names none; pass --tokenizer to add one)")
     return 0
 
 

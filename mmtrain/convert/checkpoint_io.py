@@ -229,6 +229,13 @@ def _read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, li
     return meta, cfg, list(run.get("parallel", {}).get("pipeline_layers") or [])
 
 
+def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """(ModelConfig, complete.json) of a checkpoint (a step folder or a checkpoints root with ``latest``) without
+    reading its tensors; complete.json's ``config`` is the run config it was saved with."""
+    meta, cfg, _ = _read_checkpoint_meta(_resolve_checkpoint_folder(path))
+    return cfg, meta
+
+
 def _checked_read(folder: Path, option: str, verify: bool, read):
     """``read()`` (which reads the checkpoint in ``folder``) with its problems as one-line ``ConvertError``s; a
     damaged file's names the checkpoint to use instead, through ``option``."""

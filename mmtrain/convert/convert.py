@@ -3,6 +3,7 @@ towers, Whisper and LLaVA through ``mmtrain.convert.vlm_convert``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -11,12 +12,14 @@ from mmtrain.config.loader import apply_mapping
 from mmtrain.config.schema import LoraConfig
 from mmtrain.convert.checkpoint_io import (
     ConvertError,
+    read_checkpoint_config,
     read_checkpoint_json,
     read_full_state,
     resolve_checkpoint_folder,
     write_weights_checkpoint,
 )
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder, write_peft_adapter
+from mmtrain.convert.hf_tokenizer import hf_tokenizer_files, open_tokenizer, recorded_tokenizer
 from mmtrain.convert.vlm_convert import is_vlm_checkpoint, is_vlm_hf, vlm_hf_to_mmtrain, vlm_mmtrain_to_hf
 from mmtrain.models.registry import family_for_hf, model_family
 
@@ -52,16 +55,27 @@ def _lora_of(meta: dict, ckpt) -> LoraConfig | None:
     return lora if lora.rank else None
 
 
-def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None, lora: str = "merge") -> Path:
+def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None, lora: str = "merge",
+                  tokenizer: str | Path | None = None, with_tokenizer: bool = True) -> Path:
     """Convert an mmtrain checkpoint (a step folder or a checkpoints root with ``latest``; weights-only or from
     training, any TP/PP) into a Hugging Face folder ``out``. ``dtype`` casts floating tensors when given.
     A LoRA run's checkpoint: ``lora="merge"`` writes the merged model, ``"adapter"`` only the adapters as a
     ``peft`` folder (adapter_config.json + adapter_model.safetensors) for the HF export of the base. A VLM
-    checkpoint is written as ``LlavaForConditionalGeneration`` (or its single tower)."""
+    checkpoint is written as ``LlavaForConditionalGeneration`` (or its single tower). The tokenizer files and
+    ``generation_config.json`` come from ``tokenizer`` (a path), else from the tokenizer the checkpoint's data
+    manifest names (``mmtrain.convert.hf_tokenizer``); ``with_tokenizer=False``: weights and config only."""
     if lora not in LORA_EXPORTS:
         raise ConvertError(f"--lora {lora}: choose {' or '.join(LORA_EXPORTS)}")
     if is_vlm_checkpoint(read_checkpoint_json(resolve_checkpoint_folder(ckpt))):
         return vlm_mmtrain_to_hf(ckpt, out, dtype)
+    tok = None
+    if with_tokenizer and lora != "adapter":  # checked before the tensors are read: a bad tokenizer fails fast
+        tok = open_tokenizer(tokenizer) if tokenizer is not None else recorded_tokenizer(
+            read_checkpoint_config(ckpt)[1].get("config") or {})
+    extra: dict[str, bytes] = {}
+    if tok is not None:
+        files, generation = hf_tokenizer_files(tok)
+        extra = {**files, "generation_config.json": (json.dumps(generation, indent=2, sort_keys=True) + "\n").encode()}
     full, cfg, meta = read_full_state(ckpt)
     adapter = model_family(cfg).hf
     lora_cfg = _lora_of(meta, ckpt)
@@ -83,4 +97,7 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
     some = next(iter(tensors.values()))
     # "torch_dtype" for transformers 4, "dtype" for transformers 5
     hf_config["torch_dtype"] = hf_config["dtype"] = str(some.dtype).removeprefix("torch.")
-    return write_hf_folder(out, hf_config, tensors)
+    if tok is not None and tok.max_id >= cfg.shape().vocab_size:
+        raise ConvertError(f"tokenizer {tok.path} has ids up to {tok.max_id} but the model's vocabulary is "
+                           f"{cfg.shape().vocab_size}; pass the tokenizer the model was trained with")
+    return write_hf_folder(out, hf_config, tensors, extra_files=extra)

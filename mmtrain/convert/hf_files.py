@@ -122,12 +122,16 @@ def read_hf_tensors(folder: str | Path, verify: bool = True) -> dict[str, torch.
 
 
 def write_hf_folder(folder: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                    max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``config.json``, the weights, sharded (with an index) past ``max_shard_bytes``, and
-    ``mmtrain-checksums.json``; every file is written atomically, the index or single file last so a reader never
-    sees a partial set."""
+                    max_shard_bytes: int = 5 * 2**30, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write ``config.json``, ``extra_files`` (name -> bytes: tokenizer files, generation_config.json), the
+    weights, sharded (with an index) past ``max_shard_bytes``, and ``mmtrain-checksums.json`` (every file);
+    every file is written atomically, the index or single file last so a reader never sees a partial set."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    reserved = {"config.json", CHECKSUMS_NAME, SINGLE_NAME, INDEX_NAME}
+    for name in extra_files or {}:
+        if Path(name).name != name or name in reserved or name.endswith(".safetensors"):
+            raise ValueError(f"extra file name {name!r}: not a plain file name of its own in the folder")
     st = _safetensors()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -141,6 +145,9 @@ def write_hf_folder(folder: str | Path, config: dict[str, Any], tensors: dict[st
     config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     atomic_write_text(folder / "config.json", config_text)
     sums = {"config.json": entry_of_bytes(config_text.encode("utf-8"))}
+    for name, data in sorted((extra_files or {}).items()):
+        atomic_write_bytes(folder / name, data)
+        sums[name] = entry_of_bytes(data)
     metadata = {"format": "pt"}
     if len(shards) == 1:
         data = st.save(shards[0], metadata=metadata)

@@ -42,6 +42,7 @@ class Tokenizer(ABC):
     type: str
     path: Path
     eod_id: int | None
+    bos_id: int | None = None  # beginning-of-text id when the tokenizer defines one (SentencePiece's bos)
 
     @property
     @abstractmethod
@@ -55,7 +56,9 @@ class Tokenizer(ABC):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
 
     @abstractmethod
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; ``skip_special_tokens`` leaves out control/special tokens (and ``<unk>``), as
+        transformers' decode does with the same flag."""
 
     @abstractmethod
     def token_id(self, token: str) -> int | None:
@@ -95,6 +98,8 @@ class SentencePieceTokenizer(Tokenizer):
                             "a Hugging Face tokenizer") from None
         eos = self._sp.eos_id()
         self.eod_id = eos if eos >= 0 else None
+        bos = self._sp.bos_id()
+        self.bos_id = bos if bos >= 0 else None  # what evaluation harnesses put before a text with no context
         self._threads = 1
 
     @property
@@ -115,8 +120,11 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._sp.encode(list(texts), out_type=int, num_threads=self._threads)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if not (self._sp.is_control(i) or self._sp.is_unknown(i))]
+        return self._sp.decode(ids)
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -178,8 +186,8 @@ class HuggingFaceTokenizer(Tokenizer):
     def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         return [(e.ids, e.offsets) for e in self._tk.encode_batch(list(texts), add_special_tokens=self._add_special)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def checksum(self) -> str:
         return file_sha256(self.path)

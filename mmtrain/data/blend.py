@@ -80,15 +80,11 @@ def _split_ranges(spec: BlendSpec, split_setting: str, dataset: IndexedDataset, 
         raise
 
 
-def build_gpt_samples_from_config(cfg, split: str, dp_size: int, *, index_builder: bool = True):
-    """The samples of ``split`` for a run: a ``GPTSamples`` or ``BlendedSamples`` with at least as many samples as
-    the run consumes at ``dp_size`` data-parallel ranks (``mesh.dims.dp``; it sizes the run when
-    ``train.global_batch_size`` is 0). Checks the blend, builds (or loads) every index, logs the mix.
-    ``index_builder``: whether this process builds missing indices (``mesh.node_local_rank == 0``; the others
-    wait for them). ``.eod_id`` holds the end-of-document id named by the datasets' manifests (or None)."""
+def _split_datasets(cfg, split: str):
+    """(the split's entries, their manifest infos, datasets, document ranges, token counts): the blend
+    checked (formats, tokenizers across every split, vocabulary) and each dataset to have documents in the split."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    d = cfg.data
     spec = _blend_spec_from_config(cfg)
     entries = spec.entries_for(split)
     if not entries:
@@ -96,19 +92,40 @@ def build_gpt_samples_from_config(cfg, split: str, dp_size: int, *, index_builde
     every_split = spec.datasets if spec.per_split is None else [e for es in spec.per_split.values() for e in es]
     infos = check_text_datasets(every_split, cfg.model.shape().vocab_size, log)  # tokenizers must agree across splits
     infos = [i for i in infos if i.where in {e.where for e in entries}]
+    indexed = [IndexedDataset(e.path) for e in entries]
+    ranges = [_split_ranges(spec, cfg.data.split, ds, split) for ds in indexed]
+    for e, ds, (b, end) in zip(entries, indexed, ranges):
+        if end <= b:
+            raise BlendSpecError(f"{e.where}: {e.path} has no documents in the {split} split "
+                                 f"({len(ds)} documents, split {spec.split or cfg.data.split}); change the split or "
+                                 "the blend")
+    tokens = [int(ds.lengths[b:end].sum(dtype=np.int64)) for ds, (b, end) in zip(indexed, ranges)]
+    return entries, infos, indexed, ranges, tokens
+
+
+def split_samples_per_pass(cfg, split: str) -> int:
+    """How many samples of ``data.seq_length + 1`` tokens one pass over ``split``'s tokens makes (summed over the
+    blend's datasets; for one dataset exactly its one-epoch sample count): what an evaluation reads by default."""
+    tokens = _split_datasets(cfg, split)[-1]
+    return max(1, sum(max(t - 1, 0) for t in tokens) // cfg.data.seq_length)
+
+
+def build_gpt_samples_from_config(cfg, split: str, dp_size: int, *, index_builder: bool = True,
+                                  num_samples: int | None = None):
+    """The samples of ``split`` for a run: a ``GPTSamples`` or ``BlendedSamples`` with at least as many samples as
+    the run consumes at ``dp_size`` data-parallel ranks (``mesh.dims.dp``; it sizes the run when
+    ``train.global_batch_size`` is 0), or ``num_samples`` when given (an evaluation's own count). Checks the blend,
+    builds (or loads) every index, logs the mix.
+    ``index_builder``: whether this process builds missing indices (``mesh.node_local_rank == 0``; the others
+    wait for them). ``.eod_id`` holds the end-of-document id named by the datasets' manifests (or None)."""
+    d = cfg.data
+    entries, infos, indexed, ranges, tokens = _split_datasets(cfg, split)
     eod_id = _common_eod_id(infos, d)
-    size = samples_needed(cfg, split, dp_size)
+    size = samples_needed(cfg, split, dp_size) if num_samples is None else int(num_samples)
     if size <= 0:
         raise BlendSpecError(f"the run consumes no {split} samples (train.steps, batch sizes or eval settings are 0)")
     cache_dir = d.cache_dir or default_cache_dir(entries[0].path)
     timeout = float(getattr(d, "index_build_timeout_s", 1800.0))
-    indexed = [IndexedDataset(e.path) for e in entries]
-    ranges = [_split_ranges(spec, d.split, ds, split) for ds in indexed]
-    for e, ds, (b, end) in zip(entries, indexed, ranges):
-        if end <= b:
-            raise BlendSpecError(f"{e.where}: {e.path} has no documents in the {split} split "
-                                 f"({len(ds)} documents, split {spec.split or d.split}); change the split or the blend")
-    tokens = [int(ds.lengths[b:end].sum(dtype=np.int64)) for ds, (b, end) in zip(indexed, ranges)]
     weights = [e.weight for e in entries] if entries[0].weight is not None else [float(t) for t in tokens]
     if any(w <= 0 for w in weights):
         bad = entries[weights.index(next(w for w in weights if w <= 0))]

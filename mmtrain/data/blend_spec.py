@@ -20,7 +20,6 @@ dataset by its token count in the split. Everything wrong is a ``BlendSpecError`
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from mmtrain.core.indexed import IndexedDataset, IndexedFormatError, bin_path, idx_path
+from mmtrain.core.manifest import ManifestError, read_prefix_manifest
 
 SPLIT_KEYS = ("train", "valid", "test")
 ENTRY_KEYS = {"path", "weight", "type"}
@@ -218,19 +218,10 @@ def blend_from_prefixes(prefixes: list[str], weights: list[float]) -> BlendSpec:
 # ---- manifests: tokenizer identity, vocabulary bound, EOD id -------------------------------------------------
 
 def _read_prefix_manifest(prefix: str) -> dict | None:
-    """The manifest ``mmtrain-prep`` wrote for PREFIX (at PREFIX, or at P for a multi-key output P_<key>)."""
-    own = Path(f"{prefix}.manifest.json")
-    candidates = [own]
-    name = Path(prefix).name
-    if "_" in name:
-        candidates.append(Path(prefix).with_name(name[:name.rfind("_")] + ".manifest.json"))
-    for c in candidates:
-        if c.is_file():
-            try:
-                return json.loads(c.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as exc:
-                raise BlendSpecError(f"{c}: unreadable manifest ({exc}); re-run mmtrain-prep") from None
-    return None
+    try:
+        return read_prefix_manifest(prefix)
+    except ManifestError as exc:
+        raise BlendSpecError(str(exc)) from None
 
 
 @dataclass(frozen=True)

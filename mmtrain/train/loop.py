@@ -78,11 +78,14 @@ class TrainResult:
 
 
 def run_micro_batches(stage: torch.nn.Module, micro_batches: list, mesh: ParallelMesh, cfg: GPTRunConfig,
-                      device: torch.device, buckets: list[GradBuckets] | None) -> torch.Tensor:
+                      device: torch.device, buckets: list[GradBuckets] | None,
+                      row_masks: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Forward (and backward when ``buckets`` is given) over micro-batches (``GPTMicroBatch``es, or plain
     (B, S + 1) token tensors); returns [sum of token losses, loss tokens] as seen by this rank (non-zero on the
     last pipeline stage only). Packed documents' positions, document ids and loss mask come with the
-    micro-batch (the loader made them); the model's attention strategy turns the ids into its mask."""
+    micro-batch (the loader made them); the model's attention strategy turns the ids into its mask.
+    ``row_masks``: per micro-batch, a (mbs,) 0/1 tensor; rows with 0 count no loss (an evaluation pads its last
+    batch so every rank runs the same shapes)."""
     stats = torch.zeros(2, device=device, dtype=torch.float64)
     cp, cp_rank = mesh.dims.cp, mesh.coord.cp
     # SFT samples arrive as (B, 4, S + 1) rows (tokens, loss mask, conversations, positions)
@@ -92,10 +95,15 @@ def run_micro_batches(stage: torch.nn.Module, micro_batches: list, mesh: Paralle
     def forward_step(i: int, received: torch.Tensor | None, module: torch.nn.Module = stage) -> torch.Tensor:
         batch = micro_batches[i].to(device)
         inputs, labels = batch.tokens[:, :-1], batch.tokens[:, 1:]
+        loss_mask = batch.loss_mask
+        if row_masks is not None:
+            B, S = labels.shape
+            rows = row_masks[i].to(device=device, dtype=torch.float32)[:, None].expand(B, S)
+            loss_mask = rows if loss_mask is None else loss_mask * rows
         # context parallelism: this rank's two zig-zag chunks of every per-token tensor
         inputs, labels, positions, doc_ids, loss_mask = (
             None if t is None else shard_sequence(t, cp, cp_rank)
-            for t in (inputs, labels, batch.position_ids, batch.document_ids, batch.loss_mask))
+            for t in (inputs, labels, batch.position_ids, batch.document_ids, loss_mask))
         out = module(inputs if module.pre_process else received, labels if module.post_process else None, positions,
                      doc_ids)
         if not module.post_process:

@@ -1,0 +1,139 @@
+"""The tokenizer files of an HF export: ``tokenizer.json`` + ``tokenizer_config.json`` and
+``generation_config.json``, so ``transformers.pipeline("text-generation", model=DIR)`` needs nothing else.
+
+Any tokenizer ``mmtrain-prep`` reads becomes a fast (``tokenizers``) tokenizer: a ``tokenizer.json`` as it is, a
+GPT-2 ``vocab.json`` + ``merges.txt`` through transformers' byte-level BPE, a SentencePiece ``.model`` through
+transformers' own SentencePiece conversion (its normalizer, byte fallback and pieces read from the model). The
+converted tokenizer must encode a set of probe texts exactly as the original does (the ids the model was
+trained on), else the export stops with a one-line error instead of writing a tokenizer that disagrees.
+Special-token strings inside text are split like plain text for SentencePiece exports (as ``mmtrain-prep``
+encoded them), and parsed as the tokenizer.json says otherwise (as its library does).
+
+Which tokenizer: the ``--tokenizer`` given, else the one the manifest of the checkpoint's first data prefix
+names (checked by its SHA-256), else none (weights only, with a note)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mmtrain.core.manifest import ManifestError, read_prefix_manifest
+from mmtrain.core.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+
+_PROBES = ["Hello world", " leading space", "two  spaces and\ttabs", "new\nline\n\n  indented code",
+           "digits 1234567890", "Ünïcödé, ẞ, 你好, emoji 😀", "trailing ", "", "   ", "a\r\nb"]
+# transformers' bookkeeping keys that say nothing about the tokenizer
+_DROP_CONFIG_KEYS = ("is_local", "local_files_only", "name_or_path")
+
+
+class TokenizerExportError(ValueError):
+    """A tokenizer that cannot be exported faithfully; the message names the file."""
+
+
+def recorded_tokenizer(run_config: dict[str, Any]) -> Tokenizer | None:
+    """The tokenizer the manifest of the run's first ``data.prefixes`` entry names, when it is still there with
+    the recorded checksum; None when the run records no prefix or its manifest no tokenizer."""
+    data = run_config.get("data") if isinstance(run_config.get("data"), dict) else {}
+    prefixes = data.get("prefixes") if isinstance(data.get("prefixes"), list) else []
+    prefix = next((p for p in prefixes if isinstance(p, str) and not _is_number(p)), None)
+    if prefix is None:
+        return None
+    try:
+        manifest = read_prefix_manifest(prefix) or {}
+    except ManifestError as exc:
+        raise TokenizerExportError(f"{exc} (or pass --tokenizer)") from None
+    rec = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
+    path = rec.get("path")
+    if not isinstance(path, str) or not path:
+        return None
+    where = f"{prefix}.manifest.json"
+    try:
+        merges = rec.get("merges_path") if isinstance(rec.get("merges_path"), str) else None
+        tok = load_tokenizer(path, rec.get("type") if isinstance(rec.get("type"), str) else None, merge_file=merges)
+    except TokenizerError as exc:
+        raise TokenizerExportError(f"{where} names tokenizer {path}: {exc}; pass --tokenizer PATH (or "
+                                   "--no-tokenizer)") from None
+    sha = rec.get("sha256")
+    if isinstance(sha, str) and tok.checksum() != sha:
+        raise TokenizerExportError(f"{path} changed since {prefix} was prepared with it (its checksum differs from "
+                                   f"{where}); pass the tokenizer the data was made with as --tokenizer")
+    return tok
+
+
+def _is_number(text: str) -> bool:  # Megatron-style prefix lists interleave weights: "0.3 path 0.7 path"
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _hf_fast_tokenizer(tok: Tokenizer):
+    """A transformers fast tokenizer equal to ``tok``."""
+    try:
+        import transformers
+    except ImportError:
+        raise TokenizerExportError("exporting the tokenizer needs transformers (pip install 'mmtrain[eval]'), or "
+                                   "export without it: --no-tokenizer") from None
+
+    path = Path(tok.path)
+    if tok.type == "sentencepiece":
+        with tempfile.TemporaryDirectory(prefix="mmtrain-spm-") as tmp:
+            (Path(tmp) / "tokenizer.model").write_bytes(path.read_bytes())
+            (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "split_special_tokens": True}))
+            try:
+                return transformers.AutoTokenizer.from_pretrained(tmp)
+            except Exception as exc:  # noqa: BLE001 - the conversion's own errors name no file
+                raise TokenizerExportError(f"{path}: transformers cannot convert this SentencePiece model "
+                                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                                           ) from None
+    if tok.type == "gpt2-bpe":
+        vocab = Path(tok.path)
+        merges = Path(getattr(tok, "merges_path", None) or vocab.with_name("merges.txt"))
+        return transformers.GPT2TokenizerFast(vocab_file=str(vocab), merges_file=str(merges), split_special_tokens=True)
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok.path))
+
+
+def _check_same_ids(hf_tok, tok: Tokenizer) -> None:
+    path = tok.path
+    for text in _PROBES:
+        ours, theirs = tok.encode(text), hf_tok.encode(text, add_special_tokens=False)
+        if ours != theirs:
+            raise TokenizerExportError(f"{path}: the exported tokenizer encodes {text!r} as {theirs[:12]}, the "
+                                       f"original as {ours[:12]}; this tokenizer cannot be exported faithfully "
+                                       "(export with --no-tokenizer and ship it yourself)")
+
+
+def open_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer at ``path`` (anything ``mmtrain-prep --tokenizer`` takes), errors as one line."""
+    try:
+        return load_tokenizer(path)
+    except TokenizerError as exc:
+        raise TokenizerExportError(str(exc)) from None
+
+
+def hf_tokenizer_files(tok: Tokenizer) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """(file name -> bytes of the HF tokenizer files, generation_config.json's content) for ``tok``."""
+    hf_tok = _hf_fast_tokenizer(tok)
+    eos = tok.eod_id
+    if eos is not None and hf_tok.eos_token_id != eos:  # the end-of-document id the data was prepared with
+        hf_tok.eos_token = hf_tok.convert_ids_to_tokens(eos)
+    _check_same_ids(hf_tok, tok)
+    with tempfile.TemporaryDirectory(prefix="mmtrain-tok-") as tmp:
+        hf_tok.save_pretrained(tmp)
+        files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+    config = json.loads(files["tokenizer_config.json"])
+    for key in _DROP_CONFIG_KEYS:
+        config.pop(key, None)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 4 and 5 both know this name
+    files["tokenizer_config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    generation = {"do_sample": False}
+    if hf_tok.bos_token_id is not None:
+        generation["bos_token_id"] = hf_tok.bos_token_id
+    if eos is not None or hf_tok.eos_token_id is not None:
+        generation["eos_token_id"] = eos if eos is not None else hf_tok.eos_token_id
+        generation["pad_token_id"] = generation["eos_token_id"]  # no pad token: batched generation pads with EOS
+    return files, generation
