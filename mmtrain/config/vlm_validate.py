@@ -22,6 +22,9 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
     check_vlm_model(cfg.model, tp=p.tp)
     if p.virtual_pp > 1:
         raise ConfigError("parallel.virtual_pp > 1 is not supported for the VLM; use plain pipeline stages")
+    if p.fsdp:
+        raise ConfigError("parallel.fsdp=true is not supported for the VLM yet; use parallel.fsdp=false (the "
+                          "distributed optimizer)")
     if d.prefixes:
         raise ConfigError("data.prefixes is for GPT runs; a VLM run reads data.blend (a blend spec mixing indexed "
                           "text and type: energon entries, a metadataset YAML or a media folder) or data.mock=true")
