@@ -40,14 +40,16 @@ def reference(tmp_path_factory):
 
 
 def _assert_equal(reference, results, extra):
+    """Losses to 1e-5 relative, every parameter (this TP rank's shard) to 2e-5 of its norm (the bar
+    test_gpt_parallel_equivalence.py sets: fp32 reduction-order noise, while a sharding bug moves weights > 1e-3)."""
     ref_losses, ref_params = reference[0], reference[1]
-    spec = llama_sharding_spec(_cfg("/tmp/unused", extra).model)
+    spec = llama_sharding_spec(_cfg("unused", extra).model)
     for losses, params, coord, tp in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, value in params.items():
-            full = ref_params[name]
-            expected = tp_shard_of(full, spec[name], coord.tp, tp) if tp > 1 else full
-            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)
+            expected = tp_shard_of(name, ref_params[name if name in ref_params else "embed.weight"], spec, coord[0], tp)
+            rel = (value - expected).norm() / expected.norm().clamp_min(1e-12)
+            assert rel < 2e-5, f"{name}: relative difference {rel:.2e} (rank coord {coord})"
 
 
 @pytest.mark.parametrize("world, extra", [
