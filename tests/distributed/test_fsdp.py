@@ -4,11 +4,12 @@ FSDP and distributed-optimizer layouts; a block's non-owned parameter storage is
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config
-from mmtrain.config.validate import ConfigError
 from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.tensor import tp_shard_of
 from mmtrain.models.llama.spec import llama_sharding_spec
@@ -61,3 +62,62 @@ def _assert_equal(reference, results, extra):
 def test_fsdp_equals_one_process(tmp_path, reference, world, extra):
     results = run_distributed(_train, world, str(tmp_path), [*extra, "parallel.fsdp=true"])
     _assert_equal(reference, results, [])
+
+
+def _train_to(rank: int, world_size: int, run_dir: str, extra: list[str]):
+    cfg = _cfg(run_dir, ["train.steps=5", "checkpoint.save_every=3", "checkpoint.keep_last=0", *extra])
+    mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
+    return train_gpt(cfg, mesh, torch.device("cpu")).losses
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    (["parallel.fsdp=true"], []),
+    ([], ["parallel.fsdp=true"]),
+], ids=["fsdp-to-distopt", "distopt-to-fsdp"])
+def test_resume_across_fsdp_and_distributed_optimizer(tmp_path, saved, loaded):
+    """Saved at step 3 of 5 with one layout, resumed with the other: steps 4-5 match the unbroken run."""
+    full = run_distributed(_train_to, 2, str(tmp_path / "a"), ["parallel.dp=2", *saved])[0]
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000003", tmp_path / "b" / "checkpoints" / "step_00000003")
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step_00000003\n")
+    tail = run_distributed(_train_to, 2, str(tmp_path / "b"), ["parallel.dp=2", *loaded])[0]
+    torch.testing.assert_close(torch.tensor(tail), torch.tensor(full[3:]), rtol=1e-5, atol=0)
+
+
+def _residency(rank: int, world_size: int):
+    """Two blocks as units and a resident head over dp=world_size: what stays allocated after a step."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from mmtrain.parallel.fsdp import FsdpBuckets
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)) for _ in range(2)])
+    head = nn.Linear(16, 1)
+    group = dist.new_group(list(range(world_size)))
+    units = [list(b.parameters()) for b in blocks]
+    owner = FsdpBuckets(units, list(blocks), list(head.parameters()), group, torch.float32)
+    seen_while_running = []
+    blocks[1].register_forward_pre_hook(lambda m, a: seen_while_running.append(
+        [b.full_param.untyped_storage().nbytes() for b in owner.units]))
+    owner.reset()
+    x = torch.randn(4, 16)
+    for block in blocks:
+        x = block(x)
+    head(x).sum().backward()
+    owner.finish(1.0)
+    unit_elems = [b.end - b.start for b in owner.units]
+    return ([b.full_param.untyped_storage().nbytes() for b in owner.units],
+            [b.shard_param.numel() for b in owner.units], unit_elems, seen_while_running[0],
+            owner.resident_param_bytes(), sum(p.numel() for p in head.parameters()))
+
+
+def test_block_parameters_not_resident_after_a_step():
+    """After forward, backward and the reduction, each block's full values are freed: a rank holds 1/dp of
+    every block (its shard) plus the resident head; during block 1's forward, block 0 is already freed."""
+    for freed, shard, elems, during, resident, head in run_distributed(_residency, 2):
+        assert freed == [0, 0]
+        assert shard == [n // 2 for n in elems]
+        assert during[0] == 0 and during[1] == elems[1] * 4  # block 1 gathered (prefetched), block 0 freed
+        head_padded = -(-head // 2) * 2
+        assert resident == 4 * (sum(elems) // 2 + head_padded // 2 + head_padded)
