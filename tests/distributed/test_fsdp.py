@@ -40,7 +40,7 @@ def reference(tmp_path_factory):
     return run_distributed(_train, 1, str(tmp_path_factory.mktemp("ref")), [])[0]
 
 
-def _assert_equal(reference, results, extra):
+def _assert_equal(reference, results, extra, experts=False):
     """Losses to 1e-5 relative, every parameter (this TP rank's shard) to 2e-5 of its norm (the bar
     test_gpt_parallel_equivalence.py sets: fp32 reduction-order noise, while a sharding bug moves weights > 1e-3)."""
     ref_losses, ref_params = reference[0], reference[1]
@@ -49,6 +49,9 @@ def _assert_equal(reference, results, extra):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for name, value in params.items():
             expected = tp_shard_of(name, ref_params[name if name in ref_params else "embed.weight"], spec, coord[0], tp)
+            if experts and spec[name].expert_dim is not None:  # this EP rank's slice of the experts
+                expected = expected.narrow(spec[name].expert_dim, coord[4] * value.shape[spec[name].expert_dim],
+                                           value.shape[spec[name].expert_dim])
             rel = (value - expected).norm() / expected.norm().clamp_min(1e-12)
             assert rel < 2e-5, f"{name}: relative difference {rel:.2e} (rank coord {coord})"
 
@@ -62,6 +65,17 @@ def _assert_equal(reference, results, extra):
 def test_fsdp_equals_one_process(tmp_path, reference, world, extra):
     results = run_distributed(_train, world, str(tmp_path), [*extra, "parallel.fsdp=true"])
     _assert_equal(reference, results, [])
+
+
+MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
+
+
+def test_fsdp_with_expert_parallelism_equals_one_process(tmp_path):
+    """Experts are units of their own over the expert-data-parallel group (dp4 with ep2: edp2)."""
+    reference = run_distributed(_train, 1, str(tmp_path / "ref"), MOE)[0]
+    results = run_distributed(_train, 4, str(tmp_path / "fsdp"), ["parallel.dp=4", "parallel.ep=2",
+                                                                  "parallel.fsdp=true", *MOE])
+    _assert_equal(reference, results, MOE, experts=True)
 
 
 def _train_to(rank: int, world_size: int, run_dir: str, extra: list[str]):
