@@ -11,8 +11,8 @@ checkpoint code call) with a different memory layout:
   block's gather is started asynchronously meanwhile (prefetch). Backward gathers again when the block's output
   gradient arrives (a tensor hook) and prefetches the block before it;
 - gradients: each micro-batch, once every parameter of a unit has its gradient, the unit's full-size gradient is
-  reduce-scattered (summed) into the owned fp32 shard and the full-size gradient and values are freed. ``finish``
-  scales by 1 / tokens as ``GradBuckets`` does;
+  reduce-scattered (summed, asynchronously, at most two in flight) into the owned fp32 shard, and the full-size
+  gradient and values are freed. ``finish`` waits for all and scales by 1 / tokens as ``GradBuckets`` does;
 - the parameters outside blocks (embedding, final norm, output layer, and a tied embedding's copy: the *late*
   bucket, summed over the first/last stage before its reduction) stay whole on every rank, as with the
   distributed optimizer: they are one resident bucket, reduced in ``finish``, all-gathered after the step.
@@ -88,6 +88,7 @@ class FsdpBuckets:
                 self.units.append(b)
             offset += padded
         self.grad_dtype = grad_dtype
+        self._in_flight: list = []  # unit reduce-scatters not yet added into their shards (_reduce_unit)
         for b in self.units:
             self._free(b)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g, _, _ in groups for p in g]
@@ -172,10 +173,19 @@ class FsdpBuckets:
             self._free(b)
 
     def _reduce_unit(self, b: Bucket) -> None:
+        """Reduce-scatter the unit's full gradient (async: it overlaps the next blocks' backward); at most two
+        are in flight, the oldest is added into its owned shard and its full gradient dropped when a third starts."""
         out = torch.empty_like(b.shard_grad)
-        dist.reduce_scatter_tensor(out, b.full_grad, group=self.group)
-        b.shard_grad.add_(out)
+        handle = dist.reduce_scatter_tensor(out, b.full_grad, group=self.group, async_op=True)
+        self._in_flight.append((b, out, b.full_grad, handle))
         b.full_grad = None
+        while len(self._in_flight) > 2:
+            self._land_oldest()
+
+    def _land_oldest(self) -> None:
+        b, out, _full, handle = self._in_flight.pop(0)  # _full: kept alive until the collective is done
+        handle.wait()
+        b.shard_grad.add_(out)
 
     @torch.no_grad()
     def finish(self, num_tokens: float | torch.Tensor) -> None:
@@ -189,6 +199,8 @@ class FsdpBuckets:
                 self._free(b)
             else:
                 dist.reduce_scatter_tensor(b.shard_grad, b.full_grad, group=self.group)
+        while self._in_flight:
+            self._land_oldest()
         scale = 1.0 / num_tokens
         for b in self.buckets:
             b.shard_grad.mul_(scale)
