@@ -61,7 +61,8 @@ def _assert_equal(reference, results, extra, experts=False):
     (2, ["parallel.dp=2", "train.activation_checkpointing=full"]),
     (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     (4, ["parallel.dp=2", "parallel.pp=2"]),
-], ids=["dp2", "dp2-recompute", "dp2-tp2-sp", "dp2-pp2"])
+    (4, ["parallel.dp=2", "parallel.pp=2", "parallel.virtual_pp=2"]),
+], ids=["dp2", "dp2-recompute", "dp2-tp2-sp", "dp2-pp2", "dp2-pp2-vpp2"])
 def test_fsdp_equals_one_process(tmp_path, reference, world, extra):
     results = run_distributed(_train, world, str(tmp_path), [*extra, "parallel.fsdp=true"])
     _assert_equal(reference, results, [])
