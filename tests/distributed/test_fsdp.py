@@ -68,6 +68,15 @@ def test_fsdp_equals_one_process(tmp_path, reference, world, extra):
     _assert_equal(reference, results, [])
 
 
+def test_fsdp_with_tied_embeddings_over_pipeline_stages_equals_one_process(tmp_path):
+    """The tied embedding's copies (first/last stage) are summed before their reduction: the resident late bucket."""
+    tied = ["model.tie_embeddings=true"]
+    reference = run_distributed(_train, 1, str(tmp_path / "ref"), tied)[0]
+    results = run_distributed(_train, 4, str(tmp_path / "fsdp"), ["parallel.dp=2", "parallel.pp=2",
+                                                                  "parallel.fsdp=true", *tied])
+    _assert_equal(reference, results, tied)
+
+
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
 
 
