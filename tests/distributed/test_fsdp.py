@@ -62,7 +62,9 @@ def _assert_equal(reference, results, extra, experts=False):
     (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     (4, ["parallel.dp=2", "parallel.pp=2"]),
     (4, ["parallel.dp=2", "parallel.pp=2", "parallel.virtual_pp=2"]),
-], ids=["dp2", "dp2-recompute", "dp2-tp2-sp", "dp2-pp2", "dp2-pp2-vpp2"])
+    (4, ["parallel.dp=2", "parallel.cp=2"]),
+    (2, ["parallel.dp=2", "optim.master_weights=false"]),
+], ids=["dp2", "dp2-recompute", "dp2-tp2-sp", "dp2-pp2", "dp2-pp2-vpp2", "dp2-cp2", "dp2-no-masters"])
 def test_fsdp_equals_one_process(tmp_path, reference, world, extra):
     results = run_distributed(_train, world, str(tmp_path), [*extra, "parallel.fsdp=true"])
     _assert_equal(reference, results, [])
