@@ -27,6 +27,8 @@ store those ranges as boxes of global tensors (docs/parallelism.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,8 +36,18 @@ from torch import nn
 from mmtrain.parallel.grad_buckets import Bucket
 
 
+@dataclass
 class _Unit(Bucket):
-    """A bucket with its own storage: owned shards persistent, full values and gradient on demand."""
+    """A bucket with its own storage: the owned shards persistent; for a unit (``is_unit``) the full values and
+    gradient exist only while used, for a resident bucket always."""
+
+    is_unit: bool = True
+    full_param: torch.Tensor | None = None  # the parameters are views of it; 0 bytes while freed
+    shard_param: torch.Tensor | None = None  # this rank's owned values (what the optimizer updates)
+    full_grad: torch.Tensor | None = None  # this micro-batch's full-size gradient (a unit: until reduced)
+    gathered: bool = True
+    gather_handle: object = None  # an all-gather in flight (a prefetch)
+    pos: dict[int, int] = field(default_factory=dict)  # id(param) -> element offset inside the bucket
 
 
 class FsdpBuckets:
@@ -64,11 +76,9 @@ class FsdpBuckets:
                 continue
             n = sum(p.numel() for p in plist)
             padded = -(-n // self.dp) * self.dp
-            b = _Unit(plist, offset, offset + padded, late)
-            b.is_unit, b.gathered, b.gather_handle, b.full_grad, b.rs_handle = is_unit, True, None, None, None
-            b.full_param = torch.zeros(padded, dtype=param_dtype, device=self.device)
-            b.shard_grad = torch.zeros(padded // self.dp, dtype=grad_dtype, device=self.device)
-            b.pos = {}
+            b = _Unit(plist, offset, offset + padded, late, is_unit=is_unit,
+                      full_param=torch.zeros(padded, dtype=param_dtype, device=self.device),
+                      shard_grad=torch.zeros(padded // self.dp, dtype=grad_dtype, device=self.device))
             pos = 0
             for p in plist:
                 b.full_param[pos:pos + p.numel()].copy_(p.data.reshape(-1))
@@ -84,20 +94,19 @@ class FsdpBuckets:
                 for p in plist:
                     p.main_grad = b.full_grad[b.pos[id(p)]:b.pos[id(p)] + p.numel()].view_as(p)
             self.buckets.append(b)
-            if is_unit:
+            if is_unit:  # freed at once: a build holds at most one unit twice
                 self.units.append(b)
+                self._free(b)
             offset += padded
         self.grad_dtype = grad_dtype
         self._in_flight: list = []  # unit reduce-scatters not yet added into their shards (_reduce_unit)
-        for b in self.units:
-            self._free(b)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g, _, _ in groups for p in g]
-        unit_of_module = [(m, b) for m, b in zip(modules, [b for b in self.units])]
-        for i, (m, b) in enumerate(unit_of_module):
-            nxt = unit_of_module[i + 1][1] if i + 1 < len(unit_of_module) else None
-            prev = unit_of_module[i - 1][1] if i > 0 else None
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward(b, nxt)))
-            self._hooks.append(m.register_forward_hook(self._post_forward(b, prev)))
+        # units are in forward order: the next one is prefetched in forward, the previous one in backward
+        for i, (module, b) in enumerate(zip([m for m, u in zip(modules, units) if u], self.units)):
+            nxt = self.units[i + 1] if i + 1 < len(self.units) else None
+            prev = self.units[i - 1] if i > 0 else None
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(b, nxt)))
+            self._hooks.append(module.register_forward_hook(self._post_forward(b, prev)))
         self.reset()
 
     # ------------------------------------------------------------------------------------- gather / free
