@@ -89,6 +89,9 @@ class ParallelConfig:
     pipeline_layers: list[int] = doc([], "Layers per pipeline stage, e.g. [3, 5, 5, 3]; empty splits evenly.", ge=1)
     virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.", ge=1)
     distributed_optimizer: bool = doc(True, "Shard optimizer state and fp32 master weights over data-parallel ranks.")
+    fsdp: bool = doc(False, "Fully sharded data parallelism (ZeRO-3): also shard each transformer block's parameters "
+                            "and gradients over the data-parallel ranks, all-gathered per block ahead of use and "
+                            "freed after; needs parallel.distributed_optimizer=true (docs/parallelism.md).")
     backend: Literal["auto", "nccl", "gloo"] = doc("auto", "torch.distributed backend; auto picks nccl on GPU, gloo on CPU.")
     collective_timeout_s: float = doc(600.0, "Seconds a collective may wait before the run stops with a report "
                                              "naming the rank and the operation.", gt=0)

@@ -95,6 +95,8 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
         _validate_lora(cfg, lora, mk)
     if t.sample_every:
         _check_sampling(cfg, mk)
+    if p.fsdp:
+        _validate_fsdp(cfg)
     if world_size is not None:
         from mmtrain.parallel.dims import ParallelDims  # layout checks live with the layout
 
@@ -106,6 +108,28 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
         if p.virtual_pp > 1 and num_micro % p.pp:
             raise ConfigError(f"with parallel.virtual_pp > 1 the micro-batches per step ({num_micro}) must be a "
                               f"multiple of parallel.pp ({p.pp}); raise train.global_batch_size")
+
+
+def _validate_fsdp(cfg) -> None:
+    """parallel.fsdp: what the fully sharded buckets support so far (docs/parallelism.md)."""
+    p, t = cfg.parallel, cfg.train
+    if not p.distributed_optimizer:
+        raise ConfigError("parallel.fsdp=true shards the distributed optimizer's buckets; set "
+                          "parallel.distributed_optimizer=true or parallel.fsdp=false")
+    if t.precision == "fp8":
+        raise ConfigError("parallel.fsdp=true with train.precision=fp8 is not supported yet (FP8 weight copies "
+                          "and their FP8 all-gather); use train.precision=bf16 or parallel.fsdp=false")
+    if t.compile:
+        raise ConfigError("parallel.fsdp=true with train.compile=true is not supported yet (the per-block gather "
+                          "and free resize parameter storage under the compiled blocks); set train.compile=false "
+                          "or parallel.fsdp=false")
+    if t.sample_every:
+        raise ConfigError("parallel.fsdp=true with train.sample_every is not supported yet (the sampler reads the "
+                          "blocks' weights outside their forward, where FSDP has freed them); set "
+                          "train.sample_every=0 or parallel.fsdp=false")
+    if t.objective == "dpo":
+        raise ConfigError("parallel.fsdp=true with train.objective=dpo is not supported yet (the frozen reference "
+                          "model is not sharded); use parallel.fsdp=false")
 
 
 def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:

@@ -20,6 +20,9 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
     if cfg.model.language.family != "llama":  # the VLM's language model is the Llama-family GPT
         raise ConfigError(f"model.language.family={cfg.model.language.family}: a VLM run's language model must be "
                           "model.language.family=llama")
+    if p.fsdp:
+        raise ConfigError("parallel.fsdp=true is not supported for the VLM yet; use parallel.fsdp=false (the "
+                          "distributed optimizer)")
     check_language_run(cfg.language_run(), world_size, model_key="model.language")
     check_vlm_model(cfg.model, tp=p.tp)
     if p.virtual_pp > 1:

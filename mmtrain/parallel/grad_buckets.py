@@ -81,7 +81,7 @@ class GradBuckets:
             padded = -(-n // multiple) * multiple
             self.buckets.append(Bucket(plist, offset, offset + padded, is_late, is_separate))
             offset += padded
-        device = params[0].device
+        device = self.device = params[0].device
         self.grad_buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
         self.param_buffer = torch.zeros(offset, dtype=param_dtype, device=device)
         self.bucket_of: dict[int, Bucket] = {}
@@ -168,6 +168,10 @@ class GradBuckets:
         own_start, _ = self.owned_range(b)
         return b.shard_grad[start - own_start:end - own_start]
 
+    def param_values(self, b: Bucket, start: int, end: int) -> torch.Tensor:
+        """The parameter values of buffer range [start, end) of bucket ``b`` (what the optimizer updates)."""
+        return self.param_buffer[start:end]
+
     @torch.no_grad()
     def gather_params(self) -> None:
         """After the optimizer updated this rank's shards: every rank gets every updated parameter. With a
@@ -196,6 +200,9 @@ class GradBuckets:
         (checkpoint save, end of run)."""
         if self.separate_gather is not None:
             self.separate_gather.gather_full()
+
+    def params_loaded(self) -> None:
+        """After a checkpoint load wrote the parameters: nothing to do (they are the buffer itself)."""
 
 
 class _Done:

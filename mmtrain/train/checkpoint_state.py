@@ -93,6 +93,8 @@ def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimiz
     a checkpoint of any layout (``verify``: check its files against their checksums)."""
     spec, shard = model.sharding_spec(), shard_of(mesh)
     saved = saved_tensors(folder, verify)
+    if hasattr(optimizer, "gather_full_params"):  # collective: fully sharded parameters get storage to load into
+        optimizer.gather_full_params()
     chunks, missing = model_load_chunks(model.state_dict(), spec, shard, saved)
     if missing:
         raise ValueError(f"{folder}: no stored value for {', '.join(missing[:5])}"
@@ -128,8 +130,10 @@ def load_state(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, optimiz
                 rng[kind] = torch.zeros(saved[key][0], dtype=saved[key][1])
                 chunks.append(Chunk(key, saved[key][0], (0,), rng[kind]))
     load_chunks(folder, chunks, verify)
+    if hasattr(optimizer, "params_loaded"):
+        optimizer.params_loaded()
     for pc in masters_missing:  # saved without fp32 masters: start them from the weights
-        pc.master.copy_(pc.owner.param_buffer[pc.start:pc.end])
+        pc.master.copy_(pc.owner.param_values(pc.bucket, pc.start, pc.end))
     fused = bool(optimizer.optimizer.defaults.get("fused"))
     for pc, state in moments:
         optimizer.optimizer.state[pc.master] = {

@@ -79,7 +79,7 @@ def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisi
     counted = [g for pc, g in pieces
                if id(pc.param) not in copies and (id(pc.param) in tp_sharded or tp_rank0)
                and (pc.owner.sharded or pc.owner.dp_rank == 0)]
-    device = optimizer.buckets[0].grad_buffer.device
+    device = optimizer.buckets[0].device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if counted:
         sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()

@@ -29,6 +29,7 @@ from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_sc
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.dpo import build_reference, dpo_metrics, run_dpo_micro_batches
 from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
+from mmtrain.train.fsdp_setup import fully_sharded_buckets
 from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, collective_timeout_report, is_collective_timeout,
                                   nonfinite_report)
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, split_by_reduce_group, tied_embedding_params
@@ -266,13 +267,16 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     grad_dtype = torch.float32 if o.master_weights else pdtype
     dense, experts = split_by_reduce_group(stage, params)
     precision = precision_for(stage, cfg, mesh)
-    buckets = [GradBuckets(dense, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,
-                           late_params=tied_embedding_params(stage), grad_dtype=grad_dtype,
-                           **precision.bucket_options())]
-    precision.attach(buckets[0])
-    if experts:  # expert weights are replicated only over the expert-data-parallel ranks
-        buckets.append(GradBuckets(experts, mesh.edp_group, cfg.parallel.distributed_optimizer, pdtype,
-                                   grad_dtype=grad_dtype))
+    if cfg.parallel.fsdp:  # parameters and gradients sharded too, gathered per block (no precision layer: plain)
+        buckets = fully_sharded_buckets(stage, dense, experts, mesh, pdtype, grad_dtype)
+    else:
+        buckets = [GradBuckets(dense, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,
+                               late_params=tied_embedding_params(stage), grad_dtype=grad_dtype,
+                               **precision.bucket_options())]
+        precision.attach(buckets[0])
+        if experts:  # expert weights are replicated only over the expert-data-parallel ranks
+            buckets.append(GradBuckets(experts, mesh.edp_group, cfg.parallel.distributed_optimizer, pdtype,
+                                       grad_dtype=grad_dtype))
     optimizer = MixedPrecisionAdamW(buckets, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.master_weights,
                                     lr_scale_of=lr_scale_of)
     gbs = global_batch_size(cfg, dims.dp)

@@ -43,7 +43,7 @@ class MixedPrecisionAdamW:
                 for p in b.params:
                     s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
                     if s < e:
-                        view = owner.param_buffer[s:e]
+                        view = owner.param_values(b, s, e)
                         master = view.detach().float().clone() if master_weights else view
                         self.pieces.append(_Piece(p, owner, b, s, e, master))
         scale_of = lr_scale_of or (lambda p: 1.0)
@@ -82,7 +82,7 @@ class MixedPrecisionAdamW:
         for pc in self.pieces:
             pc.master.grad = None
             if self.master_weights:
-                pc.owner.param_buffer[pc.start:pc.end].copy_(pc.master)
+                pc.owner.param_values(pc.bucket, pc.start, pc.end).copy_(pc.master)
         for owner in self.buckets:
             owner.gather_params()
 
@@ -91,6 +91,12 @@ class MixedPrecisionAdamW:
         ``GradBuckets.gather_full_params``). The checkpoint writer calls it before reading the weights."""
         for owner in self.buckets:
             owner.gather_full_params()
+
+    def params_loaded(self) -> None:
+        """After a checkpoint load wrote whole parameter values (``gather_full_params`` first): each owner takes
+        what it keeps from them (fully sharded buckets: this rank's shards)."""
+        for owner in self.buckets:
+            owner.params_loaded()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -1,0 +1,35 @@
+"""``parallel.fsdp``: which parameters form the fully sharded units of a stage (its transformer blocks), per
+gradient-reduction group (``mmtrain.parallel.fsdp.FsdpBuckets``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmtrain.parallel.dims import ParallelMesh
+from mmtrain.parallel.fsdp import FsdpBuckets
+from mmtrain.train.grads import tied_embedding_params
+
+
+def fully_sharded_buckets(stage: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter],
+                          mesh: ParallelMesh, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[FsdpBuckets]:
+    """One ``FsdpBuckets`` for the dense parameters (over dp x cp) and, with routed experts, one for the expert
+    weights (over the expert-data-parallel ranks); each block of ``stage.layers`` is a unit of both, in forward
+    order (its global layer index), the rest stays whole."""
+    blocks = sorted(stage.layers.items(), key=lambda kv: int(kv[0]))
+    out = []
+    for params, group, late in ((dense, mesh.dp_cp_group, tied_embedding_params(stage)),
+                                (experts, mesh.edp_group, [])):
+        if not params:
+            continue
+        mine = {id(p) for p in params}
+        units, modules, in_unit = [], [], set()
+        for _, block in blocks:
+            unit = [p for p in block.parameters() if id(p) in mine]
+            if unit:
+                units.append(unit)
+                modules.append(block)
+                in_unit.update(id(p) for p in unit)
+        resident = [p for p in params if id(p) not in in_unit]
+        out.append(FsdpBuckets(units, modules, resident, group, param_dtype, grad_dtype, late_params=late))
+    return out
