@@ -232,7 +232,7 @@ def _read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, li
 def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     """(ModelConfig, complete.json) of a checkpoint (a step folder or a checkpoints root with ``latest``) without
     reading its tensors; complete.json's ``config`` is the run config it was saved with."""
-    meta, cfg, _ = _read_checkpoint_meta(_resolve_checkpoint_folder(path))
+    meta, cfg, _ = _read_checkpoint_meta(resolve_checkpoint_folder(path))
     return cfg, meta
 
 
