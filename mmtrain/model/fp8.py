@@ -182,6 +182,9 @@ class Fp8Runtime:
             if not refresh_weights_in_place(per_tensor, amax):  # the first refresh sizes the buffers
                 for m, a in zip(per_tensor, amax.unbind(0)):
                     m.refresh_weight(m.weight_ref, a)
+                # then casts them again the way every later refresh does, so that path's compile (which
+                # synchronises) happens in this first step, not in the next one
+                refresh_weights_in_place(per_tensor, amax)
         for m in matmuls:
             if m.recipe == "rowwise":  # row scales of this rank's shard (rows of a row-parallel weight are cut)
                 m.refresh_weight(m.weight_ref)
