@@ -19,8 +19,8 @@ import numpy as np
 from dataprep.chat_template import BUILTIN_SPECIAL_TOKENS, BUILTIN_TEMPLATES, load_chat_template
 from dataprep.errors import PrepError
 from dataprep.sft_encode import MASK_DTYPE, ChatBlockEncoder, ChatEncodeOptions, mask_key, output_keys
-from dataprep.text import _check_writable, available_cpus, write_indexed_outputs
-from dataprep.text_input import describe_skipped, find_inputs
+from dataprep.text import _check_writable, available_cpus, describe_inputs, run_fields, write_indexed_outputs
+from dataprep.text_input import find_inputs
 from dataprep.text_output import output_paths, print_summary, write_manifest
 from mmtrain.core.indexed import token_dtype_for
 from mmtrain.core.tokenizer import TOKENIZER_TYPES, load_tokenizer
@@ -128,21 +128,13 @@ def run(args: argparse.Namespace) -> int:
         "outputs": outputs,
         "documents": counts,
         "loss_tokens": loss_tokens,
-        "rejects_by_code": dict(sorted(state.rejects.codes.items())),
-        "tokens": state.tokens,
-        "bytes": state.text_bytes,
-        "rejects_file": rejects_file.name if rejects_file else None,
-        "workers": workers,
-        "threads_per_worker": threads,
-        "elapsed_s": round(elapsed, 3),
+        **run_fields(state, rejects_file, workers, threads, elapsed),
     })
-    taken = ", ".join(str(f.path) for f in files[:3]) + (f", ... {len(files) - 3} more" if len(files) > 3 else "")
     print_summary("mmtrain-prep sft", counts, state.tokens, state.text_bytes, elapsed,
                   [f"{prefixes[k]}.bin/.idx ({outputs[k]['documents']:,} conversations, {dtype.name}; "
                    f"{loss_tokens[k]:,} loss tokens in {prefixes[mask_key(k)]})" for k in token_keys]
                   + [f"{prefix}.manifest.json"], rejects_file,
-                  inputs=f"{len(files)} input file(s): {taken}" + (f"; skipped {describe_skipped(skipped)}"
-                                                                    if skipped else ""))
+                  inputs=describe_inputs(files, skipped))
     return 0
 
 

@@ -301,21 +301,26 @@ def run(args: argparse.Namespace) -> int:
         "keep_empty": args.keep_empty,
         "outputs": outputs,
         "documents": counts,
-        "rejects_by_code": dict(sorted(state.rejects.codes.items())),
-        "tokens": state.tokens,
-        "bytes": state.text_bytes,
-        "rejects_file": rejects_file.name if rejects_file else None,
-        "workers": workers,
-        "threads_per_worker": threads,
-        "elapsed_s": round(elapsed, 3),
+        **run_fields(state, rejects_file, workers, threads, elapsed),
     })
-    taken = ", ".join(str(f.path) for f in files[:3]) + (f", ... {len(files) - 3} more" if len(files) > 3 else "")
     print_summary("mmtrain-prep text", counts, state.tokens, state.text_bytes, elapsed,
                   [f"{p}.bin/.idx ({outputs[k]['documents']:,} docs, {dtype.name})" for k, p in prefixes.items()]
                   + [f"{prefix}.manifest.json"], rejects_file,
-                  inputs=f"{len(files)} input file(s): {taken}" + (f"; skipped {describe_skipped(skipped)}"
-                                                                    if skipped else ""))
+                  inputs=describe_inputs(files, skipped))
     return 0
+
+
+def run_fields(state: _Run, rejects_file, workers: int, threads: int, elapsed: float) -> dict:
+    """The manifest fields every prep run of indexed outputs records about itself (`text` and `sft`)."""
+    return {"rejects_by_code": dict(sorted(state.rejects.codes.items())), "tokens": state.tokens,
+            "bytes": state.text_bytes, "rejects_file": rejects_file.name if rejects_file else None,
+            "workers": workers, "threads_per_worker": threads, "elapsed_s": round(elapsed, 3)}
+
+
+def describe_inputs(files, skipped) -> str:
+    """The summary's line about the inputs taken (the first three named) and skipped."""
+    taken = ", ".join(str(f.path) for f in files[:3]) + (f", ... {len(files) - 3} more" if len(files) > 3 else "")
+    return f"{len(files)} input file(s): {taken}" + (f"; skipped {describe_skipped(skipped)}" if skipped else "")
 
 
 def _nothing_written(state: _Run, writers: dict[str, IndexedDatasetWriter], prefixes: dict[str, str]) -> str | None:

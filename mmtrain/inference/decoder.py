@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.inference.kv_cache import StaticKVCache
-from mmtrain.model.layers import apply_rope, rope_cos_sin
+from mmtrain.model.layers import rope_cos_sin
 
 
 class UnsupportedModelError(ValueError):
@@ -45,20 +45,10 @@ def kv_cache_for(model: nn.Module, slots: int, max_len: int, dtype: torch.dtype,
 def _cached_attention(attn: nn.Module, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       cache: StaticKVCache, layer: int, slots_B: torch.Tensor | None, positions_BS: torch.Tensor,
                       kv_len: int | None) -> torch.Tensor:
-    """``attn``'s projections with a cached attention core: the same math as the model's ``Attention.forward``
-    (split of the fused qkv by local sizes, q/k norm, RoPE), keys/values through the cache."""
-    qkv = attn.qkv(x_BSD)
-    B, S = qkv.shape[:2]
-    total = attn.q_size + 2 * attn.kv_size
-    q_local = qkv.shape[-1] * attn.q_size // total
-    kv_local = qkv.shape[-1] * attn.kv_size // total
-    q, k, v = qkv.split((q_local, kv_local, kv_local), dim=-1)
-    q = q.view(B, S, -1, attn.head_dim)
-    k = k.view(B, S, -1, attn.head_dim)
-    v = v.view(B, S, -1, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    """``attn``'s projections (``Attention.project``: the model's own split, q/k norm and RoPE) with a cached
+    attention core: keys/values through the cache."""
+    q, k, v = attn.project(x_BSD, cos, sin)
+    B, S = q.shape[:2]
     cache.write(layer, slots_B, positions_BS, k, v)
     keys, values = cache.read(layer, slots_B, kv_len)
     visible = cache.key_index[: keys.shape[2]][None, None, None, :] <= positions_BS[:, None, :, None]  # (B,1,S,T)

@@ -92,9 +92,10 @@ class Attention(nn.Module):
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.attention = attention if attention is not None else CausalAttention()
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask=None) -> torch.Tensor:
-        """``attn_mask``: what the strategy's ``prepare`` made for this micro-batch (None: plain causal)."""
+    def project(self, x_BSD: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v, each (B, S, heads on this rank, head_dim): the fused projection split by local sizes, q/k
+        norm, RoPE. Shared with the KV-cache decoder (``mmtrain.inference.decoder``)."""
         qkv = self.qkv(x_BSD)
         B, S = qkv.shape[:2]  # with sequence parallelism x_BSD holds S/tp rows; qkv is gathered to S
         # local sizes (a TP shard holds q_size/tp etc.): split in the same proportion as the full layout
@@ -109,6 +110,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # None: positions are added to the input instead (learned / sin-cos tables)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask=None) -> torch.Tensor:
+        """``attn_mask``: what the strategy's ``prepare`` made for this micro-batch (None: plain causal)."""
+        q, k, v = self.project(x_BSD, cos, sin)
+        B, S = q.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         out = self.attention(q, k, v, attn_mask)
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
