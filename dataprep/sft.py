@@ -19,7 +19,8 @@ import numpy as np
 from dataprep.chat_template import BUILTIN_SPECIAL_TOKENS, BUILTIN_TEMPLATES, load_chat_template
 from dataprep.errors import PrepError
 from dataprep.sft_encode import MASK_DTYPE, ChatBlockEncoder, ChatEncodeOptions, mask_key, output_keys
-from dataprep.text import _check_writable, available_cpus, describe_inputs, run_fields, write_indexed_outputs
+from dataprep.text import (_check_writable, available_cpus, describe_inputs, input_fields, run_fields,
+                           write_indexed_outputs)
 from dataprep.text_input import find_inputs
 from dataprep.text_output import output_paths, print_summary, write_manifest
 from mmtrain.core.indexed import token_dtype_for
@@ -113,9 +114,7 @@ def run(args: argparse.Namespace) -> int:
     write_manifest(prefix, {
         "command": "mmtrain-prep sft",
         "argv": sys.argv[1:],
-        "inputs": [{"path": str(f.path), "size": f.size, "sha256": f.sha256, "records": f.records,
-                    "text_bytes": f.bytes_read} for f in files],
-        "skipped_inputs": [{"path": str(s.path), "reason": s.reason} for s in skipped],
+        **input_fields(files, skipped),
         "tokenizer": tokenizer.describe(),
         "dtype": dtype.name,
         "chat_template": template.describe() if template is not None else None,

@@ -290,9 +290,7 @@ def run(args: argparse.Namespace) -> int:
     write_manifest(prefix, {
         "command": "mmtrain-prep text",
         "argv": sys.argv[1:],
-        "inputs": [{"path": str(f.path), "size": f.size, "sha256": f.sha256, "records": f.records,
-                    "text_bytes": f.bytes_read} for f in files],
-        "skipped_inputs": [{"path": str(s.path), "reason": s.reason} for s in skipped],
+        **input_fields(files, skipped),
         "tokenizer": tokenizer.describe(),
         "dtype": dtype.name,
         "json_keys": list(keys),
@@ -315,6 +313,13 @@ def run_fields(state: _Run, rejects_file, workers: int, threads: int, elapsed: f
     return {"rejects_by_code": dict(sorted(state.rejects.codes.items())), "tokens": state.tokens,
             "bytes": state.text_bytes, "rejects_file": rejects_file.name if rejects_file else None,
             "workers": workers, "threads_per_worker": threads, "elapsed_s": round(elapsed, 3)}
+
+
+def input_fields(files, skipped) -> dict:
+    """The manifest's record of the inputs taken (with their checksums) and skipped (with why)."""
+    return {"inputs": [{"path": str(f.path), "size": f.size, "sha256": f.sha256, "records": f.records,
+                        "text_bytes": f.bytes_read} for f in files],
+            "skipped_inputs": [{"path": str(s.path), "reason": s.reason} for s in skipped]}
 
 
 def describe_inputs(files, skipped) -> str:

@@ -9,17 +9,13 @@ import argparse
 import json
 import sys
 
+from mmtrain.utils.cli import OneLineArgumentParser
+
 PROG = "python -m mmtrain.generate"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse would print the usage first)
-        print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description="Generate text from an mmtrain checkpoint (KV-cache decoding).")
+    ap = OneLineArgumentParser(prog=PROG, description="Generate text from an mmtrain checkpoint (KV-cache decoding).")
     ap.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
     ap.add_argument("--tokenizer", required=True, help="SentencePiece .model, tokenizer.json (or its folder), or "
                                                        "GPT-2 vocab.json next to merges.txt")

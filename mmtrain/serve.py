@@ -9,17 +9,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from mmtrain.utils.cli import OneLineArgumentParser
+
 PROG = "python -m mmtrain.serve"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description="Serve an mmtrain checkpoint over an OpenAI-compatible HTTP API.")
+    ap = OneLineArgumentParser(prog=PROG, description="Serve an mmtrain checkpoint over an OpenAI-compatible HTTP API.")
     ap.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
     ap.add_argument("--tokenizer", required=True, help="the model's tokenizer (its chat template, if any, is read "
                                                        "from tokenizer_config.json next to it)")
