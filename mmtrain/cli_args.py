@@ -26,10 +26,20 @@ def _launch_env() -> tuple[int, int, int]:
 
 def _startup_error(prog: str, message: str, rank: int, local_rank: int) -> int:
     """Every rank finds the same start-up error (same config, same files), so only each node's first process
-    prints it: once on one node, not once per rank. Exit code 2."""
+    prints it: once on one node, not once per rank. Exit code 2.
+
+    The silent ranks wait a moment before exiting: torchrun stops every worker (SIGTERM) as soon as the first one
+    exits non-zero, and a silent rank that got there first would kill the printing one before it printed."""
     if local_rank == 0:
         print(f"{'' if rank == 0 else f'[rank {rank}] '}{prog}: config error: {message}", file=sys.stderr, flush=True)
+    else:
+        import time
+
+        time.sleep(_SILENT_RANK_GRACE_S)
     return 2
+
+
+_SILENT_RANK_GRACE_S = 10.0
 
 
 def _parser(cls: type, prog: str, example: str) -> argparse.ArgumentParser:
@@ -55,8 +65,8 @@ def parse_run_config(cls: type, argv: list[str] | None, prog: str, example: str 
             raise SystemExit(0)
         return load_config(cls, args.config, args.overrides)
     except ConfigError as exc:
-        print(f"{prog}: config error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        rank, local_rank, _ = _launch_env()
+        raise SystemExit(_startup_error(prog, str(exc), rank, local_rank)) from None
 
 
 def check_writable_run_dir(run_dir: str) -> None:

@@ -27,7 +27,10 @@ def test_torchrun_start_up_errors_are_printed_once_without_an_mmtrain_traceback(
               "mmtrain.pretrain_gpt: config error: model.num_query_groups (2) must be divisible by parallel.tp (4)"),
              (["--config", "mmtrain:configs/gpt/tiny_cpu.yaml"],
               f"mmtrain.pretrain_gpt: config error: data.prefixes[0]: indexed dataset {tmp_path}/runs/demo/data/"
-              "corpus not found")]
+              "corpus not found"),
+             (["--config", "mmtrain:configs/gpt/tiny_cpu_mock.yaml", "optim.nosuch=1"],  # found while parsing
+              "mmtrain.pretrain_gpt: config error: unknown config key 'optim.nosuch' in command-line override "
+              "'optim.nosuch=1'; did you mean 'optim.schedule'?")]
     for args, message in cases:
         proc = _torchrun(tmp_path, *args)
         out = proc.stdout + proc.stderr
