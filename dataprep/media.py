@@ -288,6 +288,9 @@ def run(args: argparse.Namespace) -> int:
                             "Write the output somewhere else")
     if args.max_length is not None and args.max_length < 1:
         raise PrepError("--max-length must be 1 or more")
+    if args.tokenizer is None and (args.chat_template != "tokenizer" or args.max_length is not None):
+        raise PrepError("--chat-template and --max-length apply to chat rows, which are tokenized at prep time: "
+                        "pass --tokenizer too")
     chat = None
     if args.tokenizer is not None:
         chat = ChatRowEncoder(ChatMediaOptions(args.tokenizer, args.chat_template, args.max_length))

@@ -131,6 +131,9 @@ def test_chat_rows_need_a_tokenizer(tmp_path, chat_input, capsys):
     assert len(err.splitlines()) == 1 and "needs_tokenizer: 4" in err
     line = json.loads((tmp_path / "o" / "rejects.jsonl").read_text().splitlines()[0])
     assert line["code"] == "needs_tokenizer" and "--tokenizer" in line["reason"]
+    assert prep(["media", "--input", str(manifest), "--output", str(tmp_path / "o2"), "--chat-template", "chatml",
+                 *COMMON]) == 2
+    assert "pass --tokenizer too" in capsys.readouterr().err
 
 
 def test_loader_expands_image_slots_and_trains_only_assistant_tokens(tmp_path, chat_input):
