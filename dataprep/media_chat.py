@@ -57,6 +57,7 @@ class ChatRowEncoder:
                             f"special token(s) {', '.join(missing)}; use the tokenizer's own template or one whose "
                             "tokens it has")
         self.renderer = ChatRenderer(self.template)
+        self.tokenizer_sha256 = self.tokenizer.checksum()
 
     def describe(self) -> dict:
         return {"tokenizer": self.tokenizer.describe(), "chat_template": self.template.describe(),
@@ -64,8 +65,8 @@ class ChatRowEncoder:
                 "max_length": self.options.max_length}
 
     def encode(self, row: MediaRow) -> dict:
-        """``{"tokens": [...], "loss_mask": [...]}`` (equal lengths; ``IMAGE_SLOT`` with mask 0 per image, in
-        order), or ChatRowError."""
+        """``{"tokens": [...], "loss_mask": [...], "tokenizer_sha256": ...}`` (equal lengths; ``IMAGE_SLOT`` with
+        mask 0 per image, in order; the loader checks the run's tokenizer against the hash), or ChatRowError."""
         messages = [dict(m) for m in row.conversation]
         trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         try:
@@ -97,4 +98,4 @@ class ChatRowEncoder:
         if limit is not None and len(tokens) > limit:
             raise ChatRowError("too_long", f"{len(tokens):,} tokens (each image one), more than --max-length "
                                f"{limit:,}")
-        return {"tokens": tokens, "loss_mask": mask}
+        return {"tokens": tokens, "loss_mask": mask, "tokenizer_sha256": self.tokenizer_sha256}

@@ -116,6 +116,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         super().__init__()
         self.settings = settings
         self._tokenizer = None
+        self._tokenizer_sha256 = None
         # A bound method keeps its function's @stateless mark, which energon requires of a cooker.
         self.cookers = [Cooker(self.cook_crude)]
 
@@ -212,6 +213,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         image whose placeholders would not all be inputs (the first ``seq_length`` tokens) begins; that image and
         the later ones are dropped with the text (prepare with ``--max-length`` to reject such rows instead)."""
         s = self.settings
+        self._check_chat_tokenizer(sample)
         ids: list[int] = []
         train: list[bool] = []
         kept = 0
@@ -230,6 +232,20 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             raise MediaSampleError(f"sample {sample.__key__!r}: its chat tokens leave fewer than 2 tokens in "
                                    f"seq_length {s.seq_length}; raise seq_length")
         return ids[:limit], train[:limit], sample.images[:kept]
+
+    def _check_chat_tokenizer(self, sample: MediaTextSample) -> None:
+        """Chat tokens are ids of the tokenizer the prep used: refuse them under another one (media.tokenizer)."""
+        made_with = sample.chat_tokenizer_sha256
+        checksum = getattr(self.tokenizer, "checksum", None)
+        if made_with is None or checksum is None:
+            return
+        if self._tokenizer_sha256 is None:
+            self._tokenizer_sha256 = checksum()
+        if made_with != self._tokenizer_sha256:
+            raise MediaSampleError(f"sample {sample.__key__!r} was prepared with another tokenizer (sha256 "
+                                   f"{made_with[:12]}...) than media.tokenizer {self.settings.tokenizer} "
+                                   f"({self._tokenizer_sha256[:12]}...); set media.tokenizer to the one the shards "
+                                   "were prepared with (their manifest.json names it)")
 
     # ---- packing (active when the dataset is built with packing_buffer_size) ----------------------------
 

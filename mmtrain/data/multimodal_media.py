@@ -44,6 +44,7 @@ class MediaTextSample(Sample):
     turns: list
     chat_tokens: list | None = None
     chat_loss_mask: list | None = None
+    chat_tokenizer_sha256: str | None = None  # the tokenizer.json the chat tokens were made with
 
 
 def _where(sample: dict) -> str:
@@ -145,8 +146,9 @@ def _turns(sample: dict) -> list[tuple[str, str]]:
     return [("assistant", text)]
 
 
-def _chat(sample: dict, images: int) -> tuple[list[int], list[int]] | None:
-    """A chat sample's (tokens, loss mask) from its ``json`` part, checked; None for other samples."""
+def _chat(sample: dict, images: int) -> tuple[list[int], list[int], str | None] | None:
+    """A chat sample's (tokens, loss mask, tokenizer hash) from its ``json`` part, checked; None for other
+    samples."""
     meta = sample.get("json") if isinstance(sample.get("json"), dict) else {}
     chat = meta.get("chat")
     if chat is None:
@@ -160,7 +162,8 @@ def _chat(sample: dict, images: int) -> tuple[list[int], list[int]] | None:
     if tokens.count(IMAGE_SLOT) != images:
         raise MediaSampleError(f"{_where(sample)}: {tokens.count(IMAGE_SLOT)} image slots in its chat tokens for "
                                f"{images} image part(s); re-run mmtrain-prep media on the input")
-    return tokens, mask
+    sha = chat.get("tokenizer_sha256")
+    return tokens, mask, sha if isinstance(sha, str) else None
 
 
 def cook_media_sample(sample: dict, video_frames: int) -> MediaTextSample:
@@ -191,7 +194,8 @@ def cook_media_sample(sample: dict, video_frames: int) -> MediaTextSample:
                            __subflavors__=sample.get("__subflavors__"), __sources__=sample.get("__sources__"),
                            images=images, frame_index=frame_index, audio=audio, audio_rates=rates,
                            turns=[] if chat else _turns(sample), chat_tokens=chat[0] if chat else None,
-                           chat_loss_mask=chat[1] if chat else None)
+                           chat_loss_mask=chat[1] if chat else None,
+                           chat_tokenizer_sha256=chat[2] if chat else None)
 
 
 def from_captioning(sample: CaptioningSample) -> MediaTextSample:

@@ -182,6 +182,22 @@ def test_loader_expands_image_slots_and_trains_only_assistant_tokens(tmp_path, c
         tokens = b.tokens[0].tolist()
         assert tokens.count(image_id) == n_img * int(b.image_counts[0])
     assert int(load(30)["chat-1"].image_counts[0]) == 1
+    # under another tokenizer than the prep's, the chat ids would mean other text: refused, naming the fix
+    import shutil
+
+    from mmtrain.data.multimodal import MediaSampleError
+
+    other = tmp_path / "other_tok"
+    shutil.copytree(tok_dir, other)
+    changed = Tokenizer.from_file(str(other / "tokenizer.json"))
+    changed.add_special_tokens(["<video>"])
+    changed.save(str(other / "tokenizer.json"))
+    s = MultimodalSettings(tokenizer=str(other), seq_length=160, image_token_id=image_id, num_image_tokens=n_img,
+                           image_size=16)
+    loader = MultimodalLoader(out, s, LoaderOptions(num_slices=1, micro_batch_size=1, shuffle_buffer_size=0))
+    with pytest.raises(MediaSampleError, match="prepared with another tokenizer"):
+        next(loader)
+    loader.close()
 
 
 def test_inspect_shows_the_loss_tokens(tmp_path, chat_input, capsys):
