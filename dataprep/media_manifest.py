@@ -79,6 +79,8 @@ class MediaRow:
             return "video"
         if self.audio:
             return "audio"
+        if not self.images and self.text_field == "chat":
+            return "text"  # a text-only conversation among the chat rows (trained with its loss mask too)
         return "images" if len(self.images) > 1 else "image"
 
 
@@ -286,7 +288,8 @@ def _chat_content(content, where: str) -> tuple[str, list[str]]:
 
 def _chat_record(obj: dict, base: Path, source: str, line: int, record: str, allow_outside: bool) -> MediaRow:
     """A chat SFT row: OpenAI ``messages`` whose user contents hold image parts, or LLaVA-style ShareGPT
-    ``conversations`` with ``<image>`` in the text and the files in ``image`` (a path or a list)."""
+    ``conversations`` with ``<image>`` in the text and the files in ``image`` (a path or a list); a row without
+    images is a text-only conversation of the same set."""
     key = "messages" if "messages" in obj else "conversations"
     turns = obj[key]
     if not isinstance(turns, list) or not turns:
@@ -324,9 +327,9 @@ def _chat_record(obj: dict, base: Path, source: str, line: int, record: str, all
             raise _RowError("bad_field", f"{marks} {IMAGE_PLACEHOLDER!r} placeholder(s) in the conversation for "
                             f"{len(listed)} image(s) in 'image'; put one placeholder in a user turn per image")
         rel_paths = listed
-    if not rel_paths:
-        raise _RowError("no_media", "a chat row without images; text-only conversations go through "
-                        "`mmtrain-prep sft` (blend them as text entries)")
+    elif obj.get("image", obj.get("images")) not in (None, "", []):
+        raise _RowError("bad_field", "a 'messages' row gives its images as content parts of the user messages "
+                        "(image_url / image); the 'image' field belongs to ShareGPT 'conversations' rows")
     resolved = [_resolve(base, v, "image", allow_outside) for v in rel_paths]  # extensions: media_codecs
     sample_id = _sample_id(obj, source, line)
     known = {key, "id", "image", "images"}

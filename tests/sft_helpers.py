@@ -93,8 +93,8 @@ def write_preference_dataset(folder: Path, pairs: int = 16) -> Path:
 
 IMAGE_TOKEN = "<image>"  # the chat tokenizer's image placeholder (a special token added after training)
 
-# Conversations with images in their user turns, in the OpenAI content-part shape; the ShareGPT twin of each is
-# written by ``sharegpt_twin``.
+# Conversations with images in their user turns (and one without), in the OpenAI content-part shape; the ShareGPT
+# twin of each is written by ``sharegpt_twin``.
 IMAGE_CONVERSATIONS = [
     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "img/red.png"}},
                                   {"type": "text", "text": "\nWhat colour is this?"}]},
@@ -104,6 +104,7 @@ IMAGE_CONVERSATIONS = [
                                   {"type": "text", "text": " and "}, {"type": "image", "path": "img/red.png"}]},
      {"role": "assistant", "content": "Blue, then red."},
      {"role": "user", "content": "Which is warmer?"}, {"role": "assistant", "content": " The red one.\n"}],
+    [{"role": "user", "content": "No picture this time: 2+2?"}, {"role": "assistant", "content": "4"}],  # text only
 ]
 
 

@@ -184,10 +184,10 @@ def cook_media_sample(sample: dict, video_frames: int) -> MediaTextSample:
             frames = _video_frames(sample, part, video_frames)
             images.extend(frames)
             frame_index.extend(range(len(frames)))
-    if not images and not audio:
+    chat = _chat(sample, len(images))
+    if not images and not audio and chat is None:  # a chat sample may be text only
         parts = sorted(k for k in sample if not str(k).startswith("__"))
         raise MediaSampleError(f"{_where(sample)}: no image, audio or video part among {parts}")
-    chat = _chat(sample, len(images))
     if chat is not None and audio:
         raise MediaSampleError(f"{_where(sample)}: a chat sample with audio; chat rows hold images only")
     return MediaTextSample(__key__=sample["__key__"], __restore_key__=sample["__restore_key__"],

@@ -15,7 +15,7 @@ import pytest
 from dataprep.chat_template import BUILTIN_TEMPLATES
 from dataprep.cli import main as prep
 from tests.sft_helpers import (IMAGE_CONVERSATIONS, IMAGE_TOKEN, OWN_TEMPLATE_TAGGED, build_vlm_chat_input,
-                               image_texts)
+                               image_paths, image_texts)
 
 COMMON = ["--workers", "1", "--val-ratio", "0", "--no-progress"]
 
@@ -61,7 +61,7 @@ def test_tokens_and_loss_mask_equal_transformers(tmp_path, chat_input, template)
         chat = got[f"chat-{i}"]["chat"]
         assert chat["tokens"] == [-1 if t == image_id else t for t in ref["input_ids"]], (template, i)
         assert chat["loss_mask"] == list(ref["assistant_masks"]), (template, i)
-        assert chat["tokens"].count(-1) == len(got[f"chat-{i}"]["images"]) == (1, 2)[i % n]
+        assert chat["tokens"].count(-1) == len(got[f"chat-{i}"].get("images", [])) == len(image_paths(conv))
     assert got["chat-0"]["chat"] == got[f"chat-{n}"]["chat"]  # OpenAI row == its ShareGPT twin
     manifest_json = json.loads((out / "manifest.json").read_text())
     assert manifest_json["options"]["chat"]["chat_template"]["source"] == template
@@ -105,22 +105,24 @@ def test_hostile_paths_and_broken_images_are_rejects(tmp_path, chat_input):
         user(image("img/ok.png"), {"type": "video", "path": "v.mp4"}),  # 13 unknown part
         {"conversations": [{"from": "human", "value": f"{IMAGE_TOKEN} x"}, {"from": "gpt", "value": "y"}],
          "image": "img/ok.png"},                                     # 14 written (ShareGPT)
+        {"messages": [{"role": "user", "content": "see"}, {"role": "assistant", "content": "ok"}],
+         "image": "img/ok.png"},                                     # 15 an 'image' field on an OpenAI row
     ]
     manifest = src / "chat.jsonl"
-    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")  # 15 malformed
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")  # 16 malformed
     out = tmp_path / "out"
     assert prep(["media", "--input", str(manifest), "--output", str(out), "--tokenizer", str(tok_dir),
                  "--chat-template", "chatml", *COMMON]) == 0
     rejects = {r["line"]: r for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
     expected = {2: "outside_path", 3: "outside_path", 4: "outside_path", 5: "missing_file", 6: "unreadable_media",
                 7: "truncated_media", 8: "bad_field", 9: "bad_field", 10: "bad_field", 11: "bad_field",
-                12: "no_text", 13: "bad_field", 15: "malformed_line"}
+                12: "no_text", 13: "bad_field", 15: "bad_field", 16: "malformed_line"}
     assert {line: r["code"] for line, r in rejects.items()} == expected
     assert all(r["source"] == str(manifest) and r["reason"] for r in rejects.values())
     assert "resolves outside" in rejects[4]["reason"] and "URL" in rejects[8]["reason"]
     assert "user turns" in rejects[10]["reason"] and "2 '<image>' placeholder(s)" in rejects[11]["reason"]
     counts = json.loads((out / "manifest.json").read_text())["counts"]
-    assert counts["rows_read"] == 15 and counts["written"] == 2 and counts["rejected"] == 13  # nothing lost
+    assert counts["rows_read"] == 16 and counts["written"] == 2 and counts["rejected"] == 14  # nothing lost
     assert sorted(samples(out)) == ["chat-00000001", "chat-00000014"]
 
 
@@ -128,7 +130,7 @@ def test_chat_rows_need_a_tokenizer(tmp_path, chat_input, capsys):
     _, manifest = chat_input
     assert prep(["media", "--input", str(manifest), "--output", str(tmp_path / "o"), *COMMON]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "needs_tokenizer: 4" in err
+    assert len(err.splitlines()) == 1 and "needs_tokenizer: 6" in err
     line = json.loads((tmp_path / "o" / "rejects.jsonl").read_text().splitlines()[0])
     assert line["code"] == "needs_tokenizer" and "--tokenizer" in line["reason"]
     assert prep(["media", "--input", str(manifest), "--output", str(tmp_path / "o2"), "--chat-template", "chatml",
@@ -157,7 +159,7 @@ def test_loader_expands_image_slots_and_trains_only_assistant_tokens(tmp_path, c
                                num_image_tokens=n_img, image_size=16)
         loader = MultimodalLoader(out, s, LoaderOptions(num_slices=1, micro_batch_size=1, shuffle_buffer_size=0))
         batches = {}
-        for _ in range(4):
+        for _ in range(2 * len(IMAGE_CONVERSATIONS)):
             b = next(loader)
             batches[b.__key__[0]] = b
         loader.close()
@@ -173,7 +175,7 @@ def test_loader_expands_image_slots_and_trains_only_assistant_tokens(tmp_path, c
         assert b.tokens[0, :n].tolist() == expanded[:-1]
         want = torch.tensor([t if keep else IGNORE_INDEX for t, keep in zip(expanded[1:], targets[1:])])
         assert torch.equal(b.labels[0, :n], want) and (b.labels[0, n:] == IGNORE_INDEX).all()
-        assert int(b.image_counts[0]) == chat["tokens"].count(-1) == b.images.shape[0]
+        assert int(b.image_counts[0]) == chat["tokens"].count(-1) == b.images.shape[0]  # 0 for the text-only one
         trained = tok.decode([t for t in b.labels[0].tolist() if t != IGNORE_INDEX], skip_special_tokens=False)
         answers = [m["content"] for m in stored[key]["messages"] if m["role"] == "assistant"]
         assert trained == "".join(a + "<|im_end|>" for a in answers)
