@@ -145,7 +145,8 @@ def build_vlm_chat_input(folder: Path, copies: int = 1) -> tuple[Path, Path]:
     img.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", (24, 20), (220, 30, 20)).save(img / "red.png")
     Image.new("RGB", (18, 30), (20, 40, 230)).save(img / "blue.jpg", quality=90)
-    records = ([{"messages": c} for c in IMAGE_CONVERSATIONS] + [sharegpt_twin(c) for c in IMAGE_CONVERSATIONS]) * copies
+    records = [{"messages": c} for c in IMAGE_CONVERSATIONS] + [sharegpt_twin(c) for c in IMAGE_CONVERSATIONS]
+    records *= copies
     manifest = folder / "in" / "chat.jsonl"
     manifest.write_text("".join(json.dumps({**r, "id": f"chat-{i}"}) + "\n" for i, r in enumerate(records)))
     return tok_dir, manifest
