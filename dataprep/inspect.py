@@ -10,7 +10,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="indexed dataset PREFIX (without .bin/.idx) or a media shard DIR")
     p.add_argument("--doc", type=int, action="append", default=[], metavar="K",
                    help="text: decode document K (repeatable); needs the tokenizer recorded in the manifest")
-    p.add_argument("--tokenizer", default=None, help="text: tokenizer to decode with (default: the manifest's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer to decode with (text --doc, media chat samples; default: the manifest's)")
     p.add_argument("--samples", type=int, default=3, metavar="N", help="media: show the first N samples")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -27,6 +28,7 @@ from typing import Iterator
 
 from dataprep.errors import PrepError
 from dataprep.jsonl import jsonl_line
+from dataprep.media_chat import ChatMediaOptions, ChatRowEncoder, ChatRowError
 from dataprep.media_codecs import MediaOptions, MediaReject, Packed, pack_batch
 from dataprep.media_manifest import Reject, input_fingerprint, is_val, iter_rows
 from dataprep.media_shards import NV_META, SPLITS, ShardRecord, ShardSetWriter, scan_shard, write_energon_meta
@@ -85,6 +87,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: reject them)")
     g.add_argument("--allow-outside", action="store_true",
                    help="permit absolute paths and paths that leave the manifest's folder")
+    c = p.add_argument_group("chat rows (images in user turns: OpenAI 'messages' with image parts, or ShareGPT "
+                             "'conversations' with <image> and 'image')")
+    c.add_argument("--tokenizer", default=None,
+                   help="Hugging Face tokenizer.json or its folder: chat rows are rendered and tokenized at prep "
+                        "time, with the loss mask on the assistant tokens (needed when the input has chat rows)")
+    c.add_argument("--chat-template", default="tokenizer", metavar="NAME",
+                   help="'tokenizer' (its own Jinja template, default), a built-in (chatml, llama3) or a .jinja file")
+    c.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="reject chat rows longer than N tokens, counting each image as one (the loader expands it "
+                        "to model.tokens_per_image)")
     r = p.add_argument_group("run")
     r.add_argument("--resume", action="store_true", help="continue an interrupted run into the same DIR")
     r.add_argument("--overwrite", action="store_true", help="build anew and replace a previous output of this command in DIR once the new one is "
@@ -274,8 +286,18 @@ def run(args: argparse.Namespace) -> int:
         if Path(inp).is_dir() and out.resolve().is_relative_to(Path(inp).resolve()):
             raise PrepError(f"--output {out} is inside the input folder {inp}; its shards would become input. "
                             "Write the output somewhere else")
+    if args.max_length is not None and args.max_length < 1:
+        raise PrepError("--max-length must be 1 or more")
+    if args.tokenizer is None and (args.chat_template != "tokenizer" or args.max_length is not None):
+        raise PrepError("--chat-template and --max-length apply to chat rows, which are tokenized at prep time: "
+                        "pass --tokenizer too")
+    chat = None
+    if args.tokenizer is not None:
+        chat = ChatRowEncoder(ChatMediaOptions(args.tokenizer, args.chat_template, args.max_length))
     settings = {"options": opts.to_json(), "shard_size": shard_size, "val_ratio": args.val_ratio,
                 "sample_type": args.sample_type, "allow_outside": args.allow_outside}
+    if chat is not None:
+        settings["chat"] = chat.describe()
     fingerprint = hashlib.sha256(json.dumps([input_fingerprint(args.input), settings], sort_keys=True)
                                  .encode()).hexdigest()
     try:
@@ -317,7 +339,13 @@ def run(args: argparse.Namespace) -> int:
             if isinstance(item, Reject):
                 rejects.append(item)
                 continue
-            if args.sample_type == "captioning" and (item.modality != "image" or item.text_field == "conversation"):
+            if item.text_field == "chat":
+                item = _encode_chat(chat, item)
+                if isinstance(item, Reject):
+                    rejects.append(item)
+                    continue
+            if args.sample_type == "captioning" and (item.modality != "image"
+                                                     or item.text_field not in ("caption", "text")):
                 rejects.append(Reject(item.source, item.line, "bad_field",
                                       f"--sample-type captioning takes one image with a caption or text per row; "
                                       f"this row is {item.modality} with {item.text_field} (use --sample-type crude)",
@@ -375,6 +403,17 @@ def run(args: argparse.Namespace) -> int:
                        settings, elapsed, final_out)
     except OSError as exc:
         raise PrepError(_unwritable(out, exc)) from None
+
+
+def _encode_chat(chat: ChatRowEncoder | None, row):
+    """A chat row with its tokens and loss mask, or its Reject."""
+    if chat is None:
+        return Reject(row.source, row.line, "needs_tokenizer", "a chat row (images in user turns) is tokenized "
+                      "with its chat template at prep time: pass --tokenizer (and --chat-template)", row.record)
+    try:
+        return dataclasses.replace(row, chat=chat.encode(row))
+    except ChatRowError as exc:
+        return Reject(row.source, row.line, exc.code, exc.reason, row.record)
 
 
 def _unwritable(out: Path, exc: OSError) -> str:

@@ -367,6 +367,9 @@ def _meta_base(row: MediaRow) -> dict:
             "media": row.rel}
     if row.text_field == "conversation":
         meta["conversation"] = list(row.conversation)
+    elif row.text_field == "chat":  # the messages as rendered (IMAGE_PLACEHOLDER at the images) and their tokens
+        meta["messages"] = list(row.conversation)
+        meta["chat"] = row.chat
     else:
         meta[row.text_field] = row.text
     if row.extra:

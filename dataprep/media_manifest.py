@@ -23,6 +23,11 @@ AUDIO_EXTS = {"wav", "flac", "ogg", "oga", "opus", "mp3", "m4a"}
 VIDEO_EXTS = {"mp4", "webm", "mkv", "mov", "avi"}
 MEDIA_FIELDS = ("image", "images", "video", "audio")
 TEXT_FIELDS = ("caption", "text", "conversation")
+CHAT_FIELDS = ("messages", "conversations")  # chat SFT rows: images inside the user turns (`media_chat`)
+# Where an image sits in a chat message while it is rendered with the chat template (the LLaVA convention; a
+# ShareGPT row writes it itself). The tokens of each occurrence become one image slot.
+IMAGE_PLACEHOLDER = "<image>"
+_CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
 # Energon splits a tar member name at the first dot into sample key and part, so keys hold no dots or
 # slashes; the 80-character cap keeps every member name inside the plain ustar header (fixed bytes).
 _KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -64,6 +69,9 @@ class MediaRow:
     text: str | None = None
     conversation: tuple = ()
     extra: dict = field(default_factory=dict)
+    # chat rows (text_field "chat"): ``conversation`` holds the messages with IMAGE_PLACEHOLDER where each image
+    # goes; ``chat`` the prepared tokens (-1 at each image) and loss mask, filled in by `media_chat`
+    chat: dict | None = None
 
     @property
     def modality(self) -> str:
@@ -71,6 +79,8 @@ class MediaRow:
             return "video"
         if self.audio:
             return "audio"
+        if not self.images and self.text_field == "chat":
+            return "text"  # a text-only conversation among the chat rows (trained with its loss mask too)
         return "images" if len(self.images) > 1 else "image"
 
 
@@ -171,6 +181,8 @@ def parse_record(obj, base: Path, source: str, line: int, record: str, allow_out
     """Check one manifest object and turn it into a MediaRow; raises _RowError with a reason code."""
     if not isinstance(obj, dict):
         raise _RowError("malformed_line", f"expected a JSON object, got {type(obj).__name__}")
+    if any(f in obj for f in CHAT_FIELDS):
+        return _chat_record(obj, base, source, line, record, allow_outside)
     present = [f for f in MEDIA_FIELDS if obj.get(f) not in (None, [], "")]
     if not present:
         raise _RowError("no_media", f"no media field; give one of {', '.join(MEDIA_FIELDS)}")
@@ -212,17 +224,119 @@ def parse_record(obj, base: Path, source: str, line: int, record: str, allow_out
         if not isinstance(text, str):
             raise _RowError("bad_field", f"field {text_field!r} must be a string, got {type(text).__name__}")
 
-    if "id" in obj and obj["id"] is not None:
-        if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool) or str(obj["id"]) == "":
-            raise _RowError("bad_field", f"field 'id' must be a non-empty string or integer, got {_short(obj['id'])}")
-        sample_id = str(obj["id"])
-    else:
-        sample_id = f"{Path(source).stem}-{line:08d}"
+    sample_id = _sample_id(obj, source, line)
     known = set(MEDIA_FIELDS) | set(TEXT_FIELDS) | {"id"}
     extra = {k: obj[k] for k in sorted(obj) if k not in known}
     return MediaRow(source=source, line=line, record=record, id=sample_id, key=sample_key(sample_id),
                     images=images, video=video, audio=audio, rel=rel, text_field=text_field, text=text,
                     conversation=conversation, extra=extra)
+
+
+def _sample_id(obj: dict, source: str, line: int) -> str:
+    if "id" in obj and obj["id"] is not None:
+        if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool) or str(obj["id"]) == "":
+            raise _RowError("bad_field", f"field 'id' must be a non-empty string or integer, got {_short(obj['id'])}")
+        return str(obj["id"])
+    return f"{Path(source).stem}-{line:08d}"
+
+
+# ---------------------------------------------------------------------------------------------- chat rows
+
+def _chat_image_path(part: dict, where: str) -> str:
+    """The path of an OpenAI-style image part: ``{"type": "image_url", "image_url": {"url": P}}`` or
+    ``{"type": "image", "path"|"url"|"image": P}``; ``file://`` URLs are paths, remote/inline images are refused."""
+    if part.get("type") == "image_url":
+        inner = part.get("image_url")
+        value = inner.get("url") if isinstance(inner, dict) else inner
+    else:
+        value = next((part[k] for k in ("path", "url", "image") if k in part), None)
+    if not isinstance(value, str) or not value.strip():
+        raise _RowError("bad_field", f"{where}: an image part needs a path string (image_url.url or path), got "
+                        f"{_short(value)}")
+    if value.startswith("file://"):
+        value = value[len("file://"):]
+    elif "://" in value or value.startswith("data:"):
+        raise _RowError("bad_field", f"{where}: image {_short(value)} is a URL; images are not fetched -- store "
+                        "the file next to the manifest and give its relative path")
+    return value
+
+
+def _chat_content(content, where: str) -> tuple[str, list[str]]:
+    """A message's content (a string, or a list of text/image parts) -> (text with IMAGE_PLACEHOLDER at each
+    image, the images' paths as written)."""
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise _RowError("bad_field", f"{where}: content must be a string or a list of parts, got {_short(content)}")
+    text, paths = [], []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            if IMAGE_PLACEHOLDER in part["text"]:
+                raise _RowError("bad_field", f"{at}: the text holds {IMAGE_PLACEHOLDER!r}, which marks where an "
+                                "image goes; give images as image parts (or remove the string)")
+            text.append(part["text"])
+        elif kind in ("image_url", "image"):
+            paths.append(_chat_image_path(part, at))
+            text.append(IMAGE_PLACEHOLDER)
+        else:
+            raise _RowError("bad_field", f"{at}: expected {{\"type\": \"text\", \"text\": ...}} or an image part "
+                            f"(\"image_url\" / \"image\"), got {_short(part)}")
+    return "".join(text), paths
+
+
+def _chat_record(obj: dict, base: Path, source: str, line: int, record: str, allow_outside: bool) -> MediaRow:
+    """A chat SFT row: OpenAI ``messages`` whose user contents hold image parts, or LLaVA-style ShareGPT
+    ``conversations`` with ``<image>`` in the text and the files in ``image`` (a path or a list); a row without
+    images is a text-only conversation of the same set."""
+    key = "messages" if "messages" in obj else "conversations"
+    turns = obj[key]
+    if not isinstance(turns, list) or not turns:
+        raise _RowError("bad_field", f"field {key!r} must be a non-empty list of messages")
+    messages, rel_paths = [], []
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]"
+        if not isinstance(turn, dict):
+            raise _RowError("bad_field", f"{where} is not a message object")
+        speaker, content = (turn.get("role"), turn.get("content")) if "role" in turn else \
+            (turn.get("from"), turn.get("value"))
+        role = _CHAT_ROLES.get(speaker) if isinstance(speaker, str) else None
+        if role is None:
+            raise _RowError("bad_role", f"{where}: role {_short(speaker)}; roles are system/user/assistant "
+                            "(ShareGPT: human/gpt)")
+        text, paths = _chat_content(content, where)
+        if key == "conversations" and paths:
+            raise _RowError("bad_field", f"{where}: ShareGPT rows mark images with {IMAGE_PLACEHOLDER!r} in the text "
+                            "and list the files in 'image'")
+        count = len(paths) if key == "messages" else text.count(IMAGE_PLACEHOLDER)
+        if count and role != "user":
+            raise _RowError("bad_field", f"{where}: an image in a {role} message; images go in user turns (the "
+                            "model reads them, it does not write them)")
+        messages.append({"role": role, "content": text})
+        rel_paths += paths
+    if not any(m["role"] == "assistant" for m in messages):
+        raise _RowError("no_text", f"{key!r} has no assistant message to train on")
+    if key == "conversations":
+        listed = obj.get("image", obj.get("images"))
+        listed = [] if listed in (None, "") else [listed] if isinstance(listed, str) else listed
+        if not isinstance(listed, list):
+            raise _RowError("bad_field", f"field 'image' must be a path or a list of paths, got {_short(listed)}")
+        marks = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+        if marks != len(listed):
+            raise _RowError("bad_field", f"{marks} {IMAGE_PLACEHOLDER!r} placeholder(s) in the conversation for "
+                            f"{len(listed)} image(s) in 'image'; put one placeholder in a user turn per image")
+        rel_paths = listed
+    elif obj.get("image", obj.get("images")) not in (None, "", []):
+        raise _RowError("bad_field", "a 'messages' row gives its images as content parts of the user messages "
+                        "(image_url / image); the 'image' field belongs to ShareGPT 'conversations' rows")
+    resolved = [_resolve(base, v, "image", allow_outside) for v in rel_paths]  # extensions: media_codecs
+    sample_id = _sample_id(obj, source, line)
+    known = {key, "id", "image", "images"}
+    extra = {k: obj[k] for k in sorted(obj) if k not in known}
+    return MediaRow(source=source, line=line, record=record, id=sample_id, key=sample_key(sample_id),
+                    images=tuple(r[0] for r in resolved), rel={"images": [r[1] for r in resolved]},
+                    text_field="chat", conversation=tuple(messages), extra=extra)
 
 
 def parse_json(record: str):

@@ -13,7 +13,9 @@ import yaml
 
 from dataprep.errors import PrepError
 from dataprep.media import MANIFEST_FORMAT, STATE_FILE
+from dataprep.media_chat import IMAGE_SLOT
 from dataprep.media_shards import NV_META, SPLITS, scan_shard
+from mmtrain.core.tokenizer import load_tokenizer
 
 
 def _load_manifest(folder: Path) -> dict:
@@ -51,8 +53,9 @@ def _first_samples(folder: Path, shards: list[dict], n: int) -> list[dict]:
 
 def _describe(meta: dict) -> str:
     text = meta.get("caption") or meta.get("text")
-    if text is None and meta.get("conversation"):
-        text = " | ".join(f"{t['role']}: {t['content']}" for t in meta["conversation"])
+    turns = meta.get("conversation") or meta.get("messages")
+    if text is None and turns:
+        text = " | ".join(f"{t['role']}: {t['content']}" for t in turns)
     text = (text or "")[:80]
     info = ""
     if "images" in meta:
@@ -64,6 +67,36 @@ def _describe(meta: dict) -> str:
         v = meta["video"]
         info = f"{v['frames']} frames @ {v['fps'] or 0:.2f} fps, {v.get('duration') or 0:.2f}s {v['format']}"
     return f"{meta['key']} [{meta['modality']}; {info}] ({meta['shard']}) {text!r}"
+
+
+def _chat_runs(tokenizer, chat: dict) -> list[str]:
+    """A chat sample's tokens as lines, one per run: ``LOSS 'text'`` (carries the loss), ``---- 'text'`` (does
+    not) and ``IMAGE xN`` (N image slots in a row; the loader expands each to the model's placeholders)."""
+    lines, run, kind = [], [], None
+
+    def flush():
+        if run:
+            lines.append(f"IMAGE x{len(run)}" if kind == "IMAGE" else f"{kind} {tokenizer.decode(run)[:2000]!r}")
+
+    for token, loss in zip(chat["tokens"], chat["loss_mask"]):
+        k = "IMAGE" if token == IMAGE_SLOT else "LOSS" if loss else "----"
+        if k != kind:
+            flush()
+            run, kind = [], k
+        run.append(token)
+    flush()
+    return lines
+
+
+def _chat_tokenizer(args: argparse.Namespace, manifest: dict, samples: list[dict]):
+    """The tokenizer to decode chat samples with: --tokenizer, else the one the manifest records; None when no
+    sample shown is a chat sample."""
+    if not any("chat" in m for m in samples):
+        return None
+    source = args.tokenizer or (((manifest.get("options") or {}).get("chat") or {}).get("tokenizer") or {}).get("path")
+    if not source:
+        raise PrepError(f"{args.target}: chat samples, but no tokenizer recorded in manifest.json; pass --tokenizer")
+    return load_tokenizer(source)
 
 
 def inspect_media(args: argparse.Namespace) -> int:
@@ -89,8 +122,14 @@ def inspect_media(args: argparse.Namespace) -> int:
         print(f"    {rec['name']:28s} {rec['split']:5s} {rec['samples']:7d} samples {rec['bytes'] / 1e6:9.2f} MB")
     if len(shards) > 10:
         print(f"    ... {len(shards) - 10} more")
+    tokenizer = _chat_tokenizer(args, manifest, samples)
     for meta in samples:
         print("  " + _describe(meta))
+        if "chat" in meta:
+            chat = meta["chat"]
+            print(f"    {len(chat['tokens'])} tokens, {sum(chat['loss_mask'])} carry the loss (LOSS lines):")
+            for line in _chat_runs(tokenizer, chat):
+                print("    " + line)
     return 0
 
 

@@ -89,3 +89,64 @@ def write_preference_dataset(folder: Path, pairs: int = 16) -> Path:
     assert prep(["sft", "--preference", "--input", str(src), "--output-prefix", str(folder / "p"), "--tokenizer",
                  str(tok), "--chat-template", "chatml", "--workers", "0", "--progress", "never"]) == 0
     return folder / "p"
+
+
+IMAGE_TOKEN = "<image>"  # the chat tokenizer's image placeholder (a special token added after training)
+
+# Conversations with images in their user turns (and one without), in the OpenAI content-part shape; the ShareGPT
+# twin of each is written by ``sharegpt_twin``.
+IMAGE_CONVERSATIONS = [
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "img/red.png"}},
+                                  {"type": "text", "text": "\nWhat colour is this?"}]},
+     {"role": "assistant", "content": "Red, mostly."}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image", "path": "img/blue.jpg"},
+                                  {"type": "text", "text": " and "}, {"type": "image", "path": "img/red.png"}]},
+     {"role": "assistant", "content": "Blue, then red."},
+     {"role": "user", "content": "Which is warmer?"}, {"role": "assistant", "content": " The red one.\n"}],
+    [{"role": "user", "content": "No picture this time: 2+2?"}, {"role": "assistant", "content": "4"}],  # text only
+]
+
+
+def image_texts(conversation: list[dict]) -> list[dict]:
+    """The conversation with each image part written as IMAGE_TOKEN (what the template renders), text only."""
+    out = []
+    for m in conversation:
+        content = m["content"]
+        if isinstance(content, list):
+            content = "".join(p["text"] if p["type"] == "text" else IMAGE_TOKEN for p in content)
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def image_paths(conversation: list[dict]) -> list[str]:
+    return [p.get("path") or p["image_url"]["url"] for m in conversation if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] != "text"]
+
+
+def sharegpt_twin(conversation: list[dict]) -> dict:
+    """The LLaVA-style ShareGPT record of an OpenAI image conversation."""
+    speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+    return {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in image_texts(conversation)],
+            "image": image_paths(conversation)}
+
+
+def build_vlm_chat_input(folder: Path, copies: int = 1) -> tuple[Path, Path]:
+    """(tokenizer folder with IMAGE_TOKEN, chat manifest) with two small images under ``folder/in/img``; the
+    manifest holds IMAGE_CONVERSATIONS (OpenAI shape) then their ShareGPT twins, ``copies`` times."""
+    from PIL import Image
+    from tokenizers import Tokenizer
+
+    tok_dir = build_chat_tokenizer(folder / "tok")
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok.add_special_tokens([IMAGE_TOKEN])
+    tok.save(str(tok_dir / "tokenizer.json"))
+    img = folder / "in" / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (24, 20), (220, 30, 20)).save(img / "red.png")
+    Image.new("RGB", (18, 30), (20, 40, 230)).save(img / "blue.jpg", quality=90)
+    records = [{"messages": c} for c in IMAGE_CONVERSATIONS] + [sharegpt_twin(c) for c in IMAGE_CONVERSATIONS]
+    records *= copies
+    manifest = folder / "in" / "chat.jsonl"
+    manifest.write_text("".join(json.dumps({**r, "id": f"chat-{i}"}) + "\n" for i, r in enumerate(records)))
+    return tok_dir, manifest

@@ -1,6 +1,8 @@
 """The multimodal task encoder: energon samples -> model inputs (placeholder tokens, pixels, waveforms, labels).
 
-One sample becomes ``[media placeholders] [turn tokens ...] [eod]``: each image (video frames count as images)
+One sample becomes ``[media placeholders] [turn tokens ...] [eod]``, or for a chat sample (a conversation with
+images in its user turns, rendered and masked at prep time) its chat-template tokens with each image slot
+expanded to the image's placeholders: each image (video frames count as images)
 is ``num_image_tokens`` copies of ``image_token_id``, each audio clip ``num_audio_tokens`` copies of
 ``audio_token_id``, media first (for captioning: the image, then the caption). Inputs are that sequence
 without its last token, labels the sequence shifted by one; a label is ``-100`` where the target is a
@@ -24,7 +26,8 @@ from megatron.energon import (Batch, CaptioningSample, Cooker, DefaultTaskEncode
                               stateless)
 
 from mmtrain.core.tokenizer import load_tokenizer
-from mmtrain.data.multimodal_media import MediaSampleError, MediaTextSample, cook_media_sample, from_captioning
+from mmtrain.data.multimodal_media import (IMAGE_SLOT, MediaSampleError, MediaTextSample, cook_media_sample,
+                                           from_captioning)
 
 IGNORE_INDEX = -100
 
@@ -113,6 +116,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         super().__init__()
         self.settings = settings
         self._tokenizer = None
+        self._tokenizer_sha256 = None
         # A bound method keeps its function's @stateless mark, which energon requires of a cooker.
         self.cookers = [Cooker(self.cook_crude)]
 
@@ -165,6 +169,25 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         if len(sample.frame_index) != len(sample.images):
             raise MediaSampleError(f"sample {sample.__key__!r}: {len(sample.frame_index)} frame indices for "
                                    f"{len(sample.images)} images; a cooker must give one per image (0 for a still)")
+        if sample.chat_tokens is not None:
+            ids, train, images = self._chat_sequence(sample)
+        else:
+            ids, train = self._turn_sequence(sample)
+            images = sample.images
+        seq = torch.tensor(ids, dtype=torch.int64)
+        labels = seq[1:].clone()
+        labels[~torch.tensor(train[1:], dtype=torch.bool)] = IGNORE_INDEX
+        n = len(ids) - 1
+        return EncodedMultimodalSample.derive_from(
+            sample, tokens=seq[:-1], labels=labels, position_ids=torch.arange(n),
+            document_ids=torch.zeros(n, dtype=torch.int64),
+            images=[self._image(im) for im in images],
+            frame_index=torch.tensor(sample.frame_index[:len(images)], dtype=torch.int64).view(-1),
+            audio=[self._audio(w, r) for w, r in zip(sample.audio, sample.audio_rates)])
+
+    def _turn_sequence(self, sample: MediaTextSample) -> tuple[list[int], list[bool]]:
+        """Media placeholders first, then each turn's tokens, then eod; ``train``: which tokens are targets."""
+        s = self.settings
         ids: list[int] = []
         train: list[bool] = []  # whether each token is a training target
         for _ in sample.images:
@@ -182,17 +205,47 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             train += [role == "assistant"] * len(toks)
         ids.append(self.tokenizer.eod_id)
         train.append(sample.turns[-1][0] == "assistant")
-        ids, train = ids[: s.seq_length + 1], train[: s.seq_length + 1]  # cut text only: media come first
-        seq = torch.tensor(ids, dtype=torch.int64)
-        labels = seq[1:].clone()
-        labels[~torch.tensor(train[1:], dtype=torch.bool)] = IGNORE_INDEX
-        n = len(ids) - 1
-        return EncodedMultimodalSample.derive_from(
-            sample, tokens=seq[:-1], labels=labels, position_ids=torch.arange(n),
-            document_ids=torch.zeros(n, dtype=torch.int64),
-            images=[self._image(im) for im in sample.images],
-            frame_index=torch.tensor(sample.frame_index, dtype=torch.int64).view(-1),
-            audio=[self._audio(w, r) for w, r in zip(sample.audio, sample.audio_rates)])
+        return ids[: s.seq_length + 1], train[: s.seq_length + 1]  # cut text only: media come first
+
+    def _chat_sequence(self, sample: MediaTextSample) -> tuple[list[int], list[bool], list]:
+        """The prepared chat tokens with each image slot expanded to ``num_image_tokens`` placeholders (never
+        targets); ``train`` is the prep's loss mask. Longer than ``seq_length + 1``: cut there, or where the first
+        image whose placeholders would not all be inputs (the first ``seq_length`` tokens) begins; that image and
+        the later ones are dropped with the text (prepare with ``--max-length`` to reject such rows instead)."""
+        s = self.settings
+        self._check_chat_tokenizer(sample)
+        ids: list[int] = []
+        train: list[bool] = []
+        kept = 0
+        limit = s.seq_length + 1
+        for token, target in zip(sample.chat_tokens, sample.chat_loss_mask):
+            if token == IMAGE_SLOT:
+                if len(ids) + s.num_image_tokens > s.seq_length:
+                    break
+                ids += [s.image_token_id] * s.num_image_tokens
+                train += [False] * s.num_image_tokens
+                kept += 1
+            else:
+                ids.append(token)
+                train.append(bool(target))
+        if len(ids) < 2:
+            raise MediaSampleError(f"sample {sample.__key__!r}: its chat tokens leave fewer than 2 tokens in "
+                                   f"seq_length {s.seq_length}; raise seq_length")
+        return ids[:limit], train[:limit], sample.images[:kept]
+
+    def _check_chat_tokenizer(self, sample: MediaTextSample) -> None:
+        """Chat tokens are ids of the tokenizer the prep used: refuse them under another one (media.tokenizer)."""
+        made_with = sample.chat_tokenizer_sha256
+        checksum = getattr(self.tokenizer, "checksum", None)
+        if made_with is None or checksum is None:
+            return
+        if self._tokenizer_sha256 is None:
+            self._tokenizer_sha256 = checksum()
+        if made_with != self._tokenizer_sha256:
+            raise MediaSampleError(f"sample {sample.__key__!r} was prepared with another tokenizer (sha256 "
+                                   f"{made_with[:12]}...) than media.tokenizer {self.settings.tokenizer} "
+                                   f"({self._tokenizer_sha256[:12]}...); set media.tokenizer to the one the shards "
+                                   "were prepared with (their manifest.json names it)")
 
     # ---- packing (active when the dataset is built with packing_buffer_size) ----------------------------
 

@@ -19,6 +19,7 @@ AUDIO_EXTS = ("wav", "flac", "mp3", "ogg", "opus", "m4a", "aac")
 VIDEO_EXTS = ("mp4", "webm", "mkv", "mov", "avi")
 _FRAME_PART = re.compile(r"^frame(\d+)\.(\w+)$")
 _IMAGE_PART = re.compile(r"^img(\d+)\.(\w+)$")
+IMAGE_SLOT = -1  # an image's place in a chat sample's tokens (dataprep.media_chat writes the same value)
 
 
 class MediaSampleError(ValueError):
@@ -30,13 +31,20 @@ class MediaTextSample(Sample):
     """One sample in media order: ``images`` (CHW float in [0, 1], video frames included), ``frame_index``
     (one int per image: 0 for a still image, 0..k-1 in time order for a video's k sampled frames; the ViT's
     temporal embedding row), ``audio`` (mono float waveforms at their ``audio_rates``) and ``turns`` of
-    ``(role, text)``; only ``assistant`` turns are trained on (a caption is one assistant turn)."""
+    ``(role, text)``; only ``assistant`` turns are trained on (a caption is one assistant turn).
+
+    A chat sample (`mmtrain-prep media` chat rows) has no turns but ``chat_tokens``, its chat-template tokens
+    with ``IMAGE_SLOT`` where each image goes (in image order), and ``chat_loss_mask`` (1 = the token is a
+    training target: the assistant's), of the same length."""
 
     images: list
     frame_index: list
     audio: list
     audio_rates: list
     turns: list
+    chat_tokens: list | None = None
+    chat_loss_mask: list | None = None
+    chat_tokenizer_sha256: str | None = None  # the tokenizer.json the chat tokens were made with
 
 
 def _where(sample: dict) -> str:
@@ -138,6 +146,26 @@ def _turns(sample: dict) -> list[tuple[str, str]]:
     return [("assistant", text)]
 
 
+def _chat(sample: dict, images: int) -> tuple[list[int], list[int], str | None] | None:
+    """A chat sample's (tokens, loss mask, tokenizer hash) from its ``json`` part, checked; None for other
+    samples."""
+    meta = sample.get("json") if isinstance(sample.get("json"), dict) else {}
+    chat = meta.get("chat")
+    if chat is None:
+        return None
+    tokens, mask = (chat.get(k) if isinstance(chat, dict) else None for k in ("tokens", "loss_mask"))
+    ok = (isinstance(tokens, list) and isinstance(mask, list) and len(tokens) == len(mask)
+          and all(type(t) is int and t >= IMAGE_SLOT for t in tokens) and all(m in (0, 1) for m in mask))
+    if not ok:
+        raise MediaSampleError(f"{_where(sample)}: its chat tokens / loss mask are not two equal-length lists of "
+                               "token ids and 0/1; re-run mmtrain-prep media on the input")
+    if tokens.count(IMAGE_SLOT) != images:
+        raise MediaSampleError(f"{_where(sample)}: {tokens.count(IMAGE_SLOT)} image slots in its chat tokens for "
+                               f"{images} image part(s); re-run mmtrain-prep media on the input")
+    sha = chat.get("tokenizer_sha256")
+    return tokens, mask, sha if isinstance(sha, str) else None
+
+
 def cook_media_sample(sample: dict, video_frames: int) -> MediaTextSample:
     """A crude sample of any ``mmtrain_media`` subflavor -> ``MediaTextSample`` (parts in name order)."""
     images, frame_index, audio, rates = [], [], [], []
@@ -156,13 +184,18 @@ def cook_media_sample(sample: dict, video_frames: int) -> MediaTextSample:
             frames = _video_frames(sample, part, video_frames)
             images.extend(frames)
             frame_index.extend(range(len(frames)))
-    if not images and not audio:
+    chat = _chat(sample, len(images))
+    if not images and not audio and chat is None:  # a chat sample may be text only
         parts = sorted(k for k in sample if not str(k).startswith("__"))
         raise MediaSampleError(f"{_where(sample)}: no image, audio or video part among {parts}")
+    if chat is not None and audio:
+        raise MediaSampleError(f"{_where(sample)}: a chat sample with audio; chat rows hold images only")
     return MediaTextSample(__key__=sample["__key__"], __restore_key__=sample["__restore_key__"],
                            __subflavors__=sample.get("__subflavors__"), __sources__=sample.get("__sources__"),
                            images=images, frame_index=frame_index, audio=audio, audio_rates=rates,
-                           turns=_turns(sample))
+                           turns=[] if chat else _turns(sample), chat_tokens=chat[0] if chat else None,
+                           chat_loss_mask=chat[1] if chat else None,
+                           chat_tokenizer_sha256=chat[2] if chat else None)
 
 
 def from_captioning(sample: CaptioningSample) -> MediaTextSample:
