@@ -69,12 +69,17 @@ class FlashBlocks:
     for any dtype), whose backward takes the merged output and log-sum-exp. K/V heads are expanded per call
     (GQA): the exchanged blocks stay compact."""
 
+    def __init__(self) -> None:
+        self._unused = None  # the CUDA kernel's (sequence offsets, RNG seed, offset) of a call: unread without dropout
+
     def forward(self, q, k, v, causal: bool, mask: Any, scale):
         k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
         if q.device.type == "cpu":
             out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             return out, lse
-        out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        self._unused = cum_q, cum_k, seed, offset  # handed back as they came, as torch's own CP does
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, mask: Any, scale):
@@ -83,10 +88,10 @@ class FlashBlocks:
         if q.device.type == "cpu":
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-        else:  # no dropout: the sequence offsets and RNG state are unused placeholders
-            empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        else:  # a forward of this object always ran before (the ring's forward)
+            cum_q, cum_k, seed, offset = self._unused
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale)
+                dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
         return dq, _fold_heads(dk, heads), _fold_heads(dv, heads)
 
 
@@ -112,8 +117,13 @@ class DocumentBlocks:
                                        ((w[..., None] * dout_f).to(out_j.dtype), d_lse.to(lse_j.dtype)))
 
 
-def _merge(out_acc, lse_acc, out, lse) -> None:
-    """Fold one block's (output, log-sum-exp) into the fp32 accumulators, in place (online softmax)."""
+def _merge(out_acc, lse_acc, out, lse, first: bool) -> None:
+    """Fold one block's (output, log-sum-exp) into the fp32 accumulators, in place (online softmax); the
+    ``first`` block of these queries is copied."""
+    if first:
+        out_acc.copy_(out)
+        lse_acc.copy_(lse)
+        return
     new = torch.logaddexp(lse_acc, lse.float())
     safe = new.masked_fill(new == float("-inf"), 0.0)  # rows no key has reached yet stay 0
     out_acc.mul_(torch.exp(lse_acc - safe)[..., None]).add_(out.float() * torch.exp(lse.float() - safe)[..., None])
@@ -154,6 +164,7 @@ class _RingAttention(torch.autograd.Function):
         kv, incoming = torch.stack([k, v]), None
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        reached = set()  # local query chunks some block has been merged into
         for step in range(ring.cp):
             requests = []
             if step < ring.cp - 1:
@@ -163,7 +174,9 @@ class _RingAttention(torch.autograd.Function):
                 q_tok, k_tok = _tokens(qs, c), _tokens(ks, c)
                 o, l = ring.blocks.forward(q[:, :, q_tok], kv[0][:, :, k_tok], kv[1][:, :, k_tok], causal, mask,
                                            ring.scale)
-                _merge(out[:, :, q_tok], lse[:, :, q_tok], o, l)
+                chunks = set(range(qs.start, qs.stop))
+                _merge(out[:, :, q_tok], lse[:, :, q_tok], o, l, first=not reached & chunks)
+                reached |= chunks
             _wait(requests)
             kv, incoming = incoming, kv  # double buffer: the block just used receives the one after next
         out = out.to(q.dtype)
@@ -224,6 +237,7 @@ class RingContextParallelAttention(CausalAttention):
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._flash = FlashBlocks()
+        self._document_blocks: dict[int, DocumentBlocks] = {}  # per kernel: compiled blocks guard on the object
 
     def prepare(self, doc_ids_BS: torch.Tensor | None) -> Any:
         """Per ring step, the document mask of each of its calls (None: causal). The ids of the whole
@@ -232,7 +246,12 @@ class RingContextParallelAttention(CausalAttention):
             return None
         kernel = self.kernel_for(doc_ids_BS.device)
         all_ids = zigzag_global_order(gather_seq_no_reduce(doc_ids_BS, self.group, dim=1), self.cp, 1)
-        return DocumentBlocks(kernel), self._step_masks(kernel, doc_ids_BS, all_ids)
+        return self._blocks_for(kernel), self._step_masks(kernel, doc_ids_BS, all_ids)
+
+    def _blocks_for(self, kernel) -> DocumentBlocks:
+        if id(kernel) not in self._document_blocks:
+            self._document_blocks[id(kernel)] = DocumentBlocks(kernel)
+        return self._document_blocks[id(kernel)]
 
     def _step_masks(self, kernel, doc_ids_BS: torch.Tensor, all_ids: torch.Tensor) -> list[list[Any]]:
         c = doc_ids_BS.shape[1] // 2
@@ -255,7 +274,7 @@ class RingContextParallelAttention(CausalAttention):
         if prepared is None:
             blocks, masks = self._flash, None
             if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
-                blocks, masks = DocumentBlocks(self.kernel_for(q.device)), self._causal_masks(q)
+                blocks, masks = self._blocks_for(self.kernel_for(q.device)), self._causal_masks(q)
         else:
             blocks, masks = prepared
         return ring_attention(q, k, v, self.group, blocks, masks, scale)

@@ -90,37 +90,59 @@ def _forward_backward(rank: int, world_size: int, with_docs: bool, comm: str):
     return losses.detach(), grads, counts.as_tuple(), kernel
 
 
-def _cases(rank: int, world_size: int, cases: list[tuple[bool, str, bool]]):
-    """Several forward-backwards in one process group; ``flex`` cases run after the others (they swap the
-    document kernel of this worker process for FlexAttention on the CPU)."""
-    out = []
-    for with_docs, comm, flex in cases:
-        if flex:
-            from tests.distributed.test_packed_attention import _use_flex_on_cpu
+def _flex_ring_attention(rank: int, world_size: int):
+    """One attention call on the ring with FlexAttention block masks (the GPU's document kernel, made to run
+    on the CPU) against the dense kernel over the whole sequence in this process: output and Q/K/V gradients
+    of this rank's chunks. Attention only: eager flex on the CPU costs ~1 s a call."""
+    from mmtrain.model.attention import CausalAttention
+    from mmtrain.model.attention_cp import attention_for
+    from tests.distributed.test_packed_attention import _use_flex_on_cpu
 
-            _use_flex_on_cpu()
-        out.append(_forward_backward(rank, world_size, with_docs, comm))
-    return out
+    _, _, doc_ids = _batch(True)
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(2, h, S, 8, generator=g) for h in (4, 2, 2, 4))
+    reference = CausalAttention("dense")
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference(*full, reference.prepare(doc_ids))
+    ref_out.backward(dout)
+    _use_flex_on_cpu()
+    ring = attention_for(dist.new_group(list(range(world_size))), "auto", "ring")
+    shard = lambda t: shard_sequence(t, world_size, rank, dim=2)  # noqa: E731
+    mine = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = ring(*mine, ring.prepare(shard_sequence(doc_ids, world_size, rank)))
+    out.backward(shard(dout))
+    diffs = {"out": (out.detach() - shard(ref_out.detach())).abs().max()}
+    diffs.update({f"d{n}": (t.grad - shard(f.grad)).abs().max() for n, t, f in zip("qkv", mine, full)})
+    return ring.kernel_for(torch.device("cpu")).name, {n: float(d) for n, d in diffs.items()}
 
 
-# (documents, cp_comm, flex kernel); the all-gather's counts and the flex kernel are checked at CP2 only
-CASES = {2: [(False, "ring", False), (True, "ring", False), (False, "allgather", False), (True, "ring", True)],
-         4: [(False, "ring", False), (True, "ring", False)]}
+def _cases(rank: int, world_size: int, cases: list[tuple[bool, str]], flex: bool):
+    """Several forward-backwards in one process group, then (``flex``) the flex-kernel attention check, which
+    swaps this worker process's document kernel."""
+    out = [_forward_backward(rank, world_size, with_docs, comm) for with_docs, comm in cases]
+    return out, _flex_ring_attention(rank, world_size) if flex else None
+
+
+# (documents, cp_comm); the all-gather's counts and the flex kernel are checked at CP2
+CASES = {2: [(False, "ring"), (True, "ring"), (False, "allgather")], 4: [(False, "ring"), (True, "ring")]}
 
 
 @pytest.fixture(scope="module")
 def one_process():
-    return run_distributed(_cases, 1, [(False, "ring", False), (True, "ring", False)])[0]
+    return run_distributed(_cases, 1, CASES[4], False)[0][0]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_matches_one_process_with_and_without_documents(one_process, cp):
-    (ref_plain, ref_docs) = one_process
-    for rank, results in enumerate(run_distributed(_cases, cp, CASES[cp])):
-        for (losses, grads, counts, kernel), (with_docs, comm, flex) in zip(results, CASES[cp]):
+    ref_plain, ref_docs = one_process
+    for rank, (results, flex) in enumerate(run_distributed(_cases, cp, CASES[cp], cp == 2)):
+        if flex is not None:
+            kernel, diffs = flex
+            assert kernel == "flex" and max(diffs.values()) < 1e-5, (rank, kernel, diffs)
+        for (losses, grads, counts, kernel), (with_docs, comm) in zip(results, CASES[cp]):
             ref_losses, ref_grads = (ref_docs if with_docs else ref_plain)[:2]
             what = f"cp{cp} rank {rank} docs={with_docs} {comm} {kernel}"
-            assert kernel == ("flex" if flex else "dense"), what
+            assert kernel == "dense", what
             torch.testing.assert_close(losses, shard_sequence(ref_losses, cp, rank), rtol=1e-5, atol=1e-6,
                                        msg=lambda m, w=what: f"{w}: {m}")
             for name, g in grads.items():
