@@ -85,6 +85,7 @@ class FlashBlocks:
     def backward(self, dout, q, k, v, out, lse, causal: bool, mask: Any, scale):
         heads = k.shape[1]
         k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+        lse = lse.contiguous()  # a slice of the merged (B, H, 2c): the CUDA kernel reads it without strides
         if q.device.type == "cpu":
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse, 0.0, causal, scale=scale)
