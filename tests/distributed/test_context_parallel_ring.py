@@ -71,6 +71,19 @@ class _Counts:
         return self.batches, self.p2p_ops, self.all_gathers, self.reduce_scatters
 
 
+def _one_process(with_docs: bool):
+    """The reference: per-token losses and gradients of the whole sequence in this process (no CP)."""
+    from mmtrain.model.attention import CausalAttention
+    from mmtrain.models.llama.model import GPTModel
+
+    tokens, positions, doc_ids = _batch(with_docs)
+    model = GPTModel(_cfg(), attention=CausalAttention())
+    model.init_weights(3)
+    losses = model(tokens[:, :-1], tokens[:, 1:], positions, doc_ids)
+    losses.sum().backward()
+    return losses.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def _forward_backward(rank: int, world_size: int, with_docs: bool, comm: str):
     from mmtrain.model.attention_cp import attention_for
     from mmtrain.models.llama.model import GPTModel
@@ -120,27 +133,24 @@ def _cases(rank: int, world_size: int, cases: list[tuple[bool, str]], flex: bool
     """Several forward-backwards in one process group, then (``flex``) the flex-kernel attention check, which
     swaps this worker process's document kernel."""
     out = [_forward_backward(rank, world_size, with_docs, comm) for with_docs, comm in cases]
-    return out, _flex_ring_attention(rank, world_size) if flex else None
+    reference = {with_docs: _one_process(with_docs) for with_docs in (False, True)} if rank == 0 else None
+    return out, _flex_ring_attention(rank, world_size) if flex else None, reference
 
 
 # (documents, cp_comm); the all-gather's counts and the flex kernel are checked at CP2
 CASES = {2: [(False, "ring"), (True, "ring"), (False, "allgather")], 4: [(False, "ring"), (True, "ring")]}
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    return run_distributed(_cases, 1, CASES[4], False)[0][0]
-
-
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_matches_one_process_with_and_without_documents(one_process, cp):
-    ref_plain, ref_docs = one_process
-    for rank, (results, flex) in enumerate(run_distributed(_cases, cp, CASES[cp], cp == 2)):
+def test_ring_matches_one_process_with_and_without_documents(cp):
+    per_rank = run_distributed(_cases, cp, CASES[cp], cp == 2)
+    reference = per_rank[0][2]  # rank 0 also ran the whole sequence alone
+    for rank, (results, flex, _) in enumerate(per_rank):
         if flex is not None:
             kernel, diffs = flex
             assert kernel == "flex" and max(diffs.values()) < 1e-5, (rank, kernel, diffs)
         for (losses, grads, counts, kernel), (with_docs, comm) in zip(results, CASES[cp]):
-            ref_losses, ref_grads = (ref_docs if with_docs else ref_plain)[:2]
+            ref_losses, ref_grads = reference[with_docs]
             what = f"cp{cp} rank {rank} docs={with_docs} {comm} {kernel}"
             assert kernel == "dense", what
             torch.testing.assert_close(losses, shard_sequence(ref_losses, cp, rank), rtol=1e-5, atol=1e-6,
