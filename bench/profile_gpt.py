@@ -50,7 +50,7 @@ def main() -> None:
     events = prof.key_averages()
     print(events.table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=70))
     # time per category over the 2 profiled steps, in ms per step
-    cats = {"all_to_all (nccl SendRecv)": ("sendrecv",), "all_gather (nccl)": ("allgather",),
+    cats = {"send/recv (nccl SendRecv: all-to-all, CP ring)": ("sendrecv",), "all_gather (nccl)": ("allgather",),
             "reduce_scatter (nccl)": ("reducescatter",), "all_reduce (nccl)": ("allreduce",),
             "attention kernels": ("sdpa", "flash", "fmha", "attention"), "grouped gemm": ("grouped", "group_gemm")}
     totals = {k: 0.0 for k in cats}

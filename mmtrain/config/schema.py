@@ -85,6 +85,11 @@ class ParallelConfig:
                  "never drops a token, up to ep*min(top_k, experts per rank)/top_k times the bytes).")
     ep_overlap_shared: bool = doc(False, "Run the shared experts while the expert-parallel all-to-all carries "
                                          "the tokens (asynchronous exchange); same results.")
+    cp_comm: Literal["allgather", "ring"] = doc(
+        "allgather", "How context parallelism moves K/V: allgather (one all-gather per layer before attention, "
+                     "exposed; saves the whole sequence's K/V) or ring (each rank's K/V block passed around the CP "
+                     "ring, each send/receive running while the block in hand is attended to; backward "
+                     "a ring too). Same results; docs/parallelism.md.")
     sequence_parallel: bool = doc(False, "Shard norms and residuals along the sequence over the TP group.")
     pipeline_layers: list[int] = doc([], "Layers per pipeline stage, e.g. [3, 5, 5, 3]; empty splits evenly.", ge=1)
     virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.", ge=1)

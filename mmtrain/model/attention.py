@@ -48,6 +48,23 @@ def dense_document_mask(q_ids_BQ: torch.Tensor, kv_ids_BK: torch.Tensor, q_offse
     return ((q_ids_BQ[:, :, None] == kv_ids_BK[:, None, :]) & causal)[:, None]
 
 
+def dense_attention_with_lse(q, k, v, mask: torch.Tensor, scale: float | None):
+    """Masked attention (B, H, Q, D) and its log-sum-exp (B, H, Q) in fp32 math, differentiable in both; rows
+    without any attended key give 0 and -inf. The ring's CPU reference block kernel (K/V heads may be fewer)."""
+    if q.shape[1] != k.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True).detach()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all-masked rows: exp(-inf) = 0, no NaN
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    safe_total = total.clamp_min(torch.finfo(total.dtype).tiny)
+    out = (weights / safe_total) @ v.float()
+    lse = torch.where(total > 0, torch.log(safe_total) + top, torch.full_like(top, float("-inf")))
+    return out.to(q.dtype), lse.squeeze(-1)
+
+
 class DenseDocuments:
     """Document masks as dense bool tensors for SDPA (CPU and the tests' reference)."""
 
@@ -58,6 +75,11 @@ class DenseDocuments:
 
     def attend(self, q, k, v, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def attend_with_lse(self, q, k, v, mask: torch.Tensor, scale: float | None):
+        """(output, log-sum-exp of the scores per query), both differentiable: what a ring step merges.
+        A query with no key under ``mask`` gets output 0 and log-sum-exp -inf (and finite gradients)."""
+        return dense_attention_with_lse(q, k, v, mask, scale)
 
 
 # ------------------------------------------------------------------------------------------ FlexAttention
@@ -127,14 +149,25 @@ class FlexDocuments:
         return document_block_mask(q_ids_BQ, kv_ids_BK, q_offset, self.block)
 
     def attend(self, q, k, v, mask, scale: float | None) -> torch.Tensor:
+        return self._kernel(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def _kernel(self, q):
         from torch.nn.attention.flex_attention import flex_attention
 
-        kernel = flex_attention
         if q.device.type == "cuda" and not torch.compiler.is_compiling():
             if self._compiled is None:
                 self._compiled = torch.compile(flex_attention, dynamic=False)
-            kernel = self._compiled
-        return kernel(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            return self._compiled
+        return flex_attention
+
+    def attend_with_lse(self, q, k, v, mask, scale: float | None):
+        """(output, natural log-sum-exp per query), both differentiable (flex's backward takes the log-sum-exp's
+        gradient); a query with no key under the block mask gets 0 and -inf."""
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = self._kernel(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                          return_aux=AuxRequest(lse=True))
+        return out, aux.lse
 
 
 def document_kernel(name: str, device: torch.device):

@@ -6,9 +6,11 @@ the keys up to its own end: plain causal (SDPA, bottom-right causal bias) or, fo
 document kernel of ``mmtrain.model.attention`` (a FlexAttention block mask per chunk pair on the GPU, built
 once per micro-batch from the all-gathered document ids; dense only on the CPU).
 
-Why all-gather rather than a ring (the Llama 3 approach): with GQA, K/V are small (here 8 of 32 heads), so
-one gather is cheap and lets each chunk run a single fused attention call; a ring needs 2·cp partial calls
-plus log-sum-exp merging, and its overlap gain is smallest exactly where GQA already shrinks the traffic.
+Why all-gather (the Llama 3 approach) is kept beside the ring (``parallel.cp_comm=ring``,
+``mmtrain.model.attention_ring``): with GQA, K/V are small (here 8 of 32 heads), so one gather is cheap and
+lets each chunk run a single fused attention call; but the gather is exposed (nothing runs while it is in
+flight) and saves the whole sequence's K/V per layer. The ring hides the exchange behind attention at the
+price of cp+2 partial calls per layer and a log-sum-exp merge.
 """
 
 from __future__ import annotations
@@ -68,9 +70,16 @@ class ContextParallelAttention(CausalAttention):
         return torch.cat(outs, dim=2)
 
 
-def attention_for(cp_group, documents: str = "auto") -> CausalAttention:
+def attention_for(cp_group, documents: str = "auto", comm: str = "allgather") -> CausalAttention:
     """The attention strategy for a model under this CP group: context-parallel when it has several ranks.
-    ``documents``: the document kernel (``train.document_attention``)."""
+    ``documents``: the document kernel (``train.document_attention``); ``comm``: how K/V cross the group
+    (``parallel.cp_comm``): ``"allgather"`` (this module) or ``"ring"`` (``mmtrain.model.attention_ring``)."""
+    if comm not in ("allgather", "ring"):
+        raise ValueError(f"parallel.cp_comm must be 'allgather' or 'ring', got {comm!r}")
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        if comm == "ring":
+            from mmtrain.model.attention_ring import RingContextParallelAttention
+
+            return RingContextParallelAttention(cp_group, documents)
         return ContextParallelAttention(cp_group, documents)
     return CausalAttention(documents)

@@ -1,4 +1,4 @@
-"""Context parallelism: each sequence is split over the ``cp`` ranks (zig-zag); attention all-gathers K/V.
+"""Context parallelism: each sequence is split over the ``cp`` ranks (zig-zag); attention exchanges K/V.
 
 Load balance (zig-zag): the sequence is cut into ``2·cp`` equal chunks and rank ``r`` holds chunks ``r`` and
 ``2·cp−1−r``, so every rank gets one early (cheap under the causal mask) and one late (expensive) chunk.
@@ -7,7 +7,8 @@ This module holds the sequence arithmetic: which chunks a rank holds (``zigzag_i
 per-token tensor (``shard_sequence``: tokens, labels, positions, document ids) and the reordering of an
 all-gather of shards (``zigzag_global_order``). The attention itself is a strategy object the model is built
 with, ``mmtrain.model.attention_cp.ContextParallelAttention`` (K/V all-gather, per-chunk causal or
-document block masks); RoPE uses each token's global position, which the loop shards like the tokens. The
+document block masks) or ``mmtrain.model.attention_ring.RingContextParallelAttention`` (K/V ring behind
+attention, ``parallel.cp_comm=ring``); RoPE uses each token's global position, which the loop shards like the tokens. The
 loss is summed over local tokens and averaged over the dp×cp group.
 """
 

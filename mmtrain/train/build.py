@@ -50,8 +50,8 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
     family = model_family(cfg.model)
     has_experts = family.has_routed_experts(cfg.model)
     lora = cfg.peft.lora if cfg.peft.lora.rank else None
-    # the CP plan is the attention strategy the model is built with (K/V all-gather, per-chunk masks)
-    attention = attention_for(mesh.cp_group, cfg.train.document_attention)
+    # the CP plan is the attention strategy the model is built with (K/V all-gather or ring, per-chunk masks)
+    attention = attention_for(mesh.cp_group, cfg.train.document_attention, cfg.parallel.cp_comm)
     model = family.build_stage(cfg.model, layer_range, pre, post, attention,
                                moe_dispatch=moe_dispatch_for(cfg.parallel, mesh) if has_experts else None,
                                **({"lora": lora} if lora else {}))

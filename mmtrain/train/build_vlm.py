@@ -68,7 +68,7 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
     ranges = stage_layer_ranges(cfg.model.language.num_layers, pp, p.pipeline_layers)
     dispatch = moe_dispatch_for(p, mesh) if cfg.model.language.num_experts else None
     model = VLMModel(cfg.model, ranges[stage], pre_process=stage == 0, post_process=stage == pp - 1,
-                     attention=attention_for(mesh.cp_group, t.document_attention), moe_dispatch=dispatch)
+                     attention=attention_for(mesh.cp_group, t.document_attention, p.cp_comm), moe_dispatch=dispatch)
     model.init_weights(t.seed)
     _apply_vlm_parallel(model, mesh, p.sequence_parallel)
     mode = t.activation_checkpointing

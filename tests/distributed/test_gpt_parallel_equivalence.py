@@ -66,6 +66,12 @@ LAYOUTS += [
     (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], PACKED),
 ]
 
+RING = ["parallel.cp_comm=ring"]  # K/V passed around the CP ring behind attention (mmtrain/model/attention_ring.py)
+LAYOUTS += [
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", *RING], []),
+    (2, ["parallel.cp=2", *RING], PACKED),
+]
+
 MOE = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=32"]
 MOE_LAYOUTS = [
     (2, ["parallel.dp=2", "parallel.ep=2"], MOE),
