@@ -119,10 +119,6 @@ def _validate_fsdp(cfg) -> None:
     if t.precision == "fp8":
         raise ConfigError("parallel.fsdp=true with train.precision=fp8 is not supported yet (FP8 weight copies "
                           "and their FP8 all-gather); use train.precision=bf16 or parallel.fsdp=false")
-    if t.compile:
-        raise ConfigError("parallel.fsdp=true with train.compile=true is not supported yet (the per-block gather "
-                          "and free resize parameter storage under the compiled blocks); set train.compile=false "
-                          "or parallel.fsdp=false")
     if t.sample_every:
         raise ConfigError("parallel.fsdp=true with train.sample_every is not supported yet (the sampler reads the "
                           "blocks' weights outside their forward, where FSDP has freed them); set "

@@ -10,14 +10,14 @@ from mmtrain.config.vlm_validate import validate_vlm_config
 GPT = ["data.mock=true", "parallel.fsdp=true", "parallel.dp=2"]
 
 
-def test_fsdp_is_accepted_with_the_distributed_optimizer():
-    validate_gpt_config(load_config(GPTRunConfig, None, GPT), world_size=2)
+@pytest.mark.parametrize("extra", [[], ["train.compile=true"]], ids=["plain", "compile"])
+def test_fsdp_is_accepted_with_the_distributed_optimizer(extra):
+    validate_gpt_config(load_config(GPTRunConfig, None, [*GPT, *extra]), world_size=2)
 
 
 @pytest.mark.parametrize("extra, message", [
     (["parallel.distributed_optimizer=false"], "parallel.fsdp=true shards the distributed optimizer's buckets; set "
                                                "parallel.distributed_optimizer=true"),
-    (["train.compile=true"], "parallel.fsdp=true with train.compile=true is not supported yet"),
     (["train.precision=fp8", "train.device=cuda"], "parallel.fsdp=true with train.precision=fp8 is not supported yet"),
 ])
 def test_fsdp_refuses_what_it_does_not_support(extra, message):
