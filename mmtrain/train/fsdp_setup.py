@@ -9,13 +9,16 @@ from torch import nn
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.fsdp import FsdpBuckets
 from mmtrain.train.grads import tied_embedding_params
+from mmtrain.train.precision import Precision
 
 
 def fully_sharded_buckets(stage: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter],
-                          mesh: ParallelMesh, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[FsdpBuckets]:
+                          mesh: ParallelMesh, param_dtype: torch.dtype, grad_dtype: torch.dtype,
+                          precision: Precision) -> list[FsdpBuckets]:
     """One ``FsdpBuckets`` for the dense parameters (over dp x cp) and, with routed experts, one for the expert
     weights (over the expert-data-parallel ranks); each block of ``stage.layers`` is a unit of both, in forward
-    order (its global layer index), the rest stays whole."""
+    order (its global layer index), the rest stays whole. ``precision`` adds to the dense one (FP8: the blocks'
+    FP8 weights in buckets of their own, gathered in FP8)."""
     blocks = sorted(stage.layers.items(), key=lambda kv: int(kv[0]))
     out = []
     for params, group, late in ((dense, mesh.dp_cp_group, tied_embedding_params(stage)),
@@ -31,5 +34,9 @@ def fully_sharded_buckets(stage: nn.Module, dense: list[nn.Parameter], experts: 
                 modules.append(block)
                 in_unit.update(id(p) for p in unit)
         resident = [p for p in params if id(p) not in in_unit]
-        out.append(FsdpBuckets(units, modules, resident, group, param_dtype, grad_dtype, late_params=late))
+        options = precision.fsdp_options(in_unit) if params is dense else {}  # experts stay BF16
+        out.append(FsdpBuckets(units, modules, resident, group, param_dtype, grad_dtype, late_params=late,
+                               **options))
+        if params is dense:
+            precision.attach_fsdp(out[-1])
     return out
