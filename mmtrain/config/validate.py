@@ -118,10 +118,6 @@ def _validate_fsdp(cfg) -> None:
                           "parallel.distributed_optimizer=true or parallel.fsdp=false")
     if t.precision == "fp8":
         _validate_fsdp_fp8(cfg)
-    if t.sample_every:
-        raise ConfigError("parallel.fsdp=true with train.sample_every is not supported yet (the sampler reads the "
-                          "blocks' weights outside their forward, where FSDP has freed them); set "
-                          "train.sample_every=0 or parallel.fsdp=false")
     if t.objective == "dpo":
         raise ConfigError("parallel.fsdp=true with train.objective=dpo is not supported yet (the frozen reference "
                           "model is not sharded); use parallel.fsdp=false")

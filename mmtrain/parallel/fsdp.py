@@ -56,8 +56,10 @@ class FsdpBuckets:
 
     def __init__(self, units: list[list[nn.Parameter]], modules: list[nn.Module], resident: list[nn.Parameter],
                  group, param_dtype: torch.dtype, grad_dtype: torch.dtype = torch.float32,
-                 late_params: list[nn.Parameter] = (), separate_params: list[nn.Parameter] = ()) -> None:
-        """``separate_params``: the parameters of a unit listed here form a second bucket of that unit
+                 late_params: list[nn.Parameter] = (), separate_params: list[nn.Parameter] = (),
+                 trainable: bool = True) -> None:
+        """``trainable=False``: frozen parameters (a DPO reference model): only gathered and freed, no gradients
+        (``reset``/``finish`` and the optimizer are not for it). ``separate_params``: the parameters of a unit listed here form a second bucket of that unit
         (``Bucket.separate``, padded to 16 x dp elements so a one-byte copy keeps every weight and shard 16-byte
         aligned); with a ``separate_gather`` attached it, not this class, gathers them for use (FP8 weights
         gathered in FP8: ``mmtrain.model.fp8_fsdp``) and their own values are gathered only by
@@ -88,7 +90,8 @@ class FsdpBuckets:
             padded = -(-n // multiple) * multiple
             b = _Unit(plist, offset, offset + padded, late, separate, is_unit=is_unit,
                       full_param=torch.zeros(padded, dtype=param_dtype, device=self.device),
-                      shard_grad=torch.zeros(padded // self.dp, dtype=grad_dtype, device=self.device))
+                      shard_grad=torch.zeros(padded // self.dp if trainable else 0, dtype=grad_dtype,
+                                             device=self.device))
             pos = 0
             for p in plist:
                 b.full_param[pos:pos + p.numel()].copy_(p.data.reshape(-1))
@@ -99,7 +102,7 @@ class FsdpBuckets:
                 pos += p.numel()
             lo = self.dp_rank * (padded // self.dp)
             b.shard_param = b.full_param[lo:lo + padded // self.dp].clone()
-            if not is_unit:  # resident: a persistent full-size gradient, reduced in finish
+            if not is_unit and trainable:  # resident: a persistent full-size gradient, reduced in finish
                 b.full_grad = torch.zeros(padded, dtype=grad_dtype, device=self.device)
                 for p in plist:
                     p.main_grad = b.full_grad[b.pos[id(p)]:b.pos[id(p)] + p.numel()].view_as(p)
@@ -111,7 +114,8 @@ class FsdpBuckets:
             offset += padded
         self.grad_dtype = grad_dtype
         self._in_flight: list = []  # unit reduce-scatters not yet added into their shards (_reduce_unit)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g, *_ in groups for p in g]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g, *_ in groups for p in g
+                       if trainable]
         # units are in forward order: the next one is prefetched in forward, the previous one in backward
         order = sorted(by_module)
         for i, index in enumerate(order):
@@ -119,7 +123,8 @@ class FsdpBuckets:
             prev = by_module[order[i - 1]] if i > 0 else []
             self._hooks.append(modules[index].register_forward_pre_hook(self._pre_forward(by_module[index], nxt)))
             self._hooks.append(modules[index].register_forward_hook(self._post_forward(by_module[index], prev)))
-        self.reset()
+        if trainable:
+            self.reset()
 
     # ------------------------------------------------------------------------------------- gather / free
     def _storage_bytes(self, b: Bucket) -> int:
@@ -288,6 +293,12 @@ class FsdpBuckets:
             b.shard_param.copy_(b.full_param[self.dp_rank * size:(self.dp_rank + 1) * size])
         if self.separate_gather is not None:
             self.separate_gather.params_loaded()
+
+    def release_full_params(self) -> None:
+        """After reading the whole weights (``gather_full_params``, e.g. for greedy samples): free every unit
+        again now rather than at its next forward."""
+        for b in self.units:
+            self._free(b)
 
     def resident_param_bytes(self) -> int:
         """Bytes this rank holds for parameter values now (shards, whole resident buckets, gathered units)."""

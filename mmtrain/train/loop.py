@@ -307,7 +307,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     t = cfg.train
     if t.sample_every:  # greedy samples at logging steps (a VLM samples its language model on text prompts)
         hooks.append(SampleLogger(getattr(stage, "language", stage), t.sample_prompts, t.sample_tokenizer,
-                                  t.sample_every, t.sample_max_new_tokens, mesh.rank))
+                                  t.sample_every, t.sample_max_new_tokens, mesh.rank, weights=optimizer))
     for h in hooks:
         h.start()
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,
