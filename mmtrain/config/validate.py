@@ -118,9 +118,10 @@ def _validate_fsdp(cfg) -> None:
                           "parallel.distributed_optimizer=true or parallel.fsdp=false")
     if t.precision == "fp8":
         _validate_fsdp_fp8(cfg)
-    if t.objective == "dpo":
-        raise ConfigError("parallel.fsdp=true with train.objective=dpo is not supported yet (the frozen reference "
-                          "model is not sharded); use parallel.fsdp=false")
+    if t.objective == "dpo" and t.precision == "fp8":
+        raise ConfigError("parallel.fsdp=true with train.objective=dpo and train.precision=fp8 is not supported yet "
+                          "(the sharded frozen reference would re-cast FP8 weights FSDP has freed); use "
+                          "train.precision=bf16 or parallel.fsdp=false")
 
 
 def _validate_fsdp_fp8(cfg) -> None:

@@ -29,7 +29,7 @@ from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_sc
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.dpo import build_reference, dpo_metrics, run_dpo_micro_batches
 from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
-from mmtrain.train.fsdp_setup import fully_sharded_buckets
+from mmtrain.train.fsdp_setup import fully_sharded_buckets, fully_sharded_frozen
 from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, collective_timeout_report, is_collective_timeout,
                                   nonfinite_report)
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, split_by_reduce_group, tied_embedding_params
@@ -242,7 +242,10 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
                                    mesh.coord.dp, dims.dp, documents=documents)
     task = _gpt_task(cfg, mesh, device, stage)
     if cfg.train.objective == "dpo":
-        task = _dpo_task(cfg, mesh, device, stage, build_reference(cfg, mesh, device, found, build_gpt_stage), task)
+        reference = build_reference(cfg, mesh, device, found, build_gpt_stage)
+        if cfg.parallel.fsdp:  # sharded like the policy: its blocks gathered for their forward only (the
+            fully_sharded_frozen(reference, mesh)  # buckets live on in the hooks they put on its blocks)
+        task = _dpo_task(cfg, mesh, device, stage, reference, task)
     return train_model(cfg, mesh, device, stage, batches, val_batches, task,
                        found, model_name=cfg.model.shape().name, lr_schedule=lr_schedule)
 
