@@ -7,16 +7,16 @@ block's unit (``Bucket.separate``); ``Fp8FsdpGather`` attaches to it (``buckets.
 runtime (``runtime.param_gather``: these copies are never re-cast from BF16, whose values stay sharded). Per unit:
 
 - after each optimizer step (and at the start, and after a checkpoint load) a rank casts its owned shard of the
-  unit's BF16 values to FP8 into a persistent one-byte shard (``fp8_shard``), with each weight's scale from the
+  unit's BF16 values to FP8 into a persistent one-byte shard (``shard``), with each weight's scale from the
   amax of the whole weight (the owned pieces' amaxes reduced, MAX, over the bucket's group and over TP): the
   bytes are those of casting the whole weight, as the BF16 path's refresh does;
 - when FSDP gathers the block (forward, and again for its backward) the FP8 shards are all-gathered into
-  ``fp8_full``, whose slices *are* the matmuls' ``w_a``; ``w_b`` (W^T, for dgrad) is transposed locally into
-  ``fp8_t_full``; both are freed (storage resized to 0 bytes) when FSDP frees the unit.
+  ``full``, whose slices *are* the matmuls' ``w_a``; each ``w_b`` (W^T, for dgrad) is transposed locally into a
+  tensor of its own; all are freed (storage resized to 0 bytes) when FSDP frees the unit.
 
-Saved for backward are views of ``fp8_t_full`` (the dgrad operand): its refill by the backward gather restores
-its version counter (as the BF16 parameters' all-gather leaves theirs), so autograd accepts the same storage
-refilled with the same bytes. The BF16 values of these weights are whole only in ``gather_full_params``
+Saved for backward is ``w_b`` (the dgrad operand): its refill by the backward gather keeps its version counter
+(as the BF16 parameters' all-gather leaves theirs), so autograd accepts the same storage refilled with the same
+bytes. The BF16 values of these weights are whole only in ``gather_full_params``
 (checkpoint save, end of run); a matmul that would fall back to BF16 ``F.linear`` raises instead.
 """
 
@@ -71,7 +71,8 @@ class Fp8FsdpGather:
         self.dtype = dtypes.pop()
         self.casts = self.matmuls[0].casts  # the model's compiled casts: the same bits as its BF16 re-cast
         device = buckets.device
-        self.full, self.full_t, self.shard = {}, {}, {}  # per bucket (by id): one-byte buffers
+        self.full, self.shard = {}, {}  # per bucket (by id): one-byte buffers
+        self.transposed: dict[int, list[torch.Tensor]] = {}  # per bucket (by id): each weight's W^T, a tensor each
         self.pieces, self.piece_outs, self.piece_index, self.joins = [], [], [], []
         index = 0
         self.first: dict[int, int] = {}  # per bucket (by id): index in self.matmuls of its first weight
@@ -81,15 +82,19 @@ class Fp8FsdpGather:
             self.t_plan[id(b)] = tuple((p.buffer_offset - b.start, *p.shape) for p in b.params)
             n = b.end - b.start
             own_start, own_end = buckets.owned_range(b)
-            full, full_t = (torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2))
+            full = torch.zeros(n, dtype=torch.uint8, device=device)
             shard = torch.zeros(own_end - own_start, dtype=torch.uint8, device=device)  # padding stays zero
-            self.full[id(b)], self.full_t[id(b)], self.shard[id(b)] = full, full_t, shard
+            self.full[id(b)], self.shard[id(b)] = full, shard
+            self.transposed[id(b)] = []
             mine = []
             for p in b.params:  # packed from b.start: the owned pieces are adjacent, padding only at the end
                 m = self.matmuls[index]
                 lo = p.buffer_offset - b.start
                 m.w_a = full[lo:lo + p.numel()].view(self.dtype).view(p.shape)
-                m.w_b = full_t[lo:lo + p.numel()].view(self.dtype).view(p.shape[1], p.shape[0])
+                # W^T: a whole tensor of its own (Inductor would turn writes into slices of one buffer into one
+                # kernel evaluating every slice's expression at every element of it)
+                m.w_b = torch.zeros(p.shape[1], p.shape[0], dtype=self.dtype, device=device)
+                self.transposed[id(b)].append(m.w_b)
                 m.w_a_inv, m.w_b_inv = torch.ones(1, device=device), torch.ones(1, device=device)
                 m.weight_stale, m.bf16_weight_partial = False, True
                 s, e = max(p.buffer_offset, own_start), min(p.buffer_offset + p.numel(), own_end)
@@ -101,7 +106,7 @@ class Fp8FsdpGather:
                 index += 1
             if mine:
                 self.joins.append((mine, shard[:sum(t.numel() for t in mine)]))
-            for t in (full, full_t):
+            for t in (full, *self.transposed[id(b)]):
                 t.untyped_storage().resize_(0)
         self.piece_of = torch.tensor(self.piece_index, dtype=torch.long, device=device)
         self.piece_index = tuple(self.piece_index)
@@ -152,17 +157,17 @@ class Fp8FsdpGather:
     @torch.no_grad()
     def finish_unit(self, b) -> None:
         """After the gather landed: W^T of every weight of ``b`` (the dgrad operand, maybe saved for backward)."""
-        full, full_t = self.full[id(b)], self.full_t[id(b)]
-        ms = self.matmuls[self.first[id(b)]:self.first[id(b)] + len(b.params)]
-        with torch.autograd._unsafe_preserve_version_counter(full_t):
-            full_t.untyped_storage().resize_(full_t.numel())
-            self.casts.run(transpose_into, full.is_cuda, full.view(self.dtype), self.t_plan[id(b)],
-                           [m.w_b for m in ms])
+        full, transposed = self.full[id(b)], self.transposed[id(b)]
+        with torch.autograd._unsafe_preserve_version_counter(tuple(transposed)):
+            for t in transposed:
+                t.untyped_storage().resize_(t.numel())
+            self.casts.run(transpose_into, full.is_cuda, full.view(self.dtype), self.t_plan[id(b)], transposed)
         self.unit_gathers += 1
 
     def free_unit(self, b) -> None:
-        for t in (self.full[id(b)], self.full_t[id(b)]):
-            with torch.autograd._unsafe_preserve_version_counter(t):
+        tensors = (self.full[id(b)], *self.transposed[id(b)])
+        with torch.autograd._unsafe_preserve_version_counter(tensors):
+            for t in tensors:
                 t.untyped_storage().resize_(0)
 
     def gather_full(self) -> None:

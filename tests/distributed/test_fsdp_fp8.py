@@ -2,7 +2,8 @@
 CPU, delayed scaling, the FP8 output layer on): each block's FP8 weights are gathered in FP8 for every use; the
 FP8 copies are bit for bit what casting the whole BF16 weights gives (weight amaxes reduced over DP and TP); the
 blocks' BF16 storage of those weights stays unallocated while they compute; losses and gradient norms equal the
-distributed optimizer's FP8 run, also with the blocks compiled (aot_eager, as in test_fsdp_compile.py)."""
+distributed optimizer's FP8 run, also with the blocks compiled (aot_eager, as in test_fsdp_compile.py); a
+checkpoint saved with it resumes exactly."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def _runs(rank: int, world_size: int, run_dir: str):
     build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
     eager_compile = torch.compile
     out = {}
-    for name, extra in {"distopt": [], "fsdp": ["parallel.fsdp=true"],
+    saved = f"{run_dir}/fsdp/checkpoints/step_00000002"
+    for name, extra in {"distopt": [], "fsdp": ["parallel.fsdp=true", "checkpoint.save_every=2"],
+                        "resumed": ["parallel.fsdp=true", f"checkpoint.load={saved}"],
                         "fsdp_compiled": ["parallel.fsdp=true", "train.compile=true"]}.items():
         torch.compile = functools.partial(eager_compile, backend="aot_eager") if "compiled" in name else eager_compile
         cfg = load_config(GPTRunConfig, None, [*RUN, *extra, f"logging.run_dir={run_dir}/{name}"])
@@ -51,7 +54,7 @@ def _runs(rank: int, world_size: int, run_dir: str):
         result = train_gpt(cfg, mesh, torch.device("cpu"))
         model, gather = result.model, result.model.fp8_runtime.param_gather
         row = {"losses": result.losses, "grad_norms": result.grad_norms}
-        if gather is not None:
+        if gather is not None and name != "resumed":
             # the run ended with the BF16 weights whole (gather_full_params): what the copies must be cast from
             expected = {id(m): _expected_copies(m, mesh.tp_group) for m in gather.matmuls}
             owner = gather.owner
@@ -99,3 +102,9 @@ def test_fsdp_fp8_trains_like_the_distributed_optimizer(runs):
         for name in ("fsdp", "fsdp_compiled"):
             assert out[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
             assert out[name]["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-4)
+
+
+def test_fsdp_fp8_resumes_exactly(runs):
+    """The save gathers the FP8 weights' BF16 values; the load casts the FP8 shards again from the loaded ones."""
+    for out in runs:
+        assert out["resumed"]["losses"] == pytest.approx(out["fsdp"]["losses"][2:], rel=1e-6)
