@@ -17,6 +17,10 @@ checkpoint code call) with a different memory layout:
   bucket, summed over the first/last stage before its reduction) stay whole on every rank, as with the
   distributed optimizer: they are one resident bucket, reduced in ``finish``, all-gathered after the step.
 
+A unit may have a second bucket (``separate_params``) whose gather for use an attached ``separate_gather``
+does instead (the FP8 weights, gathered in FP8: ``mmtrain.model.fp8_fsdp``). ``trainable=False`` shards a
+frozen model (the DPO reference): gathered and freed the same way, no gradients.
+
 Activation recompute re-runs a block's forward inside its backward, after the backward gather: the module hooks
 do not fire there (the recompute calls the block's inner forward), so nothing is freed under it. Parallelism over
 TP/PP/CP needs nothing more: a rank's parameters are its TP shard of its stage. Why not ``torch.distributed.fsdp``'s
@@ -59,11 +63,11 @@ class FsdpBuckets:
                  late_params: list[nn.Parameter] = (), separate_params: list[nn.Parameter] = (),
                  trainable: bool = True) -> None:
         """``trainable=False``: frozen parameters (a DPO reference model): only gathered and freed, no gradients
-        (``reset``/``finish`` and the optimizer are not for it). ``separate_params``: the parameters of a unit listed here form a second bucket of that unit
-        (``Bucket.separate``, padded to 16 x dp elements so a one-byte copy keeps every weight and shard 16-byte
-        aligned); with a ``separate_gather`` attached it, not this class, gathers them for use (FP8 weights
-        gathered in FP8: ``mmtrain.model.fp8_fsdp``) and their own values are gathered only by
-        ``gather_full_params``."""
+        (``reset``/``finish`` and the optimizer are not for it). ``separate_params``: the parameters of a unit
+        listed here form a second bucket of that unit (``Bucket.separate``, padded to 16 x dp elements so a
+        one-byte copy keeps every weight and shard 16-byte aligned); with a ``separate_gather`` attached it, not
+        this class, gathers them for use (FP8 weights gathered in FP8: ``mmtrain.model.fp8_fsdp``) and their own
+        values are gathered only by ``gather_full_params``."""
         self.group = group
         self.dp = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
@@ -165,6 +169,8 @@ class FsdpBuckets:
     def _pre_forward(self, parts: list[Bucket], nxt: list[Bucket]):
         def hook(module, args):
             for b in parts:
+                self._start_gather(b)  # both of a unit's buckets in flight at once
+            for b in parts:
                 self._gather(b)
             for b in nxt:
                 self._start_gather(b)  # overlaps this block's forward
@@ -174,6 +180,8 @@ class FsdpBuckets:
         def hook(module, args, out):
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 def before_backward(grad):
+                    for b in parts:
+                        self._start_gather(b)
                     for b in parts:
                         self._gather(b)
                     for b in prev:
