@@ -18,7 +18,7 @@ from mmtrain.testing import run_distributed
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.vocab_size=64", "data.mock=true", "data.seq_length=16"]
-RUN = [*MODEL, "train.device=cpu", "train.steps=3", "train.micro_batch_size=2", "train.global_batch_size=4",
+RUN = [*MODEL, "train.device=cpu", "train.steps=2", "train.micro_batch_size=2", "train.global_batch_size=4",
        "optim.lr=3e-3", "optim.warmup_steps=1", "checkpoint.save_final=false", "parallel.dp=2", "parallel.tp=2",
        "parallel.sequence_parallel=true", "train.precision=fp8", "fp8.recipe=delayed", "fp8.output_layer=true"]
 FP8_COPIES = ("w_a", "w_b", "w_a_inv", "w_b_inv")
@@ -44,8 +44,8 @@ def _runs(rank: int, world_size: int, run_dir: str):
     build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
     eager_compile = torch.compile
     out = {}
-    saved = f"{run_dir}/fsdp/checkpoints/step_00000002"
-    for name, extra in {"distopt": [], "fsdp": ["parallel.fsdp=true", "checkpoint.save_every=2"],
+    saved = f"{run_dir}/fsdp/checkpoints/step_00000001"
+    for name, extra in {"distopt": [], "fsdp": ["parallel.fsdp=true", "checkpoint.save_every=1"],
                         "resumed": ["parallel.fsdp=true", f"checkpoint.load={saved}"],
                         "fsdp_compiled": ["parallel.fsdp=true", "train.compile=true"]}.items():
         torch.compile = functools.partial(eager_compile, backend="aot_eager") if "compiled" in name else eager_compile
@@ -87,7 +87,7 @@ def test_fsdp_fp8_copies_equal_casting_the_whole_bf16_weights(runs):
     for rank, out in enumerate(runs):
         for name in ("fsdp", "fsdp_compiled"):
             assert out[name]["equal_copies"], (rank, name)
-            assert out[name]["counts"] == (8, 4)  # 2 blocks x 4 linears (the head is whole: re-cast); start + 3 steps
+            assert out[name]["counts"] == (8, 3)  # 2 blocks x 4 linears (the head is whole: re-cast); start + 2 steps
 
 
 def test_fsdp_fp8_computes_without_the_bf16_weights(runs):
@@ -107,4 +107,4 @@ def test_fsdp_fp8_trains_like_the_distributed_optimizer(runs):
 def test_fsdp_fp8_resumes_exactly(runs):
     """The save gathers the FP8 weights' BF16 values; the load casts the FP8 shards again from the loaded ones."""
     for out in runs:
-        assert out["resumed"]["losses"] == pytest.approx(out["fsdp"]["losses"][2:], rel=1e-6)
+        assert out["resumed"]["losses"] == pytest.approx(out["fsdp"]["losses"][1:], rel=1e-6)
