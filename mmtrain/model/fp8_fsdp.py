@@ -64,7 +64,8 @@ class Fp8FsdpGather:
         self.buckets = [b for b in buckets.units if b.separate]
         self.matmuls: list[Fp8Matmul] = [by_weight[id(p)] for b in self.buckets for p in b.params]
         if not self.matmuls:
-            raise ValueError("no FP8 units to gather: build the FsdpBuckets with separate_params=fsdp_gather_weights(...)")
+            raise ValueError("no FP8 units to gather: build the FsdpBuckets with "
+                             "separate_params=fsdp_gather_weights(...)")
         dtypes = {m.fwd_dtype for m in self.matmuls}
         if len(dtypes) != 1 or any(m.recipe == "rowwise" for m in self.matmuls):
             raise ValueError("parallel.fsdp with FP8 needs per-tensor FP8 matmuls of one format")
