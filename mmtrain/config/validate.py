@@ -117,19 +117,35 @@ def _validate_fsdp(cfg) -> None:
         raise ConfigError("parallel.fsdp=true shards the distributed optimizer's buckets; set "
                           "parallel.distributed_optimizer=true or parallel.fsdp=false")
     if t.precision == "fp8":
-        raise ConfigError("parallel.fsdp=true with train.precision=fp8 is not supported yet (FP8 weight copies "
-                          "and their FP8 all-gather); use train.precision=bf16 or parallel.fsdp=false")
-    if t.compile:
-        raise ConfigError("parallel.fsdp=true with train.compile=true is not supported yet (the per-block gather "
-                          "and free resize parameter storage under the compiled blocks); set train.compile=false "
-                          "or parallel.fsdp=false")
-    if t.sample_every:
-        raise ConfigError("parallel.fsdp=true with train.sample_every is not supported yet (the sampler reads the "
-                          "blocks' weights outside their forward, where FSDP has freed them); set "
-                          "train.sample_every=0 or parallel.fsdp=false")
-    if t.objective == "dpo":
-        raise ConfigError("parallel.fsdp=true with train.objective=dpo is not supported yet (the frozen reference "
-                          "model is not sharded); use parallel.fsdp=false")
+        _validate_fsdp_fp8(cfg)
+    if t.objective == "dpo" and t.precision == "fp8":
+        raise ConfigError("parallel.fsdp=true with train.objective=dpo and train.precision=fp8 is not supported yet "
+                          "(the sharded frozen reference would re-cast FP8 weights FSDP has freed); use "
+                          "train.precision=bf16 or parallel.fsdp=false")
+
+
+def _validate_fsdp_fp8(cfg) -> None:
+    """parallel.fsdp gathers each block's FP8 weights in FP8 (one scale per weight, 16-aligned shapes:
+    mmtrain/model/fp8_fsdp.py); the BF16 values are never whole for a re-cast."""
+    f, m, tp = cfg.fp8, cfg.model, cfg.parallel.tp
+    if f.backend == "te":
+        raise ConfigError("parallel.fsdp=true with train.precision=fp8 needs fp8.backend=native or auto (Transformer "
+                          "Engine keeps its own FP8 weights); set fp8.backend=native or parallel.fsdp=false")
+    if f.recipe not in ("tensorwise", "delayed"):
+        raise ConfigError(f"parallel.fsdp=true gathers FP8 weights with one scale per weight: fp8.recipe must be "
+                          f"tensorwise or delayed (got {f.recipe}); or set parallel.fsdp=false")
+    head_dim = m.hidden_size // m.num_attention_heads
+    sizes = {"model.hidden_size": m.hidden_size,
+             "model.num_attention_heads x head dim / parallel.tp": m.num_attention_heads * head_dim // tp,
+             "(model.num_attention_heads + 2 x model.num_query_groups) x head dim / parallel.tp":
+                 (m.num_attention_heads + 2 * m.kv_heads) * head_dim // tp}
+    if not m.num_experts:
+        sizes["model.ffn_hidden_size / parallel.tp"] = m.ffn_hidden_size // tp
+    for what, n in sizes.items():
+        if n % 16:
+            raise ConfigError(f"parallel.fsdp=true with train.precision=fp8 gathers the blocks' FP8 weights in FP8, "
+                              f"which needs every FP8 weight dimension a multiple of 16: {what} is {n}; change "
+                              "the shape, or use parallel.fsdp=false or train.precision=bf16")
 
 
 def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:

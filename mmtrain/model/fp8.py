@@ -49,7 +49,9 @@ def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
                           f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: use train.precision=bf16")
     backend = f.backend
     if backend == "auto":
-        backend = "te" if te_importable() and f.recipe in TE_FP8_RECIPES else "native"
+        # parallel.fsdp gathers native FP8 weights (Transformer Engine keeps its own)
+        backend = ("te" if te_importable() and f.recipe in TE_FP8_RECIPES and not cfg.parallel.fsdp
+                   else "native")
     if backend == "te" and not te_importable():
         raise ConfigError("fp8.backend=te but transformer_engine.pytorch does not import here; install Transformer "
                           "Engine or set fp8.backend=native")

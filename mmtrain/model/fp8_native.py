@@ -248,10 +248,11 @@ class Fp8Matmul(nn.Module):
         out_f, in_f = weight.shape
         x2 = x.reshape(-1, in_f)
         if x.is_cuda and (x2.shape[0] % 16 or in_f % 16 or out_f % 16):
-            if getattr(self, "bf16_weight_partial", False):  # set by fp8_param_gather while only FP8 W is whole
-                raise RuntimeError(f"fp8.param_gather=true: an FP8 linear got {x2.shape[0]} tokens, not a multiple "
-                                   "of 16, and would fall back to BF16 weights that are not gathered; use batch "
-                                   "shapes whose token count is a multiple of 16 or fp8.param_gather=false")
+            if getattr(self, "bf16_weight_partial", False):  # set by fp8_param_gather / fp8_fsdp: only FP8 W is whole
+                raise RuntimeError(f"fp8.param_gather=true or parallel.fsdp=true: an FP8 linear got {x2.shape[0]} "
+                                   "tokens, not a multiple of 16, and would fall back to BF16 weights that are not "
+                                   "gathered; use batch shapes whose token count is a multiple of 16, or "
+                                   "fp8.param_gather=false and parallel.fsdp=false")
             return F.linear(x, weight, bias)  # _scaled_mm needs every dimension a multiple of 16
         if self.weight_stale:  # only when called outside a GPTModel forward (whose pre-hook re-casts)
             self._refresh_outside_graph(weight)

@@ -36,7 +36,8 @@ def _cast_pieces_into(src: torch.Tensor, scales: torch.Tensor, outs: list, plan:
         out.copy_(quantize(src[lo:hi], scales[k], dtype))
 
 
-def _transpose_into(flat: torch.Tensor, plan: tuple, b_bufs: list) -> None:
+def transpose_into(flat: torch.Tensor, plan: tuple, b_bufs: list) -> None:
+    """Each ``(lo, rows, cols)`` weight of the flat FP8 buffer ``flat``, transposed into its ``b_bufs`` entry."""
     for (lo, rows, cols), b in zip(plan, b_bufs):
         b.copy_(flat[lo:lo + rows * cols].view(rows, cols).t())
 
@@ -63,7 +64,13 @@ def gather_weights(runtime, cfg, group_size: int) -> list[torch.nn.Parameter]:
         return []
     if runtime.backend != "native":  # validated earlier; here so that a bypassed check cannot run silently
         raise ValueError("fp8.param_gather needs fp8.backend=native")
-    # a tied output layer (fp8.output_layer) shares the embedding's weight, which the lookup reads in BF16
+    return gatherable_weights(runtime)
+
+
+def gatherable_weights(runtime) -> list[torch.nn.Parameter]:
+    """The FP8 matmuls' weights an FP8 gather can serve: per-tensor scaled, trainable, 2-D with both dimensions
+    multiples of 16 (else the GPU falls back to BF16), not a tied output layer's (``fp8.output_layer`` with tied
+    embeddings: the embedding lookup reads it in BF16)."""
     embeddings = {id(m.embed.weight) for m in runtime.models if getattr(m, "embed", None) is not None}
     return [m.weight_ref for m in runtime.matmuls
             if m.recipe != "rowwise" and m.weight_ref.requires_grad and m.weight_ref.ndim == 2
@@ -160,7 +167,7 @@ class Fp8ParamGather:
             for name in ("w_a_inv", "w_b_inv"):
                 if getattr(m, name).shape != (1,):
                     setattr(m, name, torch.empty(1, device=amax.device))
-        self.casts.run(_transpose_into, amax.is_cuda, self.fp8_buffer.view(self.dtype), self.w_plan,
+        self.casts.run(transpose_into, amax.is_cuda, self.fp8_buffer.view(self.dtype), self.w_plan,
                        [m.w_b for m in self.matmuls])
         inv_list = list(inv.reshape(-1, 1).unbind(0))
         torch._foreach_copy_([m.w_a_inv for m in self.matmuls], inv_list)

@@ -17,6 +17,10 @@ checkpoint code call) with a different memory layout:
   bucket, summed over the first/last stage before its reduction) stay whole on every rank, as with the
   distributed optimizer: they are one resident bucket, reduced in ``finish``, all-gathered after the step.
 
+A unit may have a second bucket (``separate_params``) whose gather for use an attached ``separate_gather``
+does instead (the FP8 weights, gathered in FP8: ``mmtrain.model.fp8_fsdp``). ``trainable=False`` shards a
+frozen model (the DPO reference): gathered and freed the same way, no gradients.
+
 Activation recompute re-runs a block's forward inside its backward, after the backward gather: the module hooks
 do not fire there (the recompute calls the block's inner forward), so nothing is freed under it. Parallelism over
 TP/PP/CP needs nothing more: a rank's parameters are its TP shard of its stage. Why not ``torch.distributed.fsdp``'s
@@ -56,29 +60,42 @@ class FsdpBuckets:
 
     def __init__(self, units: list[list[nn.Parameter]], modules: list[nn.Module], resident: list[nn.Parameter],
                  group, param_dtype: torch.dtype, grad_dtype: torch.dtype = torch.float32,
-                 late_params: list[nn.Parameter] = ()) -> None:
+                 late_params: list[nn.Parameter] = (), separate_params: list[nn.Parameter] = (),
+                 trainable: bool = True) -> None:
+        """``trainable=False``: frozen parameters (a DPO reference model): only gathered and freed, no gradients
+        (``reset``/``finish`` and the optimizer are not for it). ``separate_params``: the parameters of a unit
+        listed here form a second bucket of that unit (``Bucket.separate``, padded to 16 x dp elements so a
+        one-byte copy keeps every weight and shard 16-byte aligned); with a ``separate_gather`` attached it, not
+        this class, gathers them for use (FP8 weights gathered in FP8: ``mmtrain.model.fp8_fsdp``) and their own
+        values are gathered only by ``gather_full_params``."""
         self.group = group
         self.dp = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
         self.sharded = True  # every rank owns a distinct shard of every bucket (dp == 1: the whole bucket)
         self.separate_gather = None
-        late_ids = {id(p) for p in late_params}
-        groups = [(u, False, True) for u in units if u]
-        groups.append(([p for p in resident if id(p) not in late_ids], False, False))
-        groups.append(([p for p in resident if id(p) in late_ids], True, False))
-        self.device = next(p.device for g, _, _ in groups for p in g)
+        late_ids, separate_ids = {id(p) for p in late_params}, {id(p) for p in separate_params}
+        groups = []  # (params, late, is_unit, separate, index of the unit's module)
+        for i, u in enumerate(units):
+            groups += [(part, False, True, sep, i) for sep in (False, True)
+                       if (part := [p for p in u if (id(p) in separate_ids) == sep])]
+        groups.append(([p for p in resident if id(p) not in late_ids], False, False, False, None))
+        groups.append(([p for p in resident if id(p) in late_ids], True, False, False, None))
+        self.device = next(p.device for g, *_ in groups for p in g)
         self.buckets: list[Bucket] = []
         self.units: list[Bucket] = []
         self.bucket_of: dict[int, Bucket] = {}
+        by_module: dict[int, list[Bucket]] = {}  # a unit's buckets (its own values, its separate ones)
         offset = 0
-        for plist, late, is_unit in groups:
+        for plist, late, is_unit, separate, module_index in groups:
             if not plist:
                 continue
             n = sum(p.numel() for p in plist)
-            padded = -(-n // self.dp) * self.dp
-            b = _Unit(plist, offset, offset + padded, late, is_unit=is_unit,
+            multiple = self.dp * (16 if separate else 1)
+            padded = -(-n // multiple) * multiple
+            b = _Unit(plist, offset, offset + padded, late, separate, is_unit=is_unit,
                       full_param=torch.zeros(padded, dtype=param_dtype, device=self.device),
-                      shard_grad=torch.zeros(padded // self.dp, dtype=grad_dtype, device=self.device))
+                      shard_grad=torch.zeros(padded // self.dp if trainable else 0, dtype=grad_dtype,
+                                             device=self.device))
             pos = 0
             for p in plist:
                 b.full_param[pos:pos + p.numel()].copy_(p.data.reshape(-1))
@@ -89,33 +106,44 @@ class FsdpBuckets:
                 pos += p.numel()
             lo = self.dp_rank * (padded // self.dp)
             b.shard_param = b.full_param[lo:lo + padded // self.dp].clone()
-            if not is_unit:  # resident: a persistent full-size gradient, reduced in finish
+            if not is_unit and trainable:  # resident: a persistent full-size gradient, reduced in finish
                 b.full_grad = torch.zeros(padded, dtype=grad_dtype, device=self.device)
                 for p in plist:
                     p.main_grad = b.full_grad[b.pos[id(p)]:b.pos[id(p)] + p.numel()].view_as(p)
             self.buckets.append(b)
             if is_unit:  # freed at once: a build holds at most one unit twice
                 self.units.append(b)
+                by_module.setdefault(module_index, []).append(b)
                 self._free(b)
             offset += padded
         self.grad_dtype = grad_dtype
         self._in_flight: list = []  # unit reduce-scatters not yet added into their shards (_reduce_unit)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g, _, _ in groups for p in g]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for g, *_ in groups for p in g
+                       if trainable]
         # units are in forward order: the next one is prefetched in forward, the previous one in backward
-        for i, (module, b) in enumerate(zip([m for m, u in zip(modules, units) if u], self.units)):
-            nxt = self.units[i + 1] if i + 1 < len(self.units) else None
-            prev = self.units[i - 1] if i > 0 else None
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(b, nxt)))
-            self._hooks.append(module.register_forward_hook(self._post_forward(b, prev)))
-        self.reset()
+        order = sorted(by_module)
+        for i, index in enumerate(order):
+            nxt = by_module[order[i + 1]] if i + 1 < len(order) else []
+            prev = by_module[order[i - 1]] if i > 0 else []
+            self._hooks.append(modules[index].register_forward_pre_hook(self._pre_forward(by_module[index], nxt)))
+            self._hooks.append(modules[index].register_forward_hook(self._post_forward(by_module[index], prev)))
+        if trainable:
+            self.reset()
 
     # ------------------------------------------------------------------------------------- gather / free
     def _storage_bytes(self, b: Bucket) -> int:
         return b.full_param.numel() * b.full_param.element_size()
 
+    def _gathered_by_other(self, b: Bucket) -> bool:
+        return b.separate and self.separate_gather is not None
+
     @torch.no_grad()
-    def _start_gather(self, b: Bucket | None) -> None:
-        if b is None or b.gathered or b.gather_handle is not None:
+    def _start_gather(self, b: Bucket) -> None:
+        """Start gathering a unit for use (async). Its ``gathered`` means: ready for the block's compute."""
+        if b.gathered or b.gather_handle is not None:
+            return
+        if self._gathered_by_other(b):
+            b.gather_handle = self.separate_gather.start_unit(b)
             return
         b.full_param.untyped_storage().resize_(self._storage_bytes(b))
         b.gather_handle = dist.all_gather_into_tensor(b.full_param, b.shard_param, group=self.group, async_op=True)
@@ -125,30 +153,43 @@ class FsdpBuckets:
         if b.gather_handle is not None:
             b.gather_handle.wait()
             b.gather_handle = None
+            if self._gathered_by_other(b):
+                self.separate_gather.finish_unit(b)
         b.gathered = True
 
     def _free(self, b: Bucket) -> None:
         if b.gather_handle is not None:  # a prefetch nobody used (e.g. the last block's next)
             b.gather_handle.wait()
             b.gather_handle = None
-        b.full_param.untyped_storage().resize_(0)
+        if self._gathered_by_other(b):
+            self.separate_gather.free_unit(b)
+        b.full_param.untyped_storage().resize_(0)  # (separate: whole only after gather_full_params)
         b.gathered = False
 
-    def _pre_forward(self, b: Bucket, nxt: Bucket | None):
+    def _pre_forward(self, parts: list[Bucket], nxt: list[Bucket]):
         def hook(module, args):
-            self._gather(b)
-            self._start_gather(nxt)  # overlaps this block's forward
+            for b in parts:
+                self._start_gather(b)  # both of a unit's buckets in flight at once
+            for b in parts:
+                self._gather(b)
+            for b in nxt:
+                self._start_gather(b)  # overlaps this block's forward
         return hook
 
-    def _post_forward(self, b: Bucket, prev: Bucket | None):
+    def _post_forward(self, parts: list[Bucket], prev: list[Bucket]):
         def hook(module, args, out):
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 def before_backward(grad):
-                    self._gather(b)
-                    self._start_gather(prev)  # overlaps this block's backward
+                    for b in parts:
+                        self._start_gather(b)
+                    for b in parts:
+                        self._gather(b)
+                    for b in prev:
+                        self._start_gather(b)  # overlaps this block's backward
                     return grad
                 out.register_hook(before_backward)
-            self._free(b)
+            for b in parts:
+                self._free(b)
         return hook
 
     # ------------------------------------------------------------------------------------------- grads
@@ -237,12 +278,19 @@ class FsdpBuckets:
                 b.gather_handle = dist.all_gather_into_tensor(b.full_param, b.shard_param, group=self.group,
                                                               async_op=True)
                 self._gather(b)
+        if self.separate_gather is not None:  # e.g. the FP8 shards cast from the updated values
+            self.separate_gather.gather()
 
+    @torch.no_grad()
     def gather_full_params(self) -> None:
         """Collective: every unit whole on this rank (checkpoint save and load, end of run); the next forward
         frees each unit again after using it."""
         for b in self.units:
-            self._gather(b)
+            if self._gathered_by_other(b):  # its own values, whatever the attached gather keeps for use
+                b.full_param.untyped_storage().resize_(self._storage_bytes(b))
+                dist.all_gather_into_tensor(b.full_param, b.shard_param, group=self.group)
+            else:
+                self._gather(b)
 
     @torch.no_grad()
     def params_loaded(self) -> None:
@@ -251,6 +299,14 @@ class FsdpBuckets:
         for b in self.buckets:
             size = (b.end - b.start) // self.dp
             b.shard_param.copy_(b.full_param[self.dp_rank * size:(self.dp_rank + 1) * size])
+        if self.separate_gather is not None:
+            self.separate_gather.params_loaded()
+
+    def release_full_params(self) -> None:
+        """After reading the whole weights (``gather_full_params``, e.g. for greedy samples): free every unit
+        again now rather than at its next forward."""
+        for b in self.units:
+            self._free(b)
 
     def resident_param_bytes(self) -> int:
         """Bytes this rank holds for parameter values now (shards, whole resident buckets, gathered units)."""

@@ -204,6 +204,10 @@ class GradBuckets:
     def params_loaded(self) -> None:
         """After a checkpoint load wrote the parameters: nothing to do (they are the buffer itself)."""
 
+    def release_full_params(self) -> None:
+        """After reading the whole weights: nothing to free (the parameters stay whole; FP8-gathered weights'
+        BF16 values are current until the next optimizer step)."""
+
 
 class _Done:
     def wait(self) -> None:

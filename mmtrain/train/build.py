@@ -73,6 +73,8 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
                 block.attn_norm.compile()
                 block.attn.compile()
                 block.mlp_norm.compile()
+            elif cfg.parallel.fsdp:  # FSDP's gather/free hooks sit on the block's call: compile only its forward
+                block.forward = torch.compile(block.forward)
             else:
                 block.compile()
     if cfg.train.compile and mesh.dims.tp == 1 and getattr(model, "head", None) is not None:  # fuses fp32 upcast, log-softmax, backward

@@ -29,7 +29,7 @@ from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_sc
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.dpo import build_reference, dpo_metrics, run_dpo_micro_batches
 from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
-from mmtrain.train.fsdp_setup import fully_sharded_buckets
+from mmtrain.train.fsdp_setup import fully_sharded_buckets, fully_sharded_frozen
 from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, collective_timeout_report, is_collective_timeout,
                                   nonfinite_report)
 from mmtrain.train.grads import clip_grad_norm, finalize_grads, split_by_reduce_group, tied_embedding_params
@@ -242,7 +242,10 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
                                    mesh.coord.dp, dims.dp, documents=documents)
     task = _gpt_task(cfg, mesh, device, stage)
     if cfg.train.objective == "dpo":
-        task = _dpo_task(cfg, mesh, device, stage, build_reference(cfg, mesh, device, found, build_gpt_stage), task)
+        reference = build_reference(cfg, mesh, device, found, build_gpt_stage)
+        if cfg.parallel.fsdp:  # sharded like the policy: its blocks gathered for their forward only (the
+            fully_sharded_frozen(reference, mesh)  # buckets live on in the hooks they put on its blocks)
+        task = _dpo_task(cfg, mesh, device, stage, reference, task)
     return train_model(cfg, mesh, device, stage, batches, val_batches, task,
                        found, model_name=cfg.model.shape().name, lr_schedule=lr_schedule)
 
@@ -267,8 +270,8 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     grad_dtype = torch.float32 if o.master_weights else pdtype
     dense, experts = split_by_reduce_group(stage, params)
     precision = precision_for(stage, cfg, mesh)
-    if cfg.parallel.fsdp:  # parameters and gradients sharded too, gathered per block (no precision layer: plain)
-        buckets = fully_sharded_buckets(stage, dense, experts, mesh, pdtype, grad_dtype)
+    if cfg.parallel.fsdp:  # parameters and gradients sharded too, gathered per block (FP8 weights in FP8)
+        buckets = fully_sharded_buckets(stage, dense, experts, mesh, pdtype, grad_dtype, precision)
     else:
         buckets = [GradBuckets(dense, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,
                                late_params=tied_embedding_params(stage), grad_dtype=grad_dtype,
@@ -307,7 +310,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     t = cfg.train
     if t.sample_every:  # greedy samples at logging steps (a VLM samples its language model on text prompts)
         hooks.append(SampleLogger(getattr(stage, "language", stage), t.sample_prompts, t.sample_tokenizer,
-                                  t.sample_every, t.sample_max_new_tokens, mesh.rank))
+                                  t.sample_every, t.sample_max_new_tokens, mesh.rank, weights=optimizer))
     for h in hooks:
         h.start()
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,

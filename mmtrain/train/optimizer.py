@@ -92,6 +92,12 @@ class MixedPrecisionAdamW:
         for owner in self.buckets:
             owner.gather_full_params()
 
+    def release_full_params(self) -> None:
+        """After reading the whole weights (``gather_full_params``): each owner frees what it keeps only in use
+        (fully sharded buckets: the units)."""
+        for owner in self.buckets:
+            owner.release_full_params()
+
     def params_loaded(self) -> None:
         """After a checkpoint load wrote whole parameter values (``gather_full_params`` first): each owner takes
         what it keeps from them (fully sharded buckets: this rank's shards)."""

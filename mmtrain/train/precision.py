@@ -4,14 +4,15 @@
 (``StepHooks`` plus the two set-up calls the gradient buckets need), and the loop calls it without knowing
 which one it has. FP8 (``stage.fp8_runtime``, set by ``train/build.py``): delayed-scaling amaxes after backward,
 the FP8 weight copies marked stale after the optimizer step, and with ``fp8.param_gather`` the FP8 weights in
-buckets of their own that are all-gathered in FP8 (docs/fp8.md).
+buckets of their own that are all-gathered in FP8 (docs/fp8.md); with ``parallel.fsdp`` each block's FP8 weights
+are gathered in FP8 for each use (``mmtrain.model.fp8_fsdp``).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from mmtrain.model import fp8_param_gather
+from mmtrain.model import fp8_fsdp, fp8_param_gather
 from mmtrain.model.fp8 import Fp8Runtime
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.grad_buckets import GradBuckets
@@ -29,6 +30,14 @@ class Precision(StepHooks):
     def attach(self, dense_buckets: GradBuckets) -> None:
         """Called once the dense parameters' buckets exist (before the optimizer)."""
 
+    def fsdp_options(self, unit_params: set[int]) -> dict:
+        """Extra keyword arguments of the dense parameters' ``FsdpBuckets`` (``parallel.fsdp``; ``unit_params``:
+        ids of the parameters in its units)."""
+        return {}
+
+    def attach_fsdp(self, dense_buckets) -> None:
+        """Called once the dense parameters' ``FsdpBuckets`` exist (before the optimizer)."""
+
 
 class Fp8Precision(Precision):
     """FP8 linears (native or Transformer Engine) and, with ``fp8.param_gather``, the FP8 parameter gather."""
@@ -36,6 +45,7 @@ class Fp8Precision(Precision):
     def __init__(self, runtime: Fp8Runtime, cfg, mesh: ParallelMesh) -> None:
         self.runtime, self.mesh = runtime, mesh
         self.gathered = fp8_param_gather.gather_weights(runtime, cfg, mesh.size("dp_cp"))
+        self.fsdp_gathered: list = []  # parallel.fsdp: set by fsdp_options
 
     def bucket_options(self) -> dict:
         return {"separate_params": self.gathered}
@@ -43,6 +53,15 @@ class Fp8Precision(Precision):
     def attach(self, dense_buckets: GradBuckets) -> None:
         if self.gathered:  # attaches itself to the buckets (gathers) and the runtime (no re-cast from partial BF16)
             fp8_param_gather.Fp8ParamGather(dense_buckets, self.runtime, self.mesh.tp_group)
+
+    def fsdp_options(self, unit_params: set[int]) -> dict:
+        # FSDP frees the blocks' BF16 weights between uses: their FP8 copies always come from an FP8 gather
+        self.fsdp_gathered = fp8_fsdp.fsdp_gather_weights(self.runtime, unit_params)
+        return {"separate_params": self.fsdp_gathered}
+
+    def attach_fsdp(self, dense_buckets) -> None:
+        if self.fsdp_gathered:
+            fp8_fsdp.Fp8FsdpGather(dense_buckets, self.runtime, self.mesh.tp_group)
 
     def start(self) -> None:
         get_logger("train").info(self.runtime.describe())

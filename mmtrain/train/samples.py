@@ -21,11 +21,13 @@ from mmtrain.utils.log import get_logger
 
 class SampleLogger(StepHooks):
     """Completes the prompts at steps that are multiples of ``every``; ``model``: the run's whole language
-    model on this rank (a VLM's ``language``)."""
+    model on this rank (a VLM's ``language``); ``weights``: what makes its weights whole to read and frees them
+    after (``gather_full_params`` / ``release_full_params``, the optimizer's: under ``parallel.fsdp`` the blocks
+    are gathered only for their own forward, which the KV-cache decoder does not call)."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[str], tokenizer_path: str, every: int,
-                 max_new_tokens: int, rank: int) -> None:
-        self.model, self.every, self.rank = model, every, rank
+                 max_new_tokens: int, rank: int, weights=None) -> None:
+        self.model, self.every, self.rank, self.weights = model, every, rank, weights
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.prompts = prompts
         self.prompt_ids = self.tokenizer.encode_batch(prompts)
@@ -44,12 +46,16 @@ class SampleLogger(StepHooks):
             return {}
         was_training = self.model.training
         longest = max(len(p) for p in self.prompt_ids) + self.params.max_new_tokens
+        if self.weights is not None:  # collective: every rank samples at the same step
+            self.weights.gather_full_params()
         try:
             with torch.no_grad():
                 seqs = generate(DecodeEngine(self.model, len(self.prompt_ids), longest), self.prompt_ids,
                                 self.params, decode=self.tokenizer.decode)
         finally:
             self.model.train(was_training)
+            if self.weights is not None:
+                self.weights.release_full_params()
         samples = [{"prompt": p, "completion": s.text} for p, s in zip(self.prompts, seqs)]
         if self.rank == 0:
             log = get_logger("train")

@@ -147,3 +147,30 @@ def test_block_parameters_not_resident_after_a_step():
         assert during[0] == 0 and during[1] == elems[1] * 4  # block 1 gathered (prefetched), block 0 freed
         head_padded = -(-head // 2) * 2
         assert resident == 4 * (sum(elems) // 2 + head_padded // 2 + head_padded)
+
+
+def _frozen(rank: int, world_size: int):
+    """A frozen model (as the DPO reference) sharded with trainable=False: forward equals the unsharded one."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from mmtrain.parallel.fsdp import FsdpBuckets
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)]).requires_grad_(False)
+    x = torch.randn(4, 16)
+    want = copy.deepcopy(blocks)(x)
+    owner = FsdpBuckets([list(b.parameters()) for b in blocks], list(blocks), [],
+                        dist.new_group(list(range(world_size))), torch.float32, trainable=False)
+    with torch.no_grad():
+        got = blocks(x)
+    return (torch.equal(got, want), [b.full_param.untyped_storage().nbytes() for b in owner.units],
+            [b.shard_grad.numel() for b in owner.buckets], len(owner._hooks))
+
+
+def test_frozen_model_sharded_without_gradients():
+    for equal, freed, grads, hooks in run_distributed(_frozen, 2):
+        assert equal and freed == [0, 0] and grads == [0, 0]
+        assert hooks == 4  # the blocks' gather/free hooks only, no gradient hooks

@@ -1,5 +1,5 @@
 """Post-training runs through the training loop on gloo: SFT at one process equals DP2; DPO on a toy preference set
-raises the margin, and TP2 / PP2 / DP2 equal one process."""
+raises the margin, and TP2 / PP2 / DP2 / FSDP at DP2 equal one process."""
 
 from __future__ import annotations
 
@@ -75,3 +75,7 @@ def test_toy_preferences_raise_the_margin_and_tp2_equals_one_process(pref_prefix
     split = run_distributed(_train_dpo, 2, common + ["parallel.dp=2", "train.micro_batch_size=2",
                                                      "train.global_batch_size=4", f"logging.run_dir={tmp_path}/d"])
     np.testing.assert_allclose(split[0], one, rtol=1e-4)
+    # fully sharded: the policy's blocks and the frozen reference's are gathered per use
+    sharded = run_distributed(_train_dpo, 2, common + ["parallel.dp=2", "parallel.fsdp=true", "train.micro_batch_size=2",
+                                                       "train.global_batch_size=4", f"logging.run_dir={tmp_path}/e"])
+    np.testing.assert_allclose(sharded[0], one, rtol=1e-4)

@@ -1,5 +1,5 @@
 """train.sample_every: greedy samples at logging steps in the log and metrics.jsonl, from the weights of that
-step (one process and TP2); impossible settings are config errors naming the key."""
+step (one process, TP2, and FSDP at DP2: the blocks gathered for the sampler, freed after); impossible settings are config errors naming the key."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def _train(rank: int, world_size: int, run_dir: str, tok: str, extra: list[str])
     return [m for m in messages if m.startswith("sample ")], [s.text for s in final]
 
 
-@pytest.mark.parametrize("world, extra", [(1, []), (2, ["parallel.tp=2"])])
+@pytest.mark.parametrize("world, extra", [(1, []), (2, ["parallel.tp=2"]), (2, ["parallel.dp=2", "parallel.fsdp=true"])],
+                         ids=["one", "tp2", "fsdp-dp2"])
 def test_samples_are_logged_at_their_steps(tmp_path, world, extra):
     tok = str(tiny_tokenizer(tmp_path / "tok"))
     logged, final = run_distributed(_train, world, str(tmp_path / "run"), tok, extra)[0]

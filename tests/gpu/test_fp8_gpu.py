@@ -10,6 +10,7 @@ from torch import nn
 from mmtrain.config import GPTRunConfig, load_config
 from mmtrain.model.fp8 import te_importable
 from mmtrain.model.fp8_native import Fp8Casts, Fp8Linear, refresh_weights_in_place
+from mmtrain.model.fp8_scaling import quantize
 from mmtrain.parallel import ParallelDims, init_distributed
 from mmtrain.train.loop import train_gpt
 
@@ -148,3 +149,35 @@ def test_delayed_scaling_state_round_trips_through_a_checkpoint_on_the_gpu(tmp_p
         for k, v in state.items():
             assert got[name][k].is_cuda and torch.equal(got[name][k], v), (name, k)
     assert all(m.delayed_ready for m in resumed.matmuls)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fsdp_fp8_on_the_gpu_equals_fp8_without_fsdp(tmp_path, mesh, compiled):
+    """parallel.fsdp with native FP8 on the real torch._scaled_mm (one GPU: FSDP over one rank still frees the
+    blocks and gathers their FP8 weights per use, with the compiled casts): losses track the same FP8 run
+    without FSDP, and the gathered FP8 copies equal casting the whole BF16 weights (the CPU proofs at DP2 x TP2
+    are tests/distributed/test_fsdp_fp8.py; two GPUs: bench/h200x2_fsdp.sh)."""
+    run = [*BASE, "train.precision=fp8", "fp8.backend=native", "fp8.recipe=delayed", "fp8.output_layer=true",
+           "train.activation_checkpointing=selective", *(["train.compile=true"] if compiled else [])]
+    plain = train_gpt(load_config(GPTRunConfig, None, [*run, f"logging.run_dir={tmp_path}/a"]), mesh,
+                      torch.device("cuda", 0)).losses
+    result = train_gpt(load_config(GPTRunConfig, None, [*run, "parallel.fsdp=true", f"logging.run_dir={tmp_path}/b"]),
+                       mesh, torch.device("cuda", 0))
+    assert all(abs(a - b) / b < 1e-3 for a, b in zip(result.losses, plain)), (result.losses, plain)
+    gather = result.model.fp8_runtime.param_gather
+    assert gather is not None and len(gather.matmuls) == 2 * 4 and gather.unit_gathers > 0
+    # the run ended with the BF16 weights whole: the copies the BF16 path's in-place refresh would cast
+    weights = [m.weight_ref.detach() for m in gather.matmuls]
+    scales, inv = gather.casts.weight_scales(torch.stack([w.abs().amax().float() for w in weights]), gather.dtype)
+    expected = {}
+    for i, (m, w) in enumerate(zip(gather.matmuls, weights)):
+        a = quantize(w, scales[i], gather.dtype)
+        expected[id(m)] = (a, a.t().contiguous(), inv[i].reshape(1))
+    for b in gather.buckets:  # the FP8 gather alone, as before a block's forward
+        gather.owner._free(b)
+        gather.owner._gather(b)
+    for m in gather.matmuls:
+        a, t, inv = expected[id(m)]
+        assert torch.equal(m.w_a.view(torch.uint8), a.view(torch.uint8))
+        assert torch.equal(m.w_b.view(torch.uint8), t.view(torch.uint8))
+        assert torch.equal(m.w_a_inv, inv)
