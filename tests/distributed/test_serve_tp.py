@@ -134,6 +134,7 @@ def test_tp2_server_answers_as_one_process_and_stops_cleanly(tmp_path):
             assert out.choices[0].message.content == chat  # the tokenizer's chat template, on rank 0
             for body, message in [(b'{"prompt": "x", "bogus": 1}', "bogus: unknown field"),
                                   (b'{"prompt": "x", "max_tokens": 96}', "exceeds the context of 96"),
+                                  (b'{"prompt": [1, 99999], "max_tokens": 2}', "token ids must be in 0..511"),
                                   (b'{"prompt": "x", ', "not valid JSON")]:
                 r = client.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
                 assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
