@@ -1,12 +1,16 @@
 """Command line: ``python -m mmtrain.serve --ckpt CKPT --tokenizer TOK [--host 127.0.0.1] [--port 8000]``: an
 OpenAI-compatible HTTP server (FastAPI + uvicorn, ``mmtrain.inference.openai_app``) over one process's model,
-with continuous batching in ``--slots`` KV-cache slots of ``--context`` positions. Needs ``pip install
-'mmtrain[serve]'``. Exit codes: 0 stopped, 2 a bad argument, tokenizer or checkpoint (one line on stderr)."""
+with continuous batching in ``--slots`` KV-cache slots of ``--context`` positions; under ``torchrun
+--nproc_per_node N`` the model is tensor-parallel over the N ranks (rank 0 serves, ``inference.step_broadcast``).
+Needs ``pip install 'mmtrain[serve]'``. Exit codes: 0 stopped (SIGINT / SIGTERM to rank 0), 1 a rank failed or
+stopped answering, 2 a bad argument, tokenizer or checkpoint (one line on stderr)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 from mmtrain.utils.cli import OneLineArgumentParser
@@ -27,39 +31,60 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    ap.add_argument("--peer-timeout", type=float, default=60.0,
+                    help="under torchrun (tensor-parallel): seconds a rank waits for another before it gives up")
     return ap
 
 
 def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots: int = 32, context: int = 2048,
                      device: str = "auto", dtype: str | None = None, compile: bool = False):
     """(FastAPI app, its EngineThread): the model of ``ckpt`` in one process, ready to serve."""
+    from mmtrain.inference.openai_app import build_app
+    from mmtrain.inference.server_engine import EngineThread
+    from mmtrain.parallel import init_distributed, pick_device, shutdown_distributed
+
+    dev = pick_device(device)
+    init_distributed(device=dev)
+    try:
+        served = _load_served(ckpt, tokenizer_path, 1, dev, dtype)
+    finally:
+        shutdown_distributed()  # one process: the model holds no process group
+    engine = EngineThread(served.engine(slots, context, compile))
+    if compile:
+        engine.warmup()  # compiles (minutes) before the port opens, not on the first request
+    return build_app(engine, served.tokenizer, model_name or Path(ckpt).resolve().name, served.renderer), engine
+
+
+class _Served:
+    """What every rank loads: the tokenizer (and its chat template) and this rank's model."""
+
+    def __init__(self, tokenizer, renderer, model) -> None:
+        self.tokenizer, self.renderer, self.model = tokenizer, renderer, model
+
+    def engine(self, slots: int, context: int, compile: bool, peers=None):
+        from mmtrain.inference.engine import DecodeEngine
+
+        return DecodeEngine(self.model, slots, context, compile=compile, peers=peers)
+
+
+def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None) -> _Served:
+    """The tokenizer, its chat template and this rank's TP shard of ``ckpt``'s model (a process group of ``tp``
+    ranks is up). Raises the one-line errors ``main`` prints."""
     from mmtrain.core.tokenizer import load_tokenizer
     from mmtrain.inference.chat import ChatRenderer, load_chat_template
-    from mmtrain.inference.engine import DecodeEngine
     from mmtrain.inference.loading import DTYPES, load_checkpoint_model
-    from mmtrain.inference.openai_app import build_app
     from mmtrain.inference.prompts import PromptError
-    from mmtrain.inference.server_engine import EngineThread
-    from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed
+    from mmtrain.parallel import ParallelDims
 
     tokenizer = load_tokenizer(tokenizer_path)
     template = load_chat_template(tokenizer_path)
     renderer = ChatRenderer(template, _special_tokens(tokenizer)) if template else None
-    dev = pick_device(device)
-    init_distributed(device=dev)
-    try:
-        model, cfg = load_checkpoint_model(ckpt, ParallelDims(1).build(), dev,
-                                           DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")])
-    finally:
-        shutdown_distributed()  # one process: the model holds no process group
+    model, cfg = load_checkpoint_model(ckpt, ParallelDims(tp, tp=tp).build(), dev,
+                                       DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")])
     if tokenizer.max_id >= cfg.vocab_size:
         raise PromptError(f"{tokenizer_path}: the tokenizer has ids up to {tokenizer.max_id} but the model's "
                           f"vocab_size is {cfg.vocab_size}; is it the tokenizer the model was trained with?")
-    engine = EngineThread(DecodeEngine(model, slots, context, compile=compile))
-    if compile:
-        engine.warmup()  # compiles (minutes) before the port opens, not on the first request
-    name = model_name or Path(ckpt).resolve().name
-    return build_app(engine, tokenizer, name, renderer), engine
+    return _Served(tokenizer, renderer, model)
 
 
 def _special_tokens(tokenizer) -> dict[str, str]:
@@ -70,33 +95,102 @@ def _special_tokens(tokenizer) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.slots < 1 or args.context < 2 or not 0 <= args.port < 65536:
-        build_parser().error("--slots must be >= 1, --context >= 2, --port in 0..65535")
+    if args.slots < 1 or args.context < 2 or not 0 <= args.port < 65536 or not args.peer_timeout > 0:
+        build_parser().error("--slots must be >= 1, --context >= 2, --port in 0..65535, --peer-timeout > 0")
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         print(f"{PROG}: error: serving needs FastAPI and uvicorn: pip install 'mmtrain[serve]'", file=sys.stderr)
         return 2
+    from mmtrain.parallel import init_distributed, pick_device, shutdown_distributed
+
+    dev = pick_device(args.device)
+    rank, world = init_distributed(device=dev)
+    try:
+        return _serve(args, dev, rank, world)
+    finally:
+        shutdown_distributed()
+
+
+def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
+    """Rank 0: the HTTP server and the scheduler; the other ranks (under torchrun: tensor-parallel, TP = the
+    number of processes) repeat its model calls on their shards until it stops."""
+    import signal
+
+    import uvicorn
+
     from mmtrain.convert.checkpoint_io import ConvertError
     from mmtrain.core.tokenizer import TokenizerError
     from mmtrain.inference.chat import ChatTemplateError
     from mmtrain.inference.decoder import UnsupportedModelError
+    from mmtrain.inference.openai_app import build_app
     from mmtrain.inference.prompts import PromptError
+    from mmtrain.inference.server_engine import EngineThread
+    from mmtrain.inference.step_broadcast import PeerLostError, StepChannel, StepLeader, follow
+    from mmtrain.parallel import ParallelDims, shutdown_distributed
     from mmtrain.utils.dcp_storage import CheckpointFormatError
+    from mmtrain.utils.log import get_logger, setup_logging
 
+    setup_logging(rank)
     try:
-        app, engine = build_server_app(args.ckpt, args.tokenizer, args.model_name, args.slots, args.context,
-                                       args.device, args.dtype, args.compile)
+        served = _load_served(args.ckpt, args.tokenizer, world, dev, args.dtype)
     except (ConvertError, TokenizerError, UnsupportedModelError, ChatTemplateError, PromptError,
             CheckpointFormatError, FileNotFoundError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return _startup_error(str(exc), rank)
+    if world == 1:
+        shutdown_distributed()  # one process: the model holds no process group
+    channel = StepChannel(ParallelDims(world, tp=world).build(), args.peer_timeout) if world > 1 else None
+    if rank != 0:
+        # Ctrl-C reaches every process of the terminal's group: the server rank decides when the followers stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        engine = served.engine(args.slots, args.context, args.compile)
+        try:
+            follow(engine, channel)
+        except PeerLostError as exc:
+            print(f"{PROG}: [rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+    name = args.model_name or Path(args.ckpt).resolve().name
+    server: uvicorn.Server | None = None
+
+    def stop_server(message: str) -> None:  # from the engine thread: a tensor-parallel rank failed
+        if server is not None:
+            server.should_exit = True
+    engine = EngineThread(served.engine(args.slots, args.context, args.compile,
+                                        StepLeader(channel) if channel is not None else None), on_fatal=stop_server)
+    stop_signals: list[int] = []
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        if args.compile:
+            engine.warmup()  # compiles (minutes) before the port opens, not on the first request
+        app = build_app(engine, served.tokenizer, name, served.renderer)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again for the handler it
+        # found: this one records it, so the engine (and the followers) stop cleanly and the exit code is 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
+        layout = f"tensor-parallel over {world} ranks" if world > 1 else "one process"
+        get_logger("serve").info(f"serving {name!r} on http://{args.host}:{args.port} (pid {os.getpid()}, {layout})")
+        server.run()
     finally:
         engine.close()
+    if engine.failure is not None:
+        print(f"{PROG}: error: {engine.failure}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _startup_error(message: str, rank: int) -> int:
+    """Every rank finds the same bad file: rank 0 prints it; the others wait a moment before exiting, so that
+    torchrun (which stops every worker when the first exits non-zero) does not stop rank 0 before it printed."""
+    if rank == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(_SILENT_RANK_GRACE_S)
+    return 2
+
+
+_SILENT_RANK_GRACE_S = 10.0
 
 
 if __name__ == "__main__":

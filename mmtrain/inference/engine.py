@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mmtrain.inference.decoder import check_decodable, decoder_forward, kv_cache_for
+from mmtrain.inference.decoder import UnsupportedModelError, check_decodable, decoder_forward, kv_cache_for
 from mmtrain.inference.sampling import SamplingParams, find_stop, make_generator, next_tokens
+from mmtrain.inference.step_broadcast import StepLeader
 
 
 class ContextLengthError(ValueError):
@@ -56,10 +57,12 @@ class DecodeEngine:
     """``model``: a whole Llama-family ``GPTModel`` (TP-sharded or not) on ``device``, in its compute dtype.
     ``slots``: sequences decoded together; ``max_len``: positions per slot (prompt + new tokens).
     ``compile``: run the decode step under ``torch.compile`` (with CUDA graphs on a GPU). ``overlap``: run
-    all-greedy batches one step ahead (default: on a GPU, where the host's work then overlaps the device's)."""
+    all-greedy batches one step ahead (default: on a GPU, where the host's work then overlaps the device's).
+    ``peers``: on the server rank of a tensor-parallel group, the ``StepLeader`` that sends each model call's
+    inputs to the other ranks first (they run ``step_broadcast.follow`` with an engine built like this one)."""
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, compile: bool = False,
-                 overlap: bool | None = None) -> None:
+                 overlap: bool | None = None, peers: StepLeader | None = None) -> None:
         check_decodable(model)
         self.model = model.eval()
         weight = model.embed.weight
@@ -84,6 +87,7 @@ class DecodeEngine:
         self._inflight: tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None] | None = None
         self._host_tokens = [torch.zeros(slots, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self._flip = 0
+        self._peers = peers
 
     # ------------------------------------------------------------------------------------------ steps
     def _decode_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor) -> torch.Tensor:
@@ -106,6 +110,8 @@ class DecodeEngine:
         """Raise ``ContextLengthError`` when the prompt plus ``max_new_tokens`` exceeds ``max_len`` (or the prompt
         is empty), ``SamplingError`` for bad parameters. Reads nothing the engine changes (any thread may call it)."""
         seq.params.check()
+        if seq.prompt_embeds is not None and self._peers is not None:
+            raise UnsupportedModelError("prompt embeddings (a VLM prompt) are not served tensor-parallel")
         need = len(seq.prompt_ids) + seq.params.max_new_tokens
         if not seq.prompt_ids:
             raise ContextLengthError("the prompt is empty (at least one token is needed)")
@@ -147,7 +153,33 @@ class DecodeEngine:
             finished += self._prefill(joining)
         return finished
 
+    @property
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step's input buffers (last token, next position per slot): a follower receives them."""
+        return self._last, self._positions
+
+    def heartbeat(self) -> None:
+        """While idle: tell the other TP ranks the server is alive (nothing without peers)."""
+        if self._peers is not None:
+            self._peers.heartbeat()
+
+    def stop_peers(self) -> None:
+        """Let the other TP ranks' ``follow`` return (nothing without peers)."""
+        if self._peers is not None:
+            self._peers.stop()
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether other ranks repeat this engine's model calls (a failed step cannot be skipped then)."""
+        return self._peers is not None
+
     def _run_decode(self) -> torch.Tensor:
+        if self._peers is not None:
+            self._peers.decode(self._last, self._positions)
+        return self.decode_forward()
+
+    def decode_forward(self) -> torch.Tensor:
+        """One decode step of every slot from the input buffers; (slots, V) fp32 logits."""
         if self._compiled and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
         return self._decode(self._last, self._positions)
@@ -210,10 +242,10 @@ class DecodeEngine:
         lengths = [len(s.prompt_ids) for s in seqs]
         S = max(lengths)
         dev = self.device
-        positions = torch.arange(S, device=dev).expand(len(seqs), S)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         last = torch.tensor(lengths, device=dev) - 1
         if any(s.prompt_embeds is not None for s in seqs):
+            positions = torch.arange(S, device=dev).expand(len(seqs), S)
             embeds = torch.zeros(len(seqs), S, self.model.embed.embedding_dim, dtype=self.dtype, device=dev)
             for b, s in enumerate(seqs):
                 src = s.prompt_embeds if s.prompt_embeds is not None else self.model.embed(
@@ -225,13 +257,21 @@ class DecodeEngine:
             tokens = torch.zeros(len(seqs), S, dtype=torch.long, device=dev)
             for b, s in enumerate(seqs):
                 tokens[b, : lengths[b]] = torch.tensor(s.prompt_ids, device=dev)
-            logits = decoder_forward(self.model, self.cache, positions, tokens_BS=tokens, slots_B=slots,
-                                     last_index_B=last, kv_len=S)
+            if self._peers is not None:
+                self._peers.prefill(tokens, slots, last)
+            logits = self.prefill_forward(tokens, slots, last)
         self._positions[slots, 0] = last + 1
         self._running[slots, 0] = 1
         chosen, tokens = next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
         self._last[slots, 0] = chosen
         return self._accept(seqs, tokens)
+
+    def prefill_forward(self, tokens_BS: torch.Tensor, slots_B: torch.Tensor, last_B: torch.Tensor) -> torch.Tensor:
+        """The prefill of right-padded prompts ``tokens_BS`` into ``slots_B``; (B, V) logits at ``last_B``."""
+        B, S = tokens_BS.shape
+        positions = torch.arange(S, device=self.device).expand(B, S)
+        return decoder_forward(self.model, self.cache, positions, tokens_BS=tokens_BS, slots_B=slots_B,
+                               last_index_B=last_B, kv_len=S)
 
     def _accept(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append each sequence's new token, apply its stops, free the slots of those that finished."""

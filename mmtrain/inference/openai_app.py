@@ -3,7 +3,8 @@ tokenizer has a chat template), server-sent-event streaming, ``GET /v1/models``,
 
 Handlers only encode, check and wait: the model runs in the engine thread (``server_engine.EngineThread``). Every
 refusal is a 400 (404 for another model name) with OpenAI's error shape ``{"error": {"message", "type",
-"param"}}``; nothing a client sends stops the server.
+"param"}}``; nothing a client sends stops the server. Once the engine has stopped (a tensor-parallel failure, or
+shutdown) requests get a 503 and ``/health`` says so.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from mmtrain.inference.chat import ChatRenderer, ChatTemplateError
 from mmtrain.inference.engine import ContextLengthError, Sequence
 from mmtrain.inference.openai_schema import ChatCompletionRequest, CompletionRequest
 from mmtrain.inference.sampling import SamplingError, SamplingParams
-from mmtrain.inference.server_engine import EngineThread
+from mmtrain.inference.server_engine import EngineStopped, EngineThread
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -123,6 +124,8 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
 
     @app.get("/health")
     async def health():
+        if engine.failure is not None:
+            return JSONResponse(status_code=503, content={"status": "error", "message": engine.failure})
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -151,6 +154,8 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
             seq, out = api.start(ids, req, req.max_tokens or 16)
         except (SamplingError, ContextLengthError) as exc:
             return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
+        except EngineStopped as exc:
+            return _error(503, str(exc), kind="server_error")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prefix = text if req.echo else ""
 
@@ -182,6 +187,8 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
                 seq, out = api.start(tokenizer.encode(prompt), req, req.max_completion_tokens or req.max_tokens)
             except (SamplingError, ContextLengthError) as exc:
                 return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
+            except EngineStopped as exc:
+                return _error(503, str(exc), kind="server_error")
             rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
             def head(kind):

@@ -5,7 +5,11 @@ together (continuous batching) while the HTTP event loop never runs model code.
 Requests arrive through a thread-safe queue; tokens go back through each request's ``on_token`` callback, which
 the HTTP side points at ``deliver``: the step's tokens reach their asyncio queues in one ``call_soon_threadsafe``
 per event loop and step. A step that fails ends the
-requests it held with an error and the thread keeps serving.
+requests it held with an error and the thread keeps serving — in one process. Under tensor parallelism (an engine
+with peers, ``step_broadcast``) the other ranks may be inside that step's collectives, so a failed step, or a peer
+that stops answering, is fatal: every request ends with an error, new ones are refused (``EngineStopped``), the
+``on_fatal`` callback stops the HTTP server. While idle the thread sends the peers a heartbeat; when it stops it
+tells them to return.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -20,14 +25,24 @@ from mmtrain.inference.engine import DecodeEngine, Sequence
 from mmtrain.inference.sampling import SamplingParams
 from mmtrain.utils.log import get_logger
 
+_IDLE_WAIT_S = 0.5  # the longest wait for new work: also the peers' heartbeat period (they time out far later)
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has stopped (a fatal tensor-parallel failure, or shutdown); the message says why."""
+
 
 class EngineThread:
     """Runs ``engine`` in a daemon thread. ``submit(seq)`` queues a checked sequence (``DecodeEngine.submit``'s
     checks are the caller's: ``check(seq)`` raises before anything is queued). A failed step calls
-    ``seq.on_token(seq, "", True)`` with ``seq.finish_reason = "error"`` for every sequence it held."""
+    ``seq.on_token(seq, "", True)`` with ``seq.finish_reason = "error"`` for every sequence it held.
+    ``on_fatal(message)``: called from the engine thread once, when a tensor-parallel engine cannot go on."""
 
-    def __init__(self, engine: DecodeEngine) -> None:
+    def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.failure: str | None = None  # why the thread stopped serving, after a fatal failure
+        self._lock = threading.Lock()  # a submit sees the failure, or its sequence is failed with the others
         self._inbox: queue.Queue[Sequence | None] = queue.Queue()
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
         self._thread = threading.Thread(target=self._loop, name="mmtrain-engine", daemon=True)
@@ -40,7 +55,11 @@ class EngineThread:
         self.engine.check(seq)
 
     def submit(self, seq: Sequence) -> None:
-        self._inbox.put(seq)
+        """Queue ``seq``; raises ``EngineStopped`` once the thread no longer serves."""
+        with self._lock:
+            if self.failure is not None or self._stopping:
+                raise EngineStopped(self.failure or "the server is shutting down")
+            self._inbox.put(seq)
 
     def deliver(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, item: object) -> None:
         """From the engine thread (an ``on_token`` callback): put ``item`` on ``out``, an asyncio queue of ``loop``,
@@ -79,7 +98,7 @@ class EngineThread:
 
     def _take(self, block: bool) -> None:
         try:
-            item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            item = self._inbox.get(block=block, timeout=_IDLE_WAIT_S if block else None)
         except queue.Empty:
             return
         while item is not None:
@@ -94,18 +113,47 @@ class EngineThread:
         with torch.no_grad():
             while not self._stopping:
                 self._take(block=not self.engine.busy)
-                if not self.engine.busy:
-                    continue
                 try:
+                    if not self.engine.busy:
+                        self.engine.heartbeat()
+                        continue
                     self.engine.step()
                     self.steps += 1
                 except Exception as exc:  # noqa: BLE001 - the server must keep serving; the requests get the error
-                    log.error(f"decode step failed ({type(exc).__name__}: {exc}); its requests end with an error")
-                    for s in self.engine.abort_all():
-                        s.finish_reason = "error"
-                        if s.on_token is not None:
-                            s.on_token(s, "", True)
+                    what = f"{type(exc).__name__}: {exc}"
+                    if self.engine.tensor_parallel:
+                        self._fail(f"the tensor-parallel engine stopped ({what}); the server shuts down")
+                        return
+                    log.error(f"decode step failed ({what}); its requests end with an error")
+                    self._end_with_error(self.engine.abort_all())
                 self._flush()
+            try:
+                self.engine.stop_peers()
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway; the peers time out
+                log.warning(f"could not tell the other tensor-parallel ranks to stop: {exc}")
+
+    def _end_with_error(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            s.finish_reason = "error"
+            if s.on_token is not None:
+                s.on_token(s, "", True)
+
+    def _fail(self, message: str) -> None:
+        get_logger("serve").error(message)
+        with self._lock:
+            self.failure = message
+            pending = []
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    pending.append(item)
+        self._end_with_error(self.engine.abort_all() + pending)
+        self._flush()
+        if self.on_fatal is not None:
+            self.on_fatal(message)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
