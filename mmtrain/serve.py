@@ -52,9 +52,9 @@ def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots:
                                            DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")])
     finally:
         shutdown_distributed()  # one process: the model holds no process group
-    if tokenizer.max_id >= cfg.vocab_size:
+    if tokenizer.max_id >= cfg.shape().vocab_size:  # the family's shape (model.deepseek_v3 for DeepSeek-V3)
         raise PromptError(f"{tokenizer_path}: the tokenizer has ids up to {tokenizer.max_id} but the model's "
-                          f"vocab_size is {cfg.vocab_size}; is it the tokenizer the model was trained with?")
+                          f"vocab_size is {cfg.shape().vocab_size}; is it the tokenizer the model was trained with?")
     engine = EngineThread(DecodeEngine(model, slots, context, compile=compile))
     if compile:
         engine.warmup()  # compiles (minutes) before the port opens, not on the first request
