@@ -9,7 +9,8 @@ shapes (compilation and CUDA-graph capture happen there), then one whole generat
 is timed. tokens_per_s counts new tokens only. Prints one JSON line per setting, then a table. ``--tiny`` shrinks
 the model (a CPU check that the script runs). ``--family deepseek_v3``: DeepSeek-V2-Lite shapes instead (27 MLA
 layers, width 2048, 16 heads, kv_lora_rank 512, 64 routed experts of which 6 per token plus 2 shared, 15.7B
-parameters, 2.4B active; the latent KV cache), random normal weights (std 0.02), so routing is random too.
+parameters, 2.7B active with the embeddings; the latent KV cache), random normal weights (std 0.02), so routing
+is random too.
 """
 
 from __future__ import annotations
