@@ -1,12 +1,16 @@
 """KV-cache generation speed: Llama-3.2-1B shapes (random weights), bf16, greedy, 128-token prompts, 256 new tokens.
 
     python bench/generate.py [--batch 1 32] [--prompt 128] [--new 256] [--no-compile] [--tiny] [--device cpu]
+                             [--family deepseek_v3]
 
 The same settings as ../shared/bench/hf_generate_baseline.py (its LlamaConfig: 16 layers, width 2048, 32 heads, 8
 KV heads, FFN 8192, vocabulary 128256, tied embeddings, rope theta 5e5): each batch size is warmed up at the timed
 shapes (compilation and CUDA-graph capture happen there), then one whole generation (prefill + every decode step)
 is timed. tokens_per_s counts new tokens only. Prints one JSON line per setting, then a table. ``--tiny`` shrinks
-the model (a CPU check that the script runs).
+the model (a CPU check that the script runs). ``--family deepseek_v3``: DeepSeek-V2-Lite shapes instead (27 MLA
+layers, width 2048, 16 heads, kv_lora_rank 512, 64 routed experts of which 6 per token plus 2 shared, 15.7B
+parameters, 2.7B active with the embeddings; the latent KV cache), random normal weights (std 0.02), so routing
+is random too.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from mmtrain.config.deepseek_v3_schema import DeepseekV3Config  # noqa: E402
 from mmtrain.config.schema import ModelConfig  # noqa: E402
 from mmtrain.inference.engine import DecodeEngine, generate  # noqa: E402
 from mmtrain.inference.loading import prepare_for_decoding  # noqa: E402
 from mmtrain.inference.sampling import SamplingParams  # noqa: E402
+from mmtrain.models.deepseek_v3.model import DeepseekV3Model  # noqa: E402
 from mmtrain.models.llama.model import GPTModel  # noqa: E402
 
 LLAMA_1B = dict(name="llama3.2-1b-shapes", num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
@@ -35,10 +41,29 @@ TINY = dict(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_
             num_query_groups=2, vocab_size=512, tie_embeddings=True)
 
 
-def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> GPTModel:
+DEEPSEEK_V2_LITE = dict(name="deepseek-v2-lite-shapes", vocab_size=102400, hidden_size=2048, num_layers=27,
+                        num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, intermediate_size=10944, first_k_dense_replace=1,
+                        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+                        moe_intermediate_size=1408, routed_scaling_factor=1.0, norm_topk_prob=False)
+DEEPSEEK_TINY = dict(name="deepseek-tiny", vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
+                     q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                     intermediate_size=128, n_routed_experts=8, n_group=1, topk_group=1, moe_intermediate_size=32)
+
+
+def build_model(tiny: bool, device: torch.device, dtype: torch.dtype, family: str = "llama") -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPTModel(ModelConfig(**(TINY if tiny else LLAMA_1B)))
+        if family == "deepseek_v3":
+            model = DeepseekV3Model(DeepseekV3Config(**(DEEPSEEK_TINY if tiny else DEEPSEEK_V2_LITE)))
+            with torch.no_grad():  # experts start as torch.empty: random normal weights, norms at one
+                for p in model.parameters():
+                    if p.ndim == 1:
+                        p.fill_(1.0)
+                    else:
+                        p.normal_(0.0, 0.02)
+        else:
+            model = GPTModel(ModelConfig(**(TINY if tiny else LLAMA_1B)))
     return prepare_for_decoding(model, device, dtype)
 
 
@@ -47,7 +72,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_generation(model: GPTModel, batch: int, prompt: int, new: int, compile: bool, device: torch.device,
+def time_generation(model: torch.nn.Module, batch: int, prompt: int, new: int, compile: bool, device: torch.device,
                     warmup: int = 2) -> dict:
     engine = DecodeEngine(model, batch, prompt + new, compile=compile)
     g = torch.Generator().manual_seed(batch)
@@ -80,9 +105,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model (a CPU check of the script)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--family", choices=("llama", "deepseek_v3"), default="llama")
     a = ap.parse_args()
     device = torch.device(a.device)
-    model = build_model(a.tiny, device, torch.bfloat16 if a.dtype == "bf16" else torch.float32)
+    model = build_model(a.tiny, device, torch.bfloat16 if a.dtype == "bf16" else torch.float32, a.family)
     modes = [False] if a.no_compile else ([True, False] if a.eager_too else [True])
     rows = []
     for compile in modes:
@@ -93,9 +119,9 @@ def main() -> None:
                 row = {"system": "mmtrain-generate", "compile": compile, "batch": batch, "error": repr(exc)[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n| system | compiled | batch | new tokens/s | ms/step |\n|---|---|---|---|---|")
+    print(f"\n| system | model | compiled | batch | new tokens/s | ms/step |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| mmtrain | {r['compile']} | {r['batch']} | {r.get('tokens_per_s', 'error')} "
+        print(f"| mmtrain | {model.cfg.name} | {r['compile']} | {r['batch']} | {r.get('tokens_per_s', 'error')} "
               f"| {r.get('ms_per_step', '-')} |")
 
 

@@ -53,10 +53,13 @@ def eval_run_config(ckpt: str | Path, data: str, *, seq_length: int | None = Non
     """The run config an evaluation builds its model and samples from: the checkpoint's model, the data settings
     it trained with (sequence length, split, seed, packed-document flags; each overridable), ``data`` as a
     prefix or a blend-spec file, and this evaluation's layout and precision."""
-    from mmtrain.convert.checkpoint_io import read_checkpoint_config
+    from mmtrain.convert.checkpoint_io import checkpoint_lora, read_checkpoint_config
 
     model_cfg, meta = read_checkpoint_config(ckpt)
     cfg = GPTRunConfig(model=model_cfg)
+    lora = checkpoint_lora(meta, ckpt)  # a LoRA run's checkpoint: the stage is built with its adapters
+    if lora is not None:
+        cfg.peft.lora = lora
     run = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     recorded = run.get("data") if isinstance(run.get("data"), dict) else {}
     apply_mapping(cfg.data, {k: recorded[k] for k in _RUN_DATA_KEYS if k in recorded},
@@ -79,13 +82,16 @@ def _dtype(precision: str) -> torch.dtype:
 
 
 def load_eval_stage(cfg: GPTRunConfig, mesh, device: torch.device, ckpt: str | Path) -> torch.nn.Module:
-    """This rank's stage of the checkpoint's model (TP/PP per ``mesh``), its weights read from ``ckpt``, in eval
-    mode and the evaluation's precision."""
+    """This rank's stage of the checkpoint's model (TP/PP per ``mesh``), its weights read from ``ckpt`` (a LoRA
+    run's adapters too, merged into the base weights), in eval mode and the evaluation's precision."""
     from mmtrain.convert.checkpoint_io import load_model_weights
+    from mmtrain.model.lora import merge_adapters
     from mmtrain.train.build import build_gpt_stage
 
     stage = build_gpt_stage(cfg, mesh, device)
-    load_model_weights(ckpt, mesh, stage)  # into the fp32 stage: the stored dtype is cast on the way in
+    # into the fp32 stage: the stored dtype is cast on the way in
+    load_model_weights(ckpt, mesh, stage, adapters=bool(cfg.peft.lora.rank))
+    merge_adapters(stage)
     return stage.to(_dtype(cfg.train.precision)).eval()
 
 

@@ -78,9 +78,10 @@ def _run(args: argparse.Namespace) -> int:
         mesh = ParallelDims(world, tp=world).build()
         model, cfg = load_checkpoint_model(args.ckpt, mesh, device, dtype)
         ids = tokenizer.encode_batch(prompts)
-        too_big = [i for i, p in enumerate(ids) if p and max(p) >= cfg.vocab_size]
+        vocab = cfg.shape().vocab_size  # the family's shape (model.deepseek_v3 for DeepSeek-V3)
+        too_big = [i for i, p in enumerate(ids) if p and max(p) >= vocab]
         if too_big:
-            raise PromptError(f"prompt {too_big[0]} has token ids >= the model's vocab_size {cfg.vocab_size}: "
+            raise PromptError(f"prompt {too_big[0]} has token ids >= the model's vocab_size {vocab}: "
                              "is --tokenizer the one the model was trained with?")
         stops = () if args.no_eod_stop or tokenizer.eod_id is None else (tokenizer.eod_id,)
         params = [SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i,

@@ -34,8 +34,9 @@ try:
 except ImportError:  # the optional extra is not installed
     raise ImportError("the lm-evaluation-harness adapter needs lm-eval: pip install 'mmtrain[eval]'") from None
 
-from mmtrain.convert.checkpoint_io import read_full_state
+from mmtrain.convert.checkpoint_io import checkpoint_lora, read_full_state
 from mmtrain.convert.hf_tokenizer import open_tokenizer, recorded_tokenizer
+from mmtrain.model.lora import merge_adapters
 from mmtrain.models.registry import model_family
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -63,10 +64,13 @@ def _greedy_generate(model: torch.nn.Module, token_lists: list[list[int]], max_n
 
 
 def load_model(ckpt: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, dict]:
-    """The whole model of ``ckpt`` on one device (eval mode), its ModelConfig and complete.json."""
+    """The whole model of ``ckpt`` on one device (eval mode; a LoRA run's adapters merged), its ModelConfig and
+    complete.json."""
     full, cfg, meta = read_full_state(ckpt)
-    model = model_family(cfg).build_stage(cfg, (0, cfg.shape().num_layers), True, True)
+    lora = checkpoint_lora(meta, ckpt)  # a LoRA run's checkpoint: its adapters, merged into the base weights
+    model = model_family(cfg).build_stage(cfg, (0, cfg.shape().num_layers), True, True, lora=lora)
     model.load_state_dict(full, strict=True)
+    merge_adapters(model)
     return model.to(device=device, dtype=dtype).eval(), cfg, meta
 
 

@@ -81,9 +81,9 @@ def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None) -> _Serv
     renderer = ChatRenderer(template, _special_tokens(tokenizer)) if template else None
     model, cfg = load_checkpoint_model(ckpt, ParallelDims(tp, tp=tp).build(), dev,
                                        DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")])
-    if tokenizer.max_id >= cfg.vocab_size:
+    if tokenizer.max_id >= cfg.shape().vocab_size:  # the family's shape (model.deepseek_v3 for DeepSeek-V3)
         raise PromptError(f"{tokenizer_path}: the tokenizer has ids up to {tokenizer.max_id} but the model's "
-                          f"vocab_size is {cfg.vocab_size}; is it the tokenizer the model was trained with?")
+                          f"vocab_size is {cfg.shape().vocab_size}; is it the tokenizer the model was trained with?")
     return _Served(tokenizer, renderer, model)
 
 

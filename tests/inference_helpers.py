@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
+from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
 from mmtrain.config.schema import ModelConfig
 from mmtrain.convert.checkpoint_io import write_weights_checkpoint
-from mmtrain.models.llama.model import GPTModel
+from mmtrain.models.registry import model_family
 
 TEXT = ["The quick brown fox jumps over the lazy dog.", "Numbers 1234567890 and code: def f(x): return x * 2",
         "Café, naïve, résumé and 東京.", "Hello world, hello model, hello server."] * 20
@@ -24,14 +25,28 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def tiny_model(cfg: ModelConfig | None = None, seed: int = 3) -> GPTModel:
-    model = GPTModel(cfg or tiny_config())
+def tiny_deepseek_config(**overrides) -> ModelConfig:
+    """A DeepSeek-V3-style shape (MLA with low-rank q and kv, v_head_dim != qk dims, 8 routed experts in 4 groups
+    plus a shared one, the first layer dense), sharp logits as ``tiny_config``; ``overrides``: shape fields."""
+    shape = dict(vocab_size=512, hidden_size=32, num_layers=3, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=48, moe_intermediate_size=16,
+                 n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, init_std=0.3)
+    return ModelConfig(family="deepseek_v3", deepseek_v3=DeepseekV3Config(**{**shape, **overrides}))
+
+
+def tiny_model(cfg: ModelConfig | None = None, seed: int = 3) -> torch.nn.Module:
+    """The whole model of ``cfg`` (default ``tiny_config()``; any family), seeded, in eval mode."""
+    cfg = cfg or tiny_config()
+    model = model_family(cfg).build_stage(cfg, (0, cfg.shape().num_layers), True, True)
     model.init_weights(seed)
-    with torch.no_grad():  # non-trivial norm weights, as a trained model has
+    with torch.no_grad():  # non-trivial norm weights and routing biases, as a trained model has
         g = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if cfg.family == "deepseek_v3" and name.endswith("expert_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return model.eval()
 
 
@@ -39,7 +54,7 @@ def tiny_checkpoint(root: Path, cfg: ModelConfig | None = None, tp: int = 1) -> 
     """A weights-only checkpoint root of ``tiny_model`` written at ``tp``; returns the root."""
     model = tiny_model(cfg)
     write_weights_checkpoint(root, {k: v.detach().clone() for k, v in model.state_dict().items()},
-                             model.cfg, tp=tp)
+                             cfg or tiny_config(), tp=tp)
     return root
 
 

@@ -24,7 +24,7 @@ import yaml
 
 import mmtrain
 from mmtrain.config.loader import apply_mapping
-from mmtrain.config.schema import GPTRunConfig, ModelConfig, ParallelConfig
+from mmtrain.config.schema import GPTRunConfig, LoraConfig, ModelConfig, ParallelConfig
 from mmtrain.models.registry import model_family
 from mmtrain.models.spec import ShardingSpec
 from mmtrain.parallel.global_chunks import (
@@ -272,12 +272,15 @@ def read_model_tensors(folder: Path, verify: bool = True) -> dict[str, torch.Ten
 
 @torch.no_grad()
 def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
-                       run_model_cfg: ModelConfig | None = None, verify: bool = True) -> dict[str, Any]:
+                       run_model_cfg: ModelConfig | None = None, verify: bool = True,
+                       adapters: bool = False) -> dict[str, Any]:
     """Copy this rank's part of a checkpoint's weights (any layout) into ``model`` (a stage of this run,
     TP/EP plans applied). Returns complete.json. Optimizer, loader and RNG are left as the fresh run made them:
     training starts at step 0 from these weights, so call it before the optimizer copies its fp32 masters.
     ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's. ``verify``:
-    check the files read against ``checksums.json`` (``checkpoint.verify``)."""
+    check the files read against ``checksums.json`` (``checkpoint.verify``). ``adapters``: also read the
+    model's LoRA adapters (the checkpoint of a LoRA run, loaded to be used: generation, evaluation); without it
+    they keep their initial values (a LoRA run starting from base weights)."""
     folder = resolve_checkpoint_folder(path)
     meta, cfg, _ = _read_checkpoint_meta(folder)
     if run_model_cfg is not None:
@@ -290,8 +293,11 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     saved = _checked_read(folder, "checkpoint.load", verify, lambda: saved_tensors(folder, verify))
     # LoRA adapters are not in base weights: they keep their initial values (a plain holder of tensors has none)
     own_spec = model.sharding_spec() if hasattr(model, "sharding_spec") else {}
-    own = {n: t for n, t in model.state_dict().items() if n not in own_spec or not own_spec[n].adapter}
+    own = {n: t for n, t in model.state_dict().items()
+           if adapters or n not in own_spec or not own_spec[n].adapter}
     spec = model_family(cfg).sharding_spec(cfg)  # the checkpoint's model (its config says what it holds)
+    if adapters:  # the base entries as the checkpoint's config says, the adapters' as the model places them
+        spec = ShardingSpec({**{n: own_spec[n] for n in own_spec if own_spec[n].adapter}, **spec}, spec.family)
     shard = shard_of(mesh)
     for name, t in own.items():
         key = f"model.{stored_name(name, spec)}"
@@ -303,6 +309,17 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
         raise ConvertError(f"{path}: parameter(s) {', '.join(missing[:5])} missing from the checkpoint")
     _checked_read(folder, "checkpoint.load", False, lambda: load_chunks(folder, chunks, verify))
     return meta
+
+
+def checkpoint_lora(meta: dict[str, Any], ckpt: str | Path) -> LoraConfig | None:
+    """The LoRA section (``peft.lora``) of the run that wrote a checkpoint, from its complete.json ``meta``
+    (None: no adapters). A bad section is a ``ConfigError`` naming ``ckpt``'s complete.json."""
+    section = ((meta.get("config") or {}).get("peft") or {}).get("lora")
+    if not isinstance(section, dict):
+        return None
+    lora = LoraConfig()
+    apply_mapping(lora, section, f"{ckpt}/complete.json peft.lora")
+    return lora if lora.rank else None
 
 
 def checkpoint_model_config(path: str | Path) -> tuple[Path, ModelConfig]:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from mmtrain.config.loader import apply_mapping
-from mmtrain.config.schema import LoraConfig
 from mmtrain.convert.checkpoint_io import (
     ConvertError,
+    checkpoint_lora,
     read_checkpoint_config,
     read_checkpoint_json,
     read_full_state,
@@ -45,16 +44,6 @@ def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
                                     extra_meta={"hf_config": hf_config, "converted_from": str(hf_dir)})
 
 
-def _lora_of(meta: dict, ckpt) -> LoraConfig | None:
-    """The LoRA section of the run that wrote the checkpoint (None: no adapters)."""
-    section = ((meta.get("config") or {}).get("peft") or {}).get("lora")
-    if not isinstance(section, dict):
-        return None
-    lora = LoraConfig()
-    apply_mapping(lora, section, f"{ckpt}/complete.json peft.lora")
-    return lora if lora.rank else None
-
-
 def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None, lora: str = "merge",
                   tokenizer: str | Path | None = None, with_tokenizer: bool = True) -> Path:
     """Convert an mmtrain checkpoint (a step folder or a checkpoints root with ``latest``; weights-only or from
@@ -78,7 +67,7 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
         extra = {**files, "generation_config.json": (json.dumps(generation, indent=2, sort_keys=True) + "\n").encode()}
     full, cfg, meta = read_full_state(ckpt)
     adapter = model_family(cfg).hf
-    lora_cfg = _lora_of(meta, ckpt)
+    lora_cfg = checkpoint_lora(meta, ckpt)
     if lora_cfg is not None and adapter.merge_lora is None:
         raise ConvertError(f"{ckpt}: LoRA adapters of model.family={cfg.family} cannot be exported")
     if lora_cfg is None and lora == "adapter":

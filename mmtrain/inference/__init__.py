@@ -2,10 +2,11 @@
 
 Public (loaded lazily): ``DecodeEngine`` (slots of a static KV cache, one decode step for all of them;
 continuous batching), ``Sequence`` (one prompt being completed), ``SamplingParams``, ``generate`` (prompts in,
-completions out), ``decoder_forward`` (the cached forward of a Llama-family ``GPTModel``), ``StaticKVCache``,
-``load_checkpoint_model`` (a checkpoint of any layout, this rank's TP shard, ready to decode),
-``vlm_prompt_embeds`` (a VLM prompt with its media spliced in). The command lines are ``python -m
-mmtrain.generate`` and ``python -m mmtrain.serve``. Everything else here is internal and may change.
+completions out), ``decoder_forward`` (the cached forward of a Llama-family ``GPTModel`` or a DeepSeek-V3
+``DeepseekV3Model``), ``StaticKVCache``, ``load_checkpoint_model`` (a checkpoint of any layout, this rank's TP
+shard, a LoRA run's adapters merged, ready to decode), ``vlm_prompt_embeds`` (a VLM prompt with its media
+spliced in). The command lines are ``python -m mmtrain.generate`` and ``python -m mmtrain.serve``. Everything
+else here is internal and may change.
 """
 
 from mmtrain.utils.lazy import lazy_exports

@@ -54,8 +54,8 @@ class Sequence:
 
 
 class DecodeEngine:
-    """``model``: a whole Llama-family ``GPTModel`` (TP-sharded or not) on ``device``, in its compute dtype.
-    ``slots``: sequences decoded together; ``max_len``: positions per slot (prompt + new tokens).
+    """``model``: a whole Llama-family ``GPTModel`` or DeepSeek-V3-family ``DeepseekV3Model`` (TP-sharded or
+    not) on ``device``, in its compute dtype. ``slots``: sequences decoded together; ``max_len``: positions per slot (prompt + new tokens).
     ``compile``: run the decode step under ``torch.compile`` (with CUDA graphs on a GPU). ``overlap``: run
     all-greedy batches one step ahead (default: on a GPU, where the host's work then overlaps the device's).
     ``peers``: on the server rank of a tensor-parallel group, the ``StepLeader`` that sends each model call's
@@ -96,7 +96,7 @@ class DecodeEngine:
     def _compiled_decode(self):
         # mutated in place by the step (the cache) or between steps (its inputs): static addresses, so the CUDA
         # graph reads and writes them where they are (no copies in and out)
-        for t in [*self.cache.k, *self.cache.v, self._last, self._positions]:
+        for t in [*self.cache.buffers(), self._last, self._positions]:
             torch._dynamo.mark_static_address(t)
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         return torch.compile(self._decode_all, mode=mode, fullgraph=False, dynamic=False)

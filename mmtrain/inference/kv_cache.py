@@ -1,4 +1,5 @@
-"""A static, preallocated key/value cache: one (slots, kv heads, max length, head dim) buffer pair per layer.
+"""Static, preallocated key/value caches: one (slots, kv heads, max length, head dim) buffer pair per layer
+(``StaticKVCache``), or for multi-head latent attention one buffer of per-token latents (``LatentKVCache``).
 
 Static shapes are what let the decode step run under ``torch.compile`` with CUDA graphs: nothing is allocated or
 resized while decoding. A *slot* is one sequence's row; its token at position ``p`` is stored at index ``p``, so
@@ -43,6 +44,41 @@ class StaticKVCache:
         if length is not None and length < self.max_len:
             k, v = k[:, :, :length], v[:, :, :length]
         return k, v
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every preallocated tensor (a compiled step marks them as static addresses)."""
+        return [*self.k, *self.v]
+
+
+class LatentKVCache:
+    """``entries[layer]``: (slots, 1, max_len, width) -- per token what multi-head latent attention computes its
+    keys and values from (DeepSeek-V3: the normalized KV latent and the rotated shared RoPE key,
+    ``kv_lora_rank + qk_rope_head_dim`` numbers for all heads together). The same on every tensor-parallel
+    rank: the latent is not split by heads. Slots and positions as in ``StaticKVCache``."""
+
+    def __init__(self, num_layers: int, slots: int, max_len: int, width: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.entries = [torch.zeros((slots, 1, max_len, width), dtype=dtype, device=device)
+                        for _ in range(num_layers)]
+        self.slots, self.max_len = slots, max_len
+        self.key_index = torch.arange(max_len, device=device)
+
+    def write(self, layer: int, slots_B: torch.Tensor | None, positions_BS: torch.Tensor,
+              entries_BS1W: torch.Tensor) -> None:
+        """Store the new tokens' entries (B, S, 1, width) of rows ``slots_B`` (None: every slot) at their positions."""
+        rows = (torch.arange(positions_BS.shape[0], device=positions_BS.device) if slots_B is None else slots_B)
+        _put(self.entries[layer], (rows[:, None].expand_as(positions_BS), positions_BS), entries_BS1W)
+
+    def read(self, layer: int, slots_B: torch.Tensor | None, length: int | None = None) -> torch.Tensor:
+        """Entries (B, 1, T, width) of rows ``slots_B`` (None: every slot, no copy), the first ``length`` positions."""
+        e = self.entries[layer]
+        if slots_B is not None:
+            e = e[slots_B]
+        return e[:, :, :length] if length is not None and length < self.max_len else e
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every preallocated tensor (a compiled step marks them as static addresses)."""
+        return list(self.entries)
 
 
 def _put(buffer: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], values_BSHD: torch.Tensor) -> None:

@@ -1,6 +1,8 @@
 """A checkpoint and its tokenizer, ready to decode: the model built whole (or this rank's tensor-parallel shard of
 it), its weights read from any training layout or a weights-only checkpoint, moved to the device, parameters in
-the compute dtype (buffers such as the RoPE frequencies keep theirs)."""
+the compute dtype (buffers such as the RoPE frequencies keep theirs). A LoRA run's checkpoint (its complete.json
+records ``peft.lora``) is built with its adapters, they are read with the base weights and merged into them
+(``mmtrain.model.lora.merge_adapters``): what is decoded is the adapted model, at the base model's cost."""
 
 from __future__ import annotations
 
@@ -9,13 +11,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mmtrain.convert.checkpoint_io import checkpoint_model_config, load_model_weights
+from mmtrain.convert.checkpoint_io import checkpoint_lora, load_model_weights, read_checkpoint_config
 from mmtrain.config.schema import ModelConfig
 from mmtrain.inference.decoder import UnsupportedModelError, check_decodable
+from mmtrain.model.lora import merge_adapters
 from mmtrain.models.registry import model_family
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.tensor import apply_tensor_parallel
 
+DECODABLE_FAMILIES = ("llama", "deepseek_v3")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -32,19 +36,22 @@ def prepare_for_decoding(model: nn.Module, device: torch.device | str, dtype: to
 def load_checkpoint_model(ckpt: str | Path, mesh: ParallelMesh, device: torch.device | str,
                           dtype: torch.dtype = torch.bfloat16, verify: bool = True) -> tuple[nn.Module, ModelConfig]:
     """This rank's decodable model from checkpoint ``ckpt`` (weights only; any layout that wrote it): the whole
-    Llama-family model, sharded over ``mesh``'s TP group. Raises ``ConvertError`` for an unreadable checkpoint,
+    Llama- or DeepSeek-V3-family model, sharded over ``mesh``'s TP group (MoE experts whole on every rank); a
+    LoRA run's adapters merged in. Raises ``ConvertError`` for an unreadable checkpoint,
     ``UnsupportedModelError`` for a family the KV-cache decoder does not run."""
-    _, cfg = checkpoint_model_config(ckpt)
-    if cfg.family != "llama":
-        raise UnsupportedModelError(f"{ckpt}: model.family {cfg.family!r}; KV-cache generation runs the llama "
-                                    "family (Llama / Qwen2 / Mixtral shapes)")
+    cfg, meta = read_checkpoint_config(ckpt)
+    if cfg.family not in DECODABLE_FAMILIES:
+        raise UnsupportedModelError(f"{ckpt}: model.family {cfg.family!r}; KV-cache generation runs the "
+                                    f"{' and '.join(DECODABLE_FAMILIES)} families")
     if mesh.dims.pp > 1 or mesh.dims.cp > 1 or mesh.dims.ep > 1:
         raise UnsupportedModelError("generation runs tensor-parallel only: start it with as many ranks as the "
                                     f"TP size (got {mesh.dims.describe()})")
+    lora = checkpoint_lora(meta, ckpt)
     shape = cfg.shape()
     with torch.device("cpu"):
-        model = model_family(cfg).build_stage(cfg, (0, shape.num_layers), True, True)
+        model = model_family(cfg).build_stage(cfg, (0, shape.num_layers), True, True, lora=lora)
     apply_tensor_parallel(model, mesh.tp_group)
-    load_model_weights(ckpt, mesh, model, verify=verify)
+    load_model_weights(ckpt, mesh, model, verify=verify, adapters=lora is not None)
+    merge_adapters(model)
     check_decodable(model)
     return prepare_for_decoding(model, device, dtype), cfg

@@ -42,7 +42,8 @@ class LoRALinear(nn.Linear):
         self.adapter = LoRAAdapter(base.in_features, base.out_features, rank, alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.adapter(x)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.adapter is None else y + self.adapter(x)  # None: merged (merge_adapters)
 
 
 def add_lora(module: nn.Module, targets: list[str], rank: int, alpha: float) -> list[str]:
@@ -62,3 +63,22 @@ def add_lora(module: nn.Module, targets: list[str], rank: int, alpha: float) -> 
 def merged_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float) -> torch.Tensor:
     """``W + scale * B A`` on full tensors (computed in fp32, returned in the weight's dtype)."""
     return (weight.float() + scale * (lora_B.float() @ lora_A.float())).to(weight.dtype)
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> list[str]:
+    """Fold every LoRA adapter of ``model`` into the weight of the linear carrying it (``W + alpha/r * B A``)
+    and drop the adapter: the model then computes what the adapted one did at the base model's cost (for using
+    a trained model: generation, evaluation; the adapters cannot train further). Works on tensor-parallel
+    shards as they are: a column linear's ``B`` rows are split like its weight's rows and ``A`` is whole, a row
+    linear's ``A`` columns like its weight's columns and ``B`` is whole, so each rank's ``B A`` is its shard of
+    the full update. Returns the merged linears' names."""
+    merged = []
+    for name, module in model.named_modules():
+        adapter = getattr(module, "adapter", None)
+        if isinstance(adapter, LoRAAdapter):
+            module.weight.copy_(merged_weight(module.weight, adapter.lora_A.weight, adapter.lora_B.weight,
+                                              adapter.scale))
+            module.adapter = None
+            merged.append(name)
+    return merged

@@ -1,5 +1,5 @@
 """Generation on the GPU: the compiled decode step (CUDA graphs) gives the eager step's tokens, in fp32 and bf16,
-for a batch whose rows join and finish at different steps."""
+for a batch whose rows join and finish at different steps; Llama and DeepSeek-V3 (latent cache, MoE routing)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import torch
 from mmtrain.inference.engine import DecodeEngine, generate
 from mmtrain.inference.loading import prepare_for_decoding
 from mmtrain.inference.sampling import SamplingParams
-from tests.inference_helpers import tiny_model
+from tests.inference_helpers import tiny_config, tiny_deepseek_config, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], list(range(40, 57)), [3], [9, 9, 9]]
 
 
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_decode_equals_eager(dtype):
-    model = prepare_for_decoding(tiny_model(), "cuda", dtype)
+def test_compiled_decode_equals_eager(dtype, family):
+    cfg = tiny_config() if family == "llama" else tiny_deepseek_config()
+    model = prepare_for_decoding(tiny_model(cfg), "cuda", dtype)
     params = [SamplingParams(max_new_tokens=8 + 5 * i) for i in range(len(PROMPTS))]
     eager = generate(DecodeEngine(model, 3, 64), PROMPTS, params)
     engine = DecodeEngine(model, 3, 64, compile=True)

@@ -107,20 +107,41 @@ class LatentAttention(nn.Module):
         self.softmax_scale = cfg.softmax_scale()
         self.attention = attention if attention is not None else CausalAttention()
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask=None) -> torch.Tensor:
+    def project(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_nope (B, S, H, nope), q_rope (B, S, H, rope), latent (B, S, kv_lora_rank), k_rope (B, S, 1, rope)):
+        the queries of this rank's H heads, the normalized KV latent and the shared RoPE key (RoPE applied).
+        The latent and the RoPE key are all a token's keys and values depend on: what a KV cache keeps."""
         c = self.cfg
         q = self.q_proj(x_BSD) if c.q_lora_rank is None else self.q_up(self.q_norm(self.q_down(x_BSD)))
         B, S = q.shape[:2]  # the whole sequence: under sequence parallelism the projections gathered it
         q_nope, q_rope = q.view(B, S, -1, c.qk_head_dim).split((c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1)
         latent, k_rope = self.kv_down(x_BSD).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
-        kv = self.kv_up(self.kv_norm(latent)).view(B, S, -1, c.qk_nope_head_dim + c.v_head_dim)
-        k_nope, v = kv.split((c.qk_nope_head_dim, c.v_head_dim), dim=-1)
-        heads = q_nope.shape[2]  # this rank's heads under TP
         q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
-        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, c.rope_interleave).expand(B, S, heads, -1)
+        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, c.rope_interleave)
+        return q_nope, q_rope, self.kv_norm(latent), k_rope
+
+    def expand(self, latent_BSR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_nope (B, S, H, nope), v (B, S, H, v_head_dim)) of this rank's heads from the normalized latent."""
+        c = self.cfg
+        B, S = latent_BSR.shape[:2]
+        kv = self.kv_up(latent_BSR).view(B, S, -1, c.qk_nope_head_dim + c.v_head_dim)
+        return kv.split((c.qk_nope_head_dim, c.v_head_dim), dim=-1)
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_up``'s weight per head of this rank: (H, nope, kv_lora_rank) for the keys, (H, v_head_dim,
+        kv_lora_rank) for the values; what attention in the latent space folds into queries and outputs."""
+        c = self.cfg
+        w = self.kv_up.weight.view(-1, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask=None) -> torch.Tensor:
+        q_nope, q_rope, latent, k_rope = self.project(x_BSD, cos, sin)
+        k_nope, v = self.expand(latent)
+        B, S, heads = q_nope.shape[:3]  # this rank's heads under TP
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # (B, H, S, qk_head_dim)
-        k = torch.cat((k_nope, k_rope), dim=-1).transpose(1, 2)
+        k = torch.cat((k_nope, k_rope.expand(B, S, heads, -1)), dim=-1).transpose(1, 2)
         out = self.attention(q, k, v.transpose(1, 2), attn_mask, self.softmax_scale)  # (B, H, S, v_dim)
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -261,6 +282,14 @@ class DeepseekV3Model(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.output.weight if self.output is not None else self.embed.weight
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
+        return self.head.logits(x, self.output_weight())
+
+    def rotary(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the positions (with YaRN's attention factor), as every layer's ``attn`` takes them."""
+        return rope_cos_sin(position_ids_BS, self.inv_freq, self.cfg.yarn_attention_factor(), dtype)
+
     def forward(self, inputs: torch.Tensor, labels_BS: torch.Tensor | None = None,
                 position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """``inputs``: token ids (B, S) on the first stage, hidden states (B, S, D) otherwise. Returns per-token
@@ -270,14 +299,14 @@ class DeepseekV3Model(nn.Module):
         if position_ids_BS is None:
             B, S = x.shape[:2]
             position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
-        cos, sin = rope_cos_sin(position_ids_BS, self.inv_freq, self.cfg.yarn_attention_factor(), x.dtype)
+        cos, sin = self.rotary(position_ids_BS, x.dtype)
         attn_mask = self.attention.prepare(doc_ids_BS)  # once per micro-batch, outside the compiled layers
         for layer in self.layers.values():
             x = layer(x, cos, sin, attn_mask)
         if not self.post_process:
             return x
         x = self.head.prepare(self.norm(x))
-        logits = self.head.logits(x, self.output_weight())
+        logits = self.logits(x)
         return self.head.full_logits(logits) if labels_BS is None else self.head.loss(logits, labels_BS)
 
     @torch.no_grad()
