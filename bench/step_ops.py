@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=1000000, help="logging.log_every (the last step logs anyway)")
     ap.add_argument("--eager-adamw", action="store_true",
                     help="keep a tree's CPU choice of AdamW (default: fused, as both trees use on CUDA)")
+    ap.add_argument("--model-ops", action="store_true", help="list the model's forward/backward ops one by one too")
     ap.add_argument("--json", help="write the per-phase table and the step events to this file")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -164,7 +165,7 @@ def main() -> None:
     steps = max(a.steps - 1, 1)
     table = defaultdict(lambda: [0, 0, set()])
     for _, ph, kind, name, moved, flag in steady:
-        key = (ph, kind, name if ph != "model forward/backward" else "(model ops)")
+        key = (ph, kind, name if ph != "model forward/backward" or a.model_ops else "(model ops)")
         table[key][0] += 1
         table[key][1] += moved
         if flag:
