@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=1000000, help="logging.log_every (the last step logs anyway)")
     ap.add_argument("--eager-adamw", action="store_true",
                     help="keep a tree's CPU choice of AdamW (default: fused, as both trees use on CUDA)")
+    ap.add_argument("--compile", action="store_true",
+                    help="train.compile=true (inductor on the CPU, slow); also prints dynamo's graph counts")
     ap.add_argument("--model-ops", action="store_true", help="list the model's forward/backward ops one by one too")
     ap.add_argument("--json", help="write the per-phase table and the step events to this file")
     ap.add_argument("overrides", nargs="*")
@@ -153,13 +155,19 @@ def main() -> None:
         "data.mock=true", "data.seq_length=32", "train.micro_batch_size=2", f"train.steps={a.steps}",
         "train.device=cpu", "train.precision=bf16", "optim.master_weights=false", "optim.warmup_steps=1", "optim.lr=1e-4",
         "logging.run_dir=/tmp/mmtrain-step-ops", f"logging.log_every={a.log_every}", "checkpoint.save_final=false",
-        *TINY, *a.overrides])
+        *TINY, *(["train.compile=true"] if a.compile else []), *a.overrides])
     device = torch.device("cpu")
     init_distributed("gloo", device)
     mesh = ParallelDims.from_config(cfg.parallel, 1).build()
     with Record():
         result = loop.train_gpt(cfg, mesh, device)
     n_params = sum(p.numel() for p in result.model.parameters() if p.requires_grad)
+    if a.compile:
+        from torch._dynamo.utils import counters
+        from torch._inductor import metrics
+
+        print("compiled:", {k: dict(counters.get(k, {})) for k in ("stats", "graph_break", "recompiles")},
+              f"inductor kernels: {metrics.generated_kernel_count}")
 
     steady = [e for e in events if e[0] > 1]  # step 1 sets up optimizer state
     steps = max(a.steps - 1, 1)
