@@ -210,7 +210,7 @@ class FsdpBuckets:
                 dist.reduce_scatter_tensor(b.shard_grad, b.full_grad, group=self.group)
         while self._in_flight:
             self._land_oldest()
-        scale_grads(self.buckets[0].shard_grad, [b.shard_grad for b in self.buckets], num_tokens)
+        scale_grads([b.shard_grad for b in self.buckets], num_tokens)
 
     # ------------------------------------------------------------------------------------------ shards
     def owned_range(self, b: Bucket) -> tuple[int, int]:

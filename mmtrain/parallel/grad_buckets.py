@@ -146,7 +146,8 @@ class GradBuckets:
             self._launch(b)
         for b in self.buckets:
             b.handle.wait()
-        scale_grads(self.grad_buffer, [b.shard_grad for b in self.buckets] if self.sharded else [self.grad_buffer],
+        # per bucket (bucket-sized views: one multi-tensor kernel, no index beyond 2**31 elements in it)
+        scale_grads([b.shard_grad if self.sharded else self.grad_buffer[b.start:b.end] for b in self.buckets],
                     num_tokens)
 
     # ----------------------------------------------------------------------------------------- shards
@@ -201,14 +202,16 @@ class GradBuckets:
         """After a checkpoint load wrote the parameters: nothing to do (they are the buffer itself)."""
 
 
-def scale_grads(grad_buffer: torch.Tensor, grads: list[torch.Tensor], num_tokens: float | torch.Tensor) -> None:
-    """``grads`` (in ``grad_buffer``'s dtype) *= 1 / num_tokens. A device count's scale is made a 0-dim tensor of
-    the gradients' own dtype and applied by one multi-tensor kernel: CUDA's ``mul_`` with a 0-dim device tensor
-    runs a non-vectorised kernel (a per-element casting one when the dtypes differ) and ``_foreach_mul_`` with a
-    scalar of another dtype one kernel per tensor, each about twice as slow as the vectorised pass over the
-    gradients. (CUDA already rounded a float64 scale to the gradients' dtype there; now the CPU does too.)"""
+def scale_grads(grads: list[torch.Tensor], num_tokens: float | torch.Tensor) -> None:
+    """``grads`` (tensors of one dtype: bucket-sized views) *= 1 / num_tokens. A device count's scale is made a
+    0-dim tensor of the gradients' own dtype and applied by one multi-tensor kernel: on CUDA, ``mul_`` by a 0-dim
+    device tensor is not vectorised (and casts every element when the dtypes differ), and ``_foreach_mul_`` by
+    a scalar of another dtype falls back to one such kernel per tensor. (Reading CUDA's casting kernel, it
+    rounded a float64 scale to the gradients' dtype already; the CPU now does the same.)"""
+    if not grads:
+        return
     if isinstance(num_tokens, torch.Tensor):
-        torch._foreach_mul_(grads, (1.0 / num_tokens).to(grad_buffer.dtype))
+        torch._foreach_mul_(grads, (1.0 / num_tokens).to(grads[0].dtype))
     else:
         torch._foreach_mul_(grads, 1.0 / num_tokens)
 
