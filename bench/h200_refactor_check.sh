@@ -3,12 +3,15 @@
 # (.device/before: `git archive <commit> | tar -x -C .device/before`) and on this tree, interleaved; then the
 # DeepSeek-V3-style model's tokens/s and MFU; then the GPU tests.
 # Usage, from the repo root, carrying .device (before/ and whl/: xxhash + pytest wheels for Python 3.12):
-#   bash bench/h200_refactor_check.sh   (ROUNDS=1 SKIP_DEEPSEEK=1 SKIP_TESTS=1 for the rows alone)
+#   ROUNDS=1 SKIP_DEEPSEEK=1 SKIP_TESTS=1 bash bench/h200_refactor_check.sh   (the rows alone: ~4 x 100 s; a
+#   round is 4 processes, so ROUNDS=2 or the DeepSeek row and tests need a second call)
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+[ "${SKIP_PATHS:-0}" = 1 ] || { echo "### the step's passes over 1B bf16 gradients, old and new (bench/grad_scale_paths.py)"
+timeout 90 python3 bench/grad_scale_paths.py 2>&1 | tail -9; }
 ROWS=(bf16 "fp8 native delayed fast-bwd fp8-head")
 # Each row of each tree through bench/wall_steps.py: the tree's own bench/train_gpt.py (its JSON line, its step
 # timer) plus wall-clock tokens/s over the timed steps with a device sync at both ends -- the like-for-like
