@@ -96,7 +96,7 @@ def _clip_then_adamw(rank: int, world_size: int, max_norm: float):
     ref_norm = torch.nn.utils.clip_grad_norm_(reference, max_norm)
     torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True).step()
     return (float(norm), float(ref_norm),
-            max(float((p - r).abs().max()) for p, r in zip(model.parameters(), reference)),
+            max(float((p - r).detach().abs().max()) for p, r in zip(model.parameters(), reference)),
             max(float((p.main_grad - r.grad).abs().max()) for p, r in zip(model.parameters(), reference)))
 
 
