@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmtrain.parallel.grad_buckets import Bucket
+from mmtrain.parallel.grad_buckets import Bucket, scale_grads
 
 
 @dataclass
@@ -251,9 +251,7 @@ class FsdpBuckets:
                 dist.reduce_scatter_tensor(b.shard_grad, b.full_grad, group=self.group)
         while self._in_flight:
             self._land_oldest()
-        scale = 1.0 / num_tokens
-        for b in self.buckets:
-            b.shard_grad.mul_(scale)
+        scale_grads([b.shard_grad for b in self.buckets], num_tokens)
 
     # ------------------------------------------------------------------------------------------ shards
     def owned_range(self, b: Bucket) -> tuple[int, int]:

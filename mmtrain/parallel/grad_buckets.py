@@ -146,12 +146,9 @@ class GradBuckets:
             self._launch(b)
         for b in self.buckets:
             b.handle.wait()
-        scale = 1.0 / num_tokens  # a float64 tensor from the loop: cast once to the grads' dtype by mul_
-        if self.sharded:
-            for b in self.buckets:
-                b.shard_grad.mul_(scale)
-        else:
-            self.grad_buffer.mul_(scale)
+        # per bucket (bucket-sized views: one multi-tensor kernel, no index beyond 2**31 elements in it)
+        scale_grads([b.shard_grad if self.sharded else self.grad_buffer[b.start:b.end] for b in self.buckets],
+                    num_tokens)
 
     # ----------------------------------------------------------------------------------------- shards
     def owned_range(self, b: Bucket) -> tuple[int, int]:
@@ -207,6 +204,20 @@ class GradBuckets:
     def release_full_params(self) -> None:
         """After reading the whole weights: nothing to free (the parameters stay whole; FP8-gathered weights'
         BF16 values are current until the next optimizer step)."""
+
+
+def scale_grads(grads: list[torch.Tensor], num_tokens: float | torch.Tensor) -> None:
+    """``grads`` (tensors of one dtype: bucket-sized views) *= 1 / num_tokens. A device count's scale is made a
+    0-dim tensor of the gradients' own dtype and applied by one multi-tensor kernel: on CUDA, ``mul_`` by a 0-dim
+    device tensor is not vectorised (and casts every element when the dtypes differ), and ``_foreach_mul_`` by
+    a scalar of another dtype falls back to one such kernel per tensor. (Reading CUDA's casting kernel, it
+    rounded a float64 scale to the gradients' dtype already; the CPU now does the same.)"""
+    if not grads:
+        return
+    if isinstance(num_tokens, torch.Tensor):
+        torch._foreach_mul_(grads, (1.0 / num_tokens).to(grads[0].dtype))
+    else:
+        torch._foreach_mul_(grads, 1.0 / num_tokens)
 
 
 class _Done:

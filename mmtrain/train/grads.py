@@ -63,11 +63,14 @@ def finalize_grads(stage: nn.Module, mesh: ParallelMesh, buckets: list[GradBucke
 def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisionAdamW,
                    max_norm: float) -> torch.Tensor:
     """Global L2 norm of the reduced gradients (a 0-dim float32 tensor on the device: ``float()`` reads it, a host
-    sync the loop makes at logging steps only); scales them in place when it exceeds ``max_norm``.
+    sync the loop makes at logging steps only); clips them to ``max_norm`` in the optimizer's next ``step``.
 
-    The clip coefficient stays on the device (``min(1, max_norm / (norm + 1e-6))``, as torch's
-    ``clip_grad_norm_`` with foreach): no host sync. A non-finite norm makes the gradients non-finite too; the
-    loop then skips the update (``MixedPrecisionAdamW.step(skip=...)``).
+    The clip stays on the device: the gradients are divided by ``max(1, (norm + 1e-6) / max_norm)`` (the
+    reciprocal of torch's ``clip_grad_norm_`` coefficient) inside the fused AdamW kernel
+    (``MixedPrecisionAdamW.divide_grads_at_step``), so a step that needs no clip costs no pass over the gradients
+    and one that does costs one write, where an in-place multiply costs a read and a write every step. A
+    non-finite norm makes the gradients non-finite too; the loop then skips the update
+    (``MixedPrecisionAdamW.step(skip=...)``).
 
     A piece is counted by exactly one rank: its owner in its reduction group (every rank of a sharded group
     owns a distinct shard; an unsharded group counts on its rank 0), TP rank 0 for TP-replicated parameters,
@@ -89,7 +92,6 @@ def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisi
         dist.all_reduce(sq, group=mesh.group("mp"))
     norm = sq.sqrt()
     if max_norm and max_norm > 0 and pieces:
-        # in float64 like the Python-float coefficient before, then cast once to the grads' dtype by the multiply
-        coef = torch.clamp(max_norm / (norm.double() + 1e-6), max=1.0)
-        torch._foreach_mul_([g for _, g in pieces], coef)
+        # in float64 like the Python-float coefficient before; the kernel reads it as float32
+        optimizer.divide_grads_at_step(torch.clamp((norm.double() + 1e-6) / max_norm, min=1.0))
     return norm

@@ -58,6 +58,7 @@ class MixedPrecisionAdamW:
                 groups[-2]["lr_scale"] = groups[-1]["lr_scale"] = scale
         # fused (CUDA and CPU kernels): the only AdamW that skips an update on a device-side flag (``found_inf``)
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        self._grad_divisor: torch.Tensor | None = None
 
     @property
     def param_groups(self):
@@ -66,19 +67,31 @@ class MixedPrecisionAdamW:
     def piece_grads(self) -> list[tuple[_Piece, torch.Tensor]]:
         return [(pc, pc.owner.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
 
+    def divide_grads_at_step(self, divisor: torch.Tensor) -> None:
+        """Have the next ``step`` divide the gradients by ``divisor`` (a 0-dim float32 device tensor, e.g. the
+        clip's ``max(1, norm / max_norm)``) inside the fused AdamW kernel, which also writes the divided values
+        back to the gradients: one pass over them, where a separate in-place multiply first takes two, and no
+        host sync to decide whether it is needed."""
+        self._grad_divisor = divisor.float()
+
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> None:
         """AdamW on this rank's pieces, then the weights gathered over data-parallel ranks. ``skip``: a 0-dim
         device tensor, non-zero to leave weights, moments and the step count as they are (a non-finite step,
-        decided on the device, so no host sync); the copies and gathers then move unchanged values."""
+        decided on the device, so no host sync); the copies and gathers then move unchanged values. A divisor
+        from ``divide_grads_at_step`` is applied (and forgotten) here."""
         for pc, grad in self.piece_grads():
             pc.master.grad = grad
         if skip is not None:
-            self.optimizer.found_inf = skip.float()  # what the fused kernel reads (GradScaler's hook)
+            self.optimizer.found_inf = skip.float()  # what the fused kernel reads (GradScaler's hooks)
+        divisor, self._grad_divisor = self._grad_divisor, None
+        if divisor is not None:
+            self.optimizer.grad_scale = divisor
         try:
             self.optimizer.step()
         finally:
             self.optimizer.__dict__.pop("found_inf", None)
+            self.optimizer.__dict__.pop("grad_scale", None)
         for pc in self.pieces:
             pc.master.grad = None
             if self.master_weights:
