@@ -168,12 +168,12 @@ def _deepseek_v3_hf() -> HFAdapter:
         return (HFAdapterError,)
 
     def merge_lora(full, m, lora):
-        from mmtrain.models.deepseek_v3.lora import merge_lora as merge
+        from mmtrain.models.deepseek_v3.lora_export import merge_lora as merge
 
         return merge(full, m.deepseek_v3, _resolved_lora(lora, m))
 
     def lora_to_peft(full, m, lora, base_model=""):
-        from mmtrain.models.deepseek_v3.lora import peft_adapter
+        from mmtrain.models.deepseek_v3.lora_export import peft_adapter
 
         return peft_adapter(full, m.deepseek_v3, _resolved_lora(lora, m), base_model)
     return HFAdapter(("deepseek_v3",), config_from_hf, config_to_hf, state_from_hf, state_to_hf, errors,

@@ -15,7 +15,7 @@ from mmtrain.config.schema import LoraConfig
 from mmtrain.convert.checkpoint_io import read_full_state
 from mmtrain.convert.hf_files import write_peft_adapter
 from mmtrain.models.deepseek_v3.hf_adapter import state_dict_to_hf
-from mmtrain.models.deepseek_v3.lora import merge_lora, peft_adapter
+from mmtrain.models.deepseek_v3.lora_export import merge_lora, peft_adapter
 from mmtrain.models.registry import model_family
 from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.tensor import tp_shard_of

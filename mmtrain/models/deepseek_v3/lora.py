@@ -1,5 +1,5 @@
-"""LoRA for the DeepSeek-V3 family: which linears a target names, and the adapters on full tensors (merged into
-the base weights, or a ``peft`` adapter with ``DeepseekV3ForCausalLM``'s module names).
+"""LoRA for the DeepSeek-V3 family: which linears a target names and adapting a model (the adapters on full
+tensors, merged or as a ``peft`` adapter with ``DeepseekV3ForCausalLM``'s module names: ``lora_export.py``).
 
 Targets (``peft.lora.targets``; ``DEEPSEEK_V3_LORA_TARGETS``): MLA's ``q_down``/``q_up`` (HF ``q_a_proj`` /
 ``q_b_proj``; ``q_proj`` without a query latent), ``kv_down`` (``kv_a_proj_with_mqa``: [latent | shared rope
@@ -18,16 +18,13 @@ adapters cannot be expressed for ``PeftModel``: their export is refused (the mer
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from mmtrain.model.lora import add_lora_at, merged_weight
+from mmtrain.model.lora import add_lora_at
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
-from mmtrain.models.deepseek_v3.hf_adapter import HFAdapterError
 
 # target -> (our linear in a layer, HF module path in a layer, HF names of its fused parts, where it exists)
-_MLP_TARGETS = ("up", "down", "shared_up", "shared_down")  # no peft adapter export (see the module docstring)
-_TARGETS = {
+TARGETS = {
     "q_down": ("attn.q_down", "self_attn.", ("q_a_proj",), "any"),
     "q_up": ("attn.q_up", "self_attn.", ("q_b_proj",), "any"),
     "q_proj": ("attn.q_proj", "self_attn.", ("q_proj",), "any"),
@@ -46,7 +43,7 @@ def adapted_linears(cfg: DeepseekV3Config, targets, layers) -> list[tuple[int, s
     out = []
     for i in layers:
         for target in targets:
-            linear, _, _, where = _TARGETS[target]
+            linear, _, _, where = TARGETS[target]
             if where == "any" or (where == "moe") == cfg.is_moe_layer(i):
                 out.append((i, target, f"layers.{i}.{linear}"))
     return out
@@ -61,42 +58,3 @@ def add_adapters(model: nn.Module, cfg: DeepseekV3Config, lora) -> list[str]:
     start, end = model.layer_range
     return add_lora_at(model, [path for _, _, path in adapted_linears(cfg, lora.targets, range(start, end))],
                        lora.rank, lora.alpha)
-
-
-def _pairs(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora):
-    for i, target, linear in adapted_linears(cfg, lora.targets, range(cfg.num_layers)):
-        yield i, target, linear, full[f"{linear}.adapter.lora_A.weight"], full[f"{linear}.adapter.lora_B.weight"]
-
-
-def merge_lora(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora) -> dict[str, torch.Tensor]:
-    """The base model's tensors with every adapter merged in (``W + alpha/r * B A``); no adapter tensors left."""
-    out = {k: v for k, v in full.items() if ".adapter." not in k}
-    for _, _, linear, a, b in _pairs(full, cfg, lora):
-        out[f"{linear}.weight"] = merged_weight(full[f"{linear}.weight"], a, b, lora.alpha / lora.rank)
-    return out
-
-
-def peft_adapter(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora,
-                 base_model: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json mapping, tensors under peft's saved names) of the attention adapters in ``full``
-    (``HFAdapterError`` for MLP targets); ``target_modules`` is a regex of the full module paths."""
-    mlp = [t for t in lora.targets if t in _MLP_TARGETS]
-    if mlp:
-        raise HFAdapterError(f"peft.lora.targets {', '.join(mlp)}: peft maps gate_proj/up_proj/down_proj of a "
-                             "DeepseekV3 model onto its routed experts, so MLP adapters have no peft adapter form; "
-                             "export the merged model (--lora merge) or train attention targets only")
-    tensors: dict[str, torch.Tensor] = {}
-    modules: list[str] = []
-    for i, target, _, a, b in _pairs(full, cfg, lora):
-        _, where, (name,), _ = _TARGETS[target]  # attention: one HF module per linear
-        module = f"model.layers.{i}.{where}{name}"
-        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
-        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
-        modules.append(module.replace(".", r"\."))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
-              "target_modules": "^(" + "|".join(modules) + ")$",
-              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "use_rslora": False, "use_dora": False, "modules_to_save": None, "rank_pattern": {},
-              "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
-    return config, tensors
