@@ -269,6 +269,10 @@ class DpoConfig:
     loss: Literal["sigmoid", "ipo"] = doc("sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1/(2 beta))^2.")
     reference: str = doc("", "Weights-only checkpoint of the frozen reference model; empty: the run's initial "
                              "weights (the weights-only checkpoint.load, else the seeded init).")
+    reference_logps: Literal["model", "precomputed"] = doc(
+        "model", "model: run the frozen reference model every step; precomputed: read its log-probs from "
+                 "PREFIX.dpo_reference.bin beside the preference shards (python -m mmtrain.dpo_reference writes "
+                 "them once, checksummed) and build no reference model.")
 
 
 @dataclass
