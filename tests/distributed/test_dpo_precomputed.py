@@ -79,3 +79,10 @@ def test_a_missing_stale_or_damaged_table_is_refused(pref_prefix, tmp_path):
     data.write_bytes(bytes(raw))
     with pytest.raises(BlendSpecError, match=r"p\.dpo_reference\.bin does not match its checksum"):
         read_reference_logps(prefix, 4, SEQ)
+
+
+def test_the_command_takes_a_dpo_config_only(capsys, tmp_path):
+    from mmtrain.dpo_reference import main
+
+    assert main(["data.mock=true", f"logging.run_dir={tmp_path}"]) == 2
+    assert "train.objective=lm: mmtrain.dpo_reference takes a DPO run's config" in capsys.readouterr().err
