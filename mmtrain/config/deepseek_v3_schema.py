@@ -17,6 +17,13 @@ from mmtrain.config.fields import doc
 from mmtrain.config.loader import ConfigError
 
 
+# LoRA targets of the family (mmtrain.models.deepseek_v3.lora; HF names in docs/post-training.md): MLA's
+# q_down/q_up (or q_proj), kv_down (latent | shared rope key), kv_up, proj (output); the dense layers' up
+# (gate | up) and down; the MoE layers' shared experts. The routed experts have no adapters.
+DEEPSEEK_V3_LORA_TARGETS = ("q_down", "q_up", "q_proj", "kv_down", "kv_up", "proj", "up", "down", "shared_up",
+                            "shared_down")
+
+
 @dataclass
 class DeepseekV3Config:
     """Shape of a DeepSeek-V3-style decoder: multi-head latent attention (MLA), sigmoid-routed MoE with shared
@@ -78,6 +85,17 @@ class DeepseekV3Config:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
+
+    def lora_targets(self) -> tuple[str, ...]:
+        """The LoRA targets this shape has (``DEEPSEEK_V3_LORA_TARGETS`` that exist: ``q_proj`` only without a
+        query latent, ``q_down``/``q_up`` only with one, ``up``/``down`` only with dense layers, ``shared_*`` only
+        with shared experts in MoE layers)."""
+        present = {"q_proj": self.q_lora_rank is None, "q_down": self.q_lora_rank is not None,
+                   "q_up": self.q_lora_rank is not None, "up": self.first_k_dense_replace > 0,
+                   "down": self.first_k_dense_replace > 0,
+                   "shared_up": bool(self.n_shared_experts) and self.first_k_dense_replace < self.num_layers,
+                   "shared_down": bool(self.n_shared_experts) and self.first_k_dense_replace < self.num_layers}
+        return tuple(t for t in DEEPSEEK_V3_LORA_TARGETS if present.get(t, True))
 
     def yarn_attention_factor(self) -> float:
         """The factor cos/sin are multiplied by (HF ``attention_factor``); 1 without YaRN."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
+from mmtrain.config.deepseek_v3_schema import DEEPSEEK_V3_LORA_TARGETS, DeepseekV3Config
 from mmtrain.config.fields import doc
 
 __all__ = ["doc"]  # re-exported: the other schema modules declare their fields with it
@@ -237,6 +237,7 @@ class CheckpointConfig:
 
 
 LORA_TARGETS = ("qkv", "proj", "up", "down")  # the Llama block's linears (HF: q/k/v_proj, o_proj, gate/up_proj, down_proj)
+LLAMA_MOE_LORA_TARGETS = ("qkv", "proj")  # a Llama MoE block: attention only (its experts have no adapters)
 
 
 @dataclass
@@ -245,8 +246,24 @@ class LoraConfig:
 
     rank: int = doc(0, "Adapter rank r; 0 turns LoRA off (full fine-tuning or pretraining).", ge=0)
     alpha: float = doc(16.0, "Scaling numerator: the adapter adds (alpha / rank) * B A x.", gt=0)
-    targets: list[str] = doc(list(LORA_TARGETS), "Linears that get an adapter, by their name in a block: qkv "
-                                                  "(fused q|k|v), proj (attention output), up (fused gate|up), down.")
+    targets: list[str] = doc([], "Linears that get an adapter, by their name in a block; empty: all the family "
+                                 "allows. llama: qkv (fused q|k|v), proj (attention output), up (fused gate|up), "
+                                 "down (MoE models: qkv, proj). deepseek_v3: q_down, q_up (or q_proj without "
+                                 "q_lora_rank), kv_down, kv_up, proj, up, down (dense layers), shared_up, "
+                                 "shared_down (shared experts); routed experts have none.")
+
+    def targets_for(self, model: "ModelConfig") -> tuple[str, ...]:
+        """The targets this run adapts for ``model``: ``targets``, or the family's full list when empty."""
+        if self.targets:
+            return tuple(self.targets)
+        return allowed_lora_targets(model)
+
+
+def allowed_lora_targets(model: "ModelConfig") -> tuple[str, ...]:
+    """Every LoRA target ``model``'s family and shape have (in the family's order)."""
+    if model.family == "deepseek_v3":
+        return model.deepseek_v3.lora_targets()
+    return LLAMA_MOE_LORA_TARGETS if model.num_experts else LORA_TARGETS
 
 
 @dataclass
@@ -257,6 +274,10 @@ class DpoConfig:
     loss: Literal["sigmoid", "ipo"] = doc("sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1/(2 beta))^2.")
     reference: str = doc("", "Weights-only checkpoint of the frozen reference model; empty: the run's initial "
                              "weights (the weights-only checkpoint.load, else the seeded init).")
+    reference_logps: Literal["model", "precomputed"] = doc(
+        "model", "model: run the frozen reference model every step; precomputed: read its log-probs from "
+                 "PREFIX.dpo_reference.bin beside the preference shards (python -m mmtrain.dpo_reference writes "
+                 "them once, checksummed) and build no reference model.")
 
 
 @dataclass

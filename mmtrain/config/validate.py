@@ -212,14 +212,15 @@ def _check_deepseek_v3_shape(m: ModelConfig, p, mk: str) -> None:
 
 
 def _validate_lora(cfg, lora, mk: str) -> None:
-    from mmtrain.config.schema import LORA_TARGETS
+    from mmtrain.config.schema import allowed_lora_targets
 
-    bad = [x for x in lora.targets if x not in LORA_TARGETS]
-    if bad or not lora.targets:
-        raise ConfigError(f"peft.lora.targets: {bad[0] if bad else 'empty'}; choose from {', '.join(LORA_TARGETS)}")
-    if cfg.model.family != "llama" or cfg.model.num_experts:
-        raise ConfigError(f"peft.lora supports dense {mk}.family=llama models (got {cfg.model.family}"
-                          f"{', MoE' if cfg.model.num_experts else ''}); set peft.lora.rank=0")
+    allowed = allowed_lora_targets(cfg.model)
+    bad = [x for x in lora.targets if x not in allowed]
+    if bad:
+        shape = f"{mk}.family={cfg.model.family}" + (", MoE" if cfg.model.family == "llama" and cfg.model.num_experts
+                                                     else "")
+        raise ConfigError(f"peft.lora.targets: {bad[0]} is not a linear of this model ({shape}); choose from "
+                          f"{', '.join(allowed)} (or leave targets empty for all of them)")
     if cfg.train.precision == "fp8":
         raise ConfigError("peft.lora with train.precision=fp8 is not supported; use bf16")
 

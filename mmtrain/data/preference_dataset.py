@@ -3,7 +3,8 @@ outputs: ``PREFIX_chosen`` / ``PREFIX_rejected`` and their loss masks, document 
 
 A sample is an int64 array (8, seq_length + 1): the chosen answer's rows (tokens, loss mask, document,
 position; :data:`mmtrain.data.sft_dataset.ROWS`) over the rejected answer's, one conversation each (never packed:
-the DPO loss compares whole sequences), in a seeded shuffled order shared by both sides.
+the DPO loss compares whole sequences), in a seeded shuffled order shared by both sides. With ``with_index``
+(precomputed reference log-probs) a ninth row holds the pair's document index, which the DPO step looks up.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data.blend_spec import BlendSpecError, blend_from_prefixes, check_text_datasets
 from mmtrain.data.gpt_dataset import samples_needed, split_document_ranges
+from mmtrain.data.reference_logps import read_reference_logps
 from mmtrain.data.sft_dataset import SFTSamples
 from mmtrain.utils.log import get_logger
 
@@ -23,11 +25,12 @@ log = get_logger("mmtrain.data")
 
 
 class PreferencePairs:
-    """``[i]`` -> int64 (8, seq_length + 1): chosen rows over rejected rows of pair ``i``."""
+    """``[i]`` -> int64 (8, seq_length + 1): chosen rows over rejected rows of pair ``i`` (9 rows
+    ``with_index``: then the last is the pair's document index)."""
 
     def __init__(self, prefix: str, seq_length: int, seed: int, num_samples: int,
-                 documents: tuple[int, int] | None = None, pad_id: int = 0) -> None:
-        self.prefix = prefix
+                 documents: tuple[int, int] | None = None, pad_id: int = 0, with_index: bool = False) -> None:
+        self.prefix, self.with_index = prefix, with_index
         self.chosen = SFTSamples(f"{prefix}_chosen", seq_length, seed, num_samples, documents, False, pad_id)
         self.rejected = SFTSamples(f"{prefix}_rejected", seq_length, seed, num_samples, documents, False, pad_id)
         if len(IndexedDataset(f"{prefix}_chosen")) != len(IndexedDataset(f"{prefix}_rejected")):
@@ -38,8 +41,15 @@ class PreferencePairs:
     def __len__(self) -> int:
         return len(self.chosen)
 
+    def document(self, i: int) -> int:
+        """The document (pair) index of sample ``i`` (one conversation per sample)."""
+        return int(self.chosen.order[int(self.chosen.sample_start[i % len(self)])])
+
     def __getitem__(self, i: int) -> np.ndarray:
-        return np.concatenate([self.chosen[i], self.rejected[i]])
+        rows = [self.chosen[i], self.rejected[i]]
+        if self.with_index:
+            rows.append(np.full((1, rows[0].shape[1]), self.document(i), np.int64))
+        return np.concatenate(rows)
 
 
 def build_preference_pairs_from_config(cfg, split: str, dp_size: int) -> PreferencePairs:
@@ -64,8 +74,11 @@ def build_preference_pairs_from_config(cfg, split: str, dp_size: int) -> Prefere
     if end <= begin:
         raise BlendSpecError(f"data.prefixes: {prefix} has no pairs in the {split} split ({count} in all, split "
                              f"{d.split}); change data.split")
+    precomputed = cfg.dpo.reference_logps == "precomputed"
     pairs = PreferencePairs(prefix, d.seq_length, d.seed, samples_needed(cfg, split, dp_size), (begin, end),
-                            manifest.get("eod_id") or 0)
+                            manifest.get("eod_id") or 0, with_index=precomputed)
+    # every pair's reference log-probs (the table is indexed by document), checked against this run
+    pairs.reference_logps = read_reference_logps(prefix, count, d.seq_length) if precomputed else None
     if pairs.truncated:
         log.warning("%s: answers longer than data.seq_length + 1 = %d tokens are cut to that length", prefix,
                     d.seq_length + 1)

@@ -2,12 +2,13 @@
 pair (``A``: r x in, ``B``: out x r) and ``W``, ``b`` frozen (Hu et al. 2021, as ``peft`` defines it).
 
 The adapter is a small strategy module a linear carries as ``adapter`` and applies to the same input: the
-one-device :class:`LoRALinear` here, and under TP the column/row-parallel linears of ``mmtrain.parallel.tensor``,
-which keep the adapter of the linear they replace. Its two linears are ordinary ``nn.Linear`` modules the TP plan
-shards as the family's sharding spec says (``adapter_entries``): for a column linear ``B`` is column-split like
-the weight (whole fused parts) and ``A`` whole; for a row linear ``A`` is row-split like the weight and ``B``
-whole. Parameter names: ``<linear>.adapter.lora_A.weight`` / ``lora_B.weight`` next to ``<linear>.weight``, so
-the base names (checkpoints, the HF bridge) are unchanged.
+one-device :class:`LoRALinear` here, and under TP the column/row-parallel (and TP-region entry) linears of
+``mmtrain.parallel.tensor``, which keep the adapter of the linear they replace. Its two linears are ordinary
+``nn.Linear`` modules the TP plan shards as the family's sharding spec says
+(``mmtrain.models.spec.lora_adapter_entries``): for a column linear ``B`` is column-split like the weight (whole
+fused parts) and ``A`` whole; for a row linear ``A`` is row-split like the weight and ``B`` whole; a replicated
+linear's adapter stays whole. Parameter names: ``<linear>.adapter.lora_A.weight`` / ``lora_B.weight`` next to
+``<linear>.weight``, so the base names (checkpoints, the HF bridge) are unchanged.
 """
 
 from __future__ import annotations
@@ -49,14 +50,24 @@ class LoRALinear(nn.Linear):
 def add_lora(module: nn.Module, targets: list[str], rank: int, alpha: float) -> list[str]:
     """Replace every ``nn.Linear`` of ``module`` whose local name (the last part of its path) is in ``targets``
     by a :class:`LoRALinear`; freeze all of ``module``'s other parameters. Returns the adapted paths."""
-    chosen = [(name, m) for name, m in module.named_modules()
+    chosen = [name for name, m in module.named_modules()
               if type(m) is nn.Linear and name.rpartition(".")[2] in targets]
+    return add_lora_at(module, chosen, rank, alpha)
+
+
+def add_lora_at(module: nn.Module, paths: list[str], rank: int, alpha: float) -> list[str]:
+    """Replace the ``nn.Linear`` at each of ``paths`` (module paths inside ``module``; a family chooses them from
+    its own names) by a :class:`LoRALinear`; freeze all of ``module``'s other parameters. Returns ``paths``."""
+    linears = [(name, module.get_submodule(name)) for name in paths]
+    for name, m in linears:
+        if type(m) is not nn.Linear:
+            raise TypeError(f"{name}: LoRA adapts plain nn.Linear modules, not {type(m).__name__}")
     for p in module.parameters():
         p.requires_grad_(False)
-    for name, linear in chosen:
+    for name, linear in linears:
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, child, LoRALinear(linear, rank, alpha))
-    return [name for name, _ in chosen]
+    return list(paths)
 
 
 @torch.no_grad()

@@ -72,10 +72,15 @@ def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, 
                        attention=None, moe_dispatch=None, lora=None) -> nn.Module:
     from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 
-    if lora is not None and lora.rank:
-        raise ValueError("LoRA is not implemented for deepseek_v3 (the config check refuses it)")
     return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post, attention=attention,
-                           moe_dispatch=moe_dispatch)
+                           moe_dispatch=moe_dispatch, lora=_resolved_lora(lora, m))
+
+
+def _resolved_lora(lora, m: ModelConfig):
+    """``lora`` with its targets resolved for ``m`` (empty = all the family allows), or None without LoRA."""
+    if lora is None or not lora.rank:
+        return None
+    return dataclasses.replace(lora, targets=list(lora.targets_for(m)))
 
 
 def _deepseek_v3_flops(m: ModelConfig, seq_length: int) -> float:
@@ -161,7 +166,18 @@ def _deepseek_v3_hf() -> HFAdapter:
         from mmtrain.models.deepseek_v3.hf_adapter import HFAdapterError
 
         return (HFAdapterError,)
-    return HFAdapter(("deepseek_v3",), config_from_hf, config_to_hf, state_from_hf, state_to_hf, errors)
+
+    def merge_lora(full, m, lora):
+        from mmtrain.models.deepseek_v3.lora_export import merge_lora as merge
+
+        return merge(full, m.deepseek_v3, _resolved_lora(lora, m))
+
+    def lora_to_peft(full, m, lora, base_model=""):
+        from mmtrain.models.deepseek_v3.lora_export import peft_adapter
+
+        return peft_adapter(full, m.deepseek_v3, _resolved_lora(lora, m), base_model)
+    return HFAdapter(("deepseek_v3",), config_from_hf, config_to_hf, state_from_hf, state_to_hf, errors,
+                     merge_lora, lora_to_peft)
 
 
 FAMILIES: dict[str, ModelFamily] = {

@@ -135,6 +135,26 @@ class ShardingSpec(Mapping):
         return self[name].tied_to or name
 
 
+def lora_adapter_entries(linear: str, weight: ParamSpec) -> dict[str, ParamSpec]:
+    """The spec entries of a LoRA adapter (``mmtrain.model.lora``) on ``linear``, from its weight's entry. Column
+    linear: ``B`` split like the weight (the same fused parts, its input already in the TP region), ``A`` whole,
+    its gradient partial over TP (each rank back-propagates through its slice of ``B``). Row linear: ``A`` split
+    like the weight (its partial outputs summed over TP), ``B`` whole (a partial gradient only under sequence
+    parallelism). Replicated linear: ``A`` and ``B`` whole with the weight's partial-gradient rule (a linear that
+    opens a TP region, ``tp_input: copy``, feeds per-rank column slices: its adapter's gradients are partial)."""
+    a, b = f"{linear}.adapter.lora_A.weight", f"{linear}.adapter.lora_B.weight"
+    if weight.tp == "column":
+        return {a: ParamSpec(tp_partial_grad="always", adapter=True),
+                b: ParamSpec("column", parts=weight.parts, unit=weight.unit, tp_input="local", adapter=True)}
+    if weight.tp == "row":
+        return {a: ParamSpec("row", unit=weight.unit, adapter=True),
+                b: ParamSpec(tp_partial_grad="sequence_parallel", adapter=True)}
+    if weight.tp != "replicated" or weight.expert_dim is not None:
+        raise ValueError(f"{linear}: no LoRA adapter for a {weight.tp} / expert-sliced tensor")
+    return {a: ParamSpec(tp_partial_grad=weight.tp_partial_grad, adapter=True),
+            b: ParamSpec(tp_partial_grad=weight.tp_partial_grad, adapter=True)}
+
+
 def merge_specs(*specs: ShardingSpec, family: str = "") -> ShardingSpec:
     """One spec from components with disjoint names (a VLM: encoders, projector, language model)."""
     out: dict[str, ParamSpec] = {}

@@ -71,10 +71,13 @@ class RegionEntryLinear(nn.Module):
         self.weight = full.weight
         self.bias = full.bias
         self.part_sizes = getattr(full, "part_sizes", (full.out_features,))
+        # a LoRA adapter on the same copied input, whole like this weight (its gradients partial over TP)
+        self.adapter = getattr(full, "adapter", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y + self.adapter(x) if self.adapter is not None else y
 
 
 class RowParallelLinear(nn.Module):

@@ -9,6 +9,9 @@ and how often the chosen one wins are logged. A micro-batch of B pairs runs as o
 gradients) and once through the policy; the loss sum is divided by the global pair count like a token loss.
 The reference is built like the policy (same layout) without LoRA adapters and loaded with the run's initial
 weights (``dpo.reference``, else the weights-only checkpoint the run starts from, else the same seeded init).
+With ``dpo.reference_logps: precomputed`` no reference is built: its log-probs come from the table
+``compute_reference_logps`` wrote beside the shards (``mmtrain.data.reference_logps``), looked up by each
+sample's pair index (the ninth row), and the step runs the policy only.
 """
 
 from __future__ import annotations
@@ -39,8 +42,16 @@ def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_c
 
 
 def pair_inputs(batch_B8S1: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A micro-batch of pairs as 2B sequences (chosen rows first): sft_step_inputs of them."""
-    return sft_step_inputs(torch.cat([batch_B8S1[:, :4], batch_B8S1[:, 4:]], dim=0))
+    """A micro-batch of pairs as 2B sequences (chosen rows first): sft_step_inputs of them (a ninth row, the
+    pair index, is not an input)."""
+    return sft_step_inputs(torch.cat([batch_B8S1[:, :4], batch_B8S1[:, 4:8]], dim=0))
+
+
+def table_logps(batch_B9S1: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The precomputed reference log-probs of a micro-batch's 2B sequences (chosen first), from ``table``
+    (pairs, 2) by the pair index in row 8, in fp32 as the reference model's ``sequence_logps`` gives them."""
+    index = batch_B9S1[:, 8, 0].to(table.device)
+    return torch.cat([table[index, 0], table[index, 1]]).float()
 
 
 def sequence_logps(token_losses_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.Tensor:
@@ -49,12 +60,15 @@ def sequence_logps(token_losses_BS: torch.Tensor, loss_mask_BS: torch.Tensor) ->
 
 
 def run_dpo_micro_batches(stage, reference, micro_batches: list[torch.Tensor], mesh, cfg, device, buckets,
-                          schedule) -> torch.Tensor:
-    """Reference forward pass, then the policy's forward (and backward when ``buckets`` is given), each through
-    ``schedule`` (the loop's ``schedule_micro_batches``); returns [loss sum, pairs, chosen reward sum, rejected
-    reward sum, pairs the chosen answer wins] (non-zero on the last stage)."""
+                          schedule, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference forward pass (or, with ``table``, the precomputed reference log-probs), then the policy's
+    forward (and backward when ``buckets`` is given), each through ``schedule`` (the loop's
+    ``schedule_micro_batches``); returns [loss sum, pairs, chosen reward sum, rejected reward sum, pairs the
+    chosen answer wins] (non-zero on the last stage)."""
     stats = torch.zeros(5, device=device, dtype=torch.float64)
     ref_logps: list[torch.Tensor | None] = [None] * len(micro_batches)
+    if table is not None:
+        ref_logps = [table_logps(b, table) for b in micro_batches]
     mbs, S = micro_batches[0].shape[0], micro_batches[0].shape[-1] - 1
     shape = (2 * mbs, S, cfg.model.shape().hidden_size)
     d = cfg.dpo
@@ -87,7 +101,8 @@ def run_dpo_micro_batches(stage, reference, micro_batches: list[torch.Tensor], m
         stats[4] += (chosen > rejected).sum().double()
         return total
 
-    schedule(reference_step, len(micro_batches), reference, mesh, cfg, device, None, shape)
+    if table is None:
+        schedule(reference_step, len(micro_batches), reference, mesh, cfg, device, None, shape)
     schedule(policy_step, len(micro_batches), stage, mesh, cfg, device, buckets, shape)
     return stats
 

@@ -195,14 +195,16 @@ def _gpt_task(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device, stage
         step_flops=lambda stats: gbs * cfg.data.seq_length * flops_tok, routed_experts=family.has_routed_experts(cfg.model))
 
 
-def _dpo_task(cfg, mesh, device, stage, reference, lm: StepTask) -> StepTask:
+def _dpo_task(cfg, mesh, device, stage, reference, lm: StepTask, table=None) -> StepTask:
     """DPO on the loop: the loss is per pair; FLOPs: the policy's forward+backward and the reference's forward
-    over both answers of every pair (2 sequences per sample, 4/3 of a training pass)."""
+    over both answers of every pair (2 sequences per sample, 4/3 of a training pass; the policy's alone with the
+    precomputed reference log-probs ``table``)."""
     gbs = global_batch_size(cfg, mesh.dims.dp)
-    flops = lm.step_flops(None) * 2 * 4 / 3 if gbs else 0.0
+    flops = lm.step_flops(None) * 2 * (1 if table is not None else 4 / 3) if gbs else 0.0
+    table = torch.as_tensor(table, device=device) if table is not None else None
     return StepTask(
         forward_backward=lambda micro, buckets: run_dpo_micro_batches(stage, reference, micro, mesh, cfg, device,
-                                                                      buckets, schedule_micro_batches),
+                                                                      buckets, schedule_micro_batches, table),
         step_flops=lambda stats: flops, extra_metrics=dpo_metrics, routed_experts=lm.routed_experts)
 
 
@@ -241,7 +243,9 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         val_batches = MicroBatches(_build_samples(cfg, "valid", dims.dp, index_builder), cfg.train.micro_batch_size,
                                    mesh.coord.dp, dims.dp, documents=documents)
     task = _gpt_task(cfg, mesh, device, stage)
-    if cfg.train.objective == "dpo":
+    if cfg.train.objective == "dpo" and cfg.dpo.reference_logps == "precomputed":
+        task = _dpo_task(cfg, mesh, device, stage, None, task, train_samples.reference_logps)
+    elif cfg.train.objective == "dpo":
         reference = build_reference(cfg, mesh, device, found, build_gpt_stage)
         if cfg.parallel.fsdp:  # sharded like the policy: its blocks gathered for their forward only (the
             fully_sharded_frozen(reference, mesh)  # buckets live on in the hooks they put on its blocks)

@@ -37,6 +37,7 @@ from mmtrain.model.head import LossHead
 from mmtrain.model.layers import MLP, RMSNorm
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.models.deepseek_v3.lora import add_adapters
 from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec
 from mmtrain.parallel.moe_dispatch import LocalDispatch, count_per_expert
 
@@ -230,11 +231,12 @@ class DeepseekV3Model(nn.Module):
     """DeepSeek-V3-style LM, or one pipeline stage of it (``layer_range`` of global layer indices; the first
     stage embeds, the last one normalizes, projects and computes per-token losses; ``attention``: the
     attention strategy every layer shares, default ``CausalAttention()``; ``moe_dispatch``: the MoE layers'
-    token-dispatch strategy, default local). Call ``init_weights``."""
+    token-dispatch strategy, default local; ``lora``: a ``LoraConfig`` with rank > 0 and its targets resolved
+    adds LoRA adapters (``mmtrain.models.deepseek_v3.lora``) and freezes the rest). Call ``init_weights``."""
 
     def __init__(self, cfg: DeepseekV3Config, layer_range: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True, attention=None,
-                 moe_dispatch: LocalDispatch | None = None) -> None:
+                 moe_dispatch: LocalDispatch | None = None, lora=None) -> None:
         super().__init__()
         self.cfg = cfg.check()
         start, end = layer_range or (0, cfg.num_layers)
@@ -249,11 +251,14 @@ class DeepseekV3Model(nn.Module):
         self.head = LossHead() if post_process else None  # the TP plan swaps in its vocab-parallel head
         self.sequence_parallel = False  # the layout a TP plan applied (resolves the spec's partial gradients)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.lora = lora if lora is not None and lora.rank else None
+        if self.lora is not None:
+            add_adapters(self, cfg, self.lora)
 
     def sharding_spec(self):
         """How every tensor of the whole model is sharded (``mmtrain.models.deepseek_v3.spec``)."""
         with torch.device("meta"):  # the whole model's names, whatever stage this is
-            names = list(DeepseekV3Model(self.cfg).state_dict())
+            names = list(DeepseekV3Model(self.cfg, lora=self.lora).state_dict())
 
         return deepseek_v3_sharding_spec(self.cfg, names).for_layout(self.sequence_parallel)
 
@@ -261,9 +266,16 @@ class DeepseekV3Model(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Deterministic per-parameter init keyed by (seed, name), as ``GPTModel``: any stage split gets the same
         values. Output projections (``attn.proj``, ``down``, ``w_down``) are scaled by 1/sqrt(2 * num_layers);
-        norms start at one, routing biases at zero."""
+        norms start at one, routing biases at zero; LoRA's ``B`` at zero (the adapted model starts as the base)."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.zero_()
+                continue
+            if name.endswith("lora_A.weight"):
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+                continue
             if p.ndim == 1:
                 p.fill_(1.0)
                 continue

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
-from mmtrain.models.spec import ParamSpec, ShardingSpec
+from mmtrain.models.spec import ParamSpec, ShardingSpec, lora_adapter_entries
 
 
 @dataclass(frozen=True)
@@ -115,5 +115,15 @@ def deepseek_v3_sharding_spec(cfg: DeepseekV3Config, names: list[str]) -> Shardi
     if "output.weight" not in names:
         names.append("output.weight")
     tied = "embed.weight" if cfg.tie_word_embeddings else None
-    return ShardingSpec({n: _param_spec(sharding_of(n), cfg, tied if n == "output.weight" else None) for n in names},
-                        "deepseek_v3")
+    out: dict[str, ParamSpec] = {}
+    for n in names:
+        adapted = re.fullmatch(_ADAPTER, n)
+        if adapted:  # a LoRA adapter: placed after its linear's weight
+            linear = adapted.group(1)
+            out.update(lora_adapter_entries(linear, _param_spec(sharding_of(f"{linear}.weight"), cfg)))
+        else:
+            out[n] = _param_spec(sharding_of(n), cfg, tied if n == "output.weight" else None)
+    return ShardingSpec(out, "deepseek_v3")
+
+
+_ADAPTER = r"(.+)\.adapter\.lora_[AB]\.weight"  # mmtrain.model.lora's names next to the adapted linear

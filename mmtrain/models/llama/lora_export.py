@@ -32,7 +32,7 @@ def _part_sizes(cfg: ModelConfig, target: str) -> list[int] | None:
 
 def _pairs(full: dict[str, torch.Tensor], cfg: ModelConfig, lora):
     for i in range(cfg.num_layers):
-        for target in lora.targets:
+        for target in lora.targets_for(cfg):
             linear = f"layers.{i}.{_TARGETS[target][0]}"
             yield i, target, linear, full[f"{linear}.adapter.lora_A.weight"], full[f"{linear}.adapter.lora_B.weight"]
 

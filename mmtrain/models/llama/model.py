@@ -56,7 +56,7 @@ class GPTModel(nn.Module):
                              persistent=False)
         self.lora = lora if lora is not None and lora.rank else None
         if self.lora is not None:
-            add_lora(self, list(self.lora.targets), self.lora.rank, self.lora.alpha)
+            add_lora(self, list(self.lora.targets_for(cfg)), self.lora.rank, self.lora.alpha)
 
     def sharding_spec(self) -> ShardingSpec:
         """How every tensor of the whole model is sharded (``mmtrain.models.llama.spec``), for this layout."""

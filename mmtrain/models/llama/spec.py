@@ -13,7 +13,7 @@ pipeline stage (``output.weight``) is tied to ``embed.weight``.
 from __future__ import annotations
 
 from mmtrain.config.schema import ModelConfig
-from mmtrain.models.spec import REPLICATED, ParamSpec, ShardingSpec
+from mmtrain.models.spec import REPLICATED, ParamSpec, ShardingSpec, lora_adapter_entries
 
 _SP_PARTIAL = ParamSpec(tp_partial_grad="sequence_parallel")
 
@@ -70,21 +70,6 @@ def block_entries(cfg: ModelConfig, prefix: str) -> dict[str, ParamSpec]:
     return out
 
 
-def adapter_entries(linear: str, weight: ParamSpec) -> dict[str, ParamSpec]:
-    """LoRA entries of one linear (``mmtrain.model.lora``) from its weight's entry. Column linear: ``B`` split like
-    the weight (the same fused parts, its input already in the TP region), ``A`` whole, its gradient partial over
-    TP (each rank back-propagates through its slice of ``B``). Row linear: ``A`` split like the weight (its partial
-    outputs summed over TP), ``B`` whole (a partial gradient only under sequence parallelism)."""
-    a, b = f"{linear}.adapter.lora_A.weight", f"{linear}.adapter.lora_B.weight"
-    if weight.tp == "column":
-        return {a: ParamSpec(tp_partial_grad="always", adapter=True),
-                b: ParamSpec("column", parts=weight.parts, unit=weight.unit, tp_input="local", adapter=True)}
-    if weight.tp == "row":
-        return {a: ParamSpec("row", unit=weight.unit, adapter=True),
-                b: ParamSpec(tp_partial_grad="sequence_parallel", adapter=True)}
-    return {a: ParamSpec(adapter=True), b: ParamSpec(adapter=True)}
-
-
 _LORA_LINEARS = {"qkv": "attn.qkv", "proj": "attn.proj", "up": "mlp.up", "down": "mlp.down"}
 
 
@@ -96,9 +81,9 @@ def llama_sharding_spec(cfg: ModelConfig, lora=None) -> ShardingSpec:
         block = block_entries(cfg, f"layers.{i}")
         out.update(block)
         if lora is not None and lora.rank:
-            for target in lora.targets:
+            for target in lora.targets_for(cfg):
                 linear = f"layers.{i}.{_LORA_LINEARS[target]}"
-                out.update(adapter_entries(linear, block[f"{linear}.weight"]))
+                out.update(lora_adapter_entries(linear, block[f"{linear}.weight"]))
     out.update(_norm_entries("norm", cfg, _SP_PARTIAL))
     out["output.weight"] = ParamSpec("vocab", tied_to="embed.weight" if cfg.tie_embeddings else None)
     return ShardingSpec(out, "llama")
