@@ -93,9 +93,9 @@ class EnergonRows:
         """Media samples all ranks had consumed when the stream started (0, or the loaded state's)."""
         return self.loader.first_micro_batch
 
-    def state_dict(self, consumed: int) -> dict:
-        """The whole multimodal loader state (plain JSON values) once ``consumed`` media samples are consumed:
-        collective over the data-parallel group."""
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """The whole multimodal loader state (plain JSON values) once ``consumed`` media samples are consumed
+        (None: as many as this rank's count implies): collective over the data-parallel group."""
         return self.loader.global_state_dict(consumed) if self.loader.training else {}
 
     def load_state_dict(self, state: dict) -> None:
