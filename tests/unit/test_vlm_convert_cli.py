@@ -105,7 +105,8 @@ def _write_wav(path, seconds: float, rate: int, channels: int = 2) -> None:
     import wave
 
     t = torch.arange(int(seconds * rate)) / rate
-    x = 0.5 * torch.sin(2 * torch.pi * (200 + 600 * t) * t) + 0.05 * torch.randn(len(t), generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(len(t), generator=torch.Generator().manual_seed(0))
+    x = 0.5 * torch.sin(2 * torch.pi * (200 + 600 * t) * t) + 0.05 * noise
     frames = (x.clamp(-1, 1) * 32767).to(torch.int16)[:, None].expand(-1, channels).contiguous()
     with wave.open(str(path), "wb") as w:
         w.setnchannels(channels)
