@@ -2,8 +2,9 @@
 
 Both models are built on the CPU in fp32: the HF one with ``transformers`` from ``--hf``, ours from the
 checkpoint's full tensors (any saved layout). The input: ``--image`` (resized to the tower's size, scaled
-to [-1, 1]; deterministic noise without it), ``--audio`` (a waveform file: its log-mel features from mmtrain's
-front end, padded to the encoder's length; Whisper takes the same features) and ``--text`` (the HF folder's
+to [-1, 1]; deterministic noise without it), ``--audio`` (for a Whisper folder: any file PyAV decodes, downmixed
+and resampled; its log-mel features from mmtrain's front end, cut or padded to the encoder's length; Whisper takes
+the same features; read before any model is built) and ``--text`` (the HF folder's
 tokenizer when it has one, else the UTF-8 bytes modulo the vocabulary), placeholders for the image before the
 text. Printed: the max |difference| of each part's features and of the logits; ``compare`` returns the largest.
 """
