@@ -2,8 +2,9 @@
 
 Both models are built on the CPU in fp32: the HF one with ``transformers`` from ``--hf``, ours from the
 checkpoint's full tensors (any saved layout). The input: ``--image`` (resized to the tower's size, scaled
-to [-1, 1]; deterministic noise without it), ``--audio`` (a waveform file: its log-mel features from mmtrain's
-front end, padded to the encoder's length; Whisper takes the same features) and ``--text`` (the HF folder's
+to [-1, 1]; deterministic noise without it), ``--audio`` (for a Whisper folder: any file PyAV decodes, downmixed
+and resampled; its log-mel features from mmtrain's front end, cut or padded to the encoder's length; Whisper takes
+the same features; read before any model is built) and ``--text`` (the HF folder's
 tokenizer when it has one, else the UTF-8 bytes modulo the vocabulary), placeholders for the image before the
 text. Printed: the max |difference| of each part's features and of the logits; ``compare`` returns the largest.
 """
@@ -54,16 +55,42 @@ def _text_ids(hf_dir: str | Path, text: str, vocab: int, avoid: set[int]) -> lis
     return [i % vocab if i % vocab not in avoid else 0 for i in ids]
 
 
-def _mel(path: str | None, audio_enc, frames: int) -> torch.Tensor:
+def _read_audio(path: str) -> tuple[torch.Tensor, int]:
+    """(channels, samples) in [-1, 1] and the rate of the file's first audio stream, decoded by PyAV (FFmpeg:
+    WAV, FLAC, MP3, ...), as ``mmtrain-prep media`` reads audio; torchaudio's own loader needs TorchCodec."""
+    import av
+    import numpy as np
+
+    try:
+        with av.open(path) as container:
+            stream = container.streams.audio[0]
+            chunks = []
+            for frame in container.decode(stream):
+                x = frame.to_ndarray()
+                x = x.reshape(-1, frame.samples) if frame.format.is_planar else x.reshape(frame.samples, -1).T
+                if np.issubdtype(x.dtype, np.unsignedinteger):  # u8: offset binary
+                    x = (x.astype(np.float32) - 128.0) / 128.0
+                elif np.issubdtype(x.dtype, np.integer):  # s16 / s32 PCM -> [-1, 1]
+                    x = x.astype(np.float32) / float(np.iinfo(x.dtype).max + 1)
+                chunks.append(x.astype(np.float32))
+            rate = int(stream.rate)
+    except (IndexError, av.FFmpegError, OSError, ValueError) as exc:
+        reason = "it has no audio stream" if isinstance(exc, IndexError) else str(exc)
+        raise ConvertError(f"--audio {path}: not a readable audio file ({reason})") from None
+    if not chunks:
+        raise ConvertError(f"--audio {path}: the file holds no audio frames")
+    return torch.from_numpy(np.concatenate(chunks, axis=1)), rate
+
+
+def _mel(audio: tuple[torch.Tensor, int] | None, audio_enc, frames: int) -> torch.Tensor:
+    """The encoder's log-mel input: ``frames`` frames of ``audio`` (``_read_audio``'s; mono, at the encoder's
+    rate, cut or padded with zeros), or deterministic noise features without it."""
     n_mels = audio_enc.cfg.n_mels
-    if path is None:
+    if audio is None:
         return torch.randn(1, n_mels, frames, generator=torch.Generator().manual_seed(1))
     import torchaudio
 
-    try:
-        wave, rate = torchaudio.load(path)
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is a bad input file
-        raise ConvertError(f"--audio {path}: not a readable audio file ({exc})") from None
+    wave, rate = audio
     wave = torchaudio.functional.resample(wave.mean(0, keepdim=True), rate, audio_enc.cfg.sample_rate)
     mel = audio_enc.log_mel(wave)[..., :frames]
     return torch.nn.functional.pad(mel, (0, frames - mel.shape[-1]))
@@ -82,6 +109,9 @@ def compare(hf_dir: str | Path, ckpt: str | Path, image: str | None = None, audi
     """Run both models and print per-part max |diff|; returns the largest."""
     hf_config: dict[str, Any] = read_hf_config(hf_dir)
     kind = hf_config.get("model_type")
+    if audio is not None and kind != "whisper":
+        raise ConvertError(f"--audio {audio}: --hf {hf_dir} is a {kind!r} model; --audio is for a Whisper encoder")
+    waveform = _read_audio(audio) if audio is not None else None  # a bad file fails before any model is loaded
     hf = _hf_model(hf_dir, kind)
     diffs: dict[str, float] = {}
     if kind in ("llava", "clip_vision_model", "siglip_vision_model", "whisper"):
@@ -89,7 +119,7 @@ def compare(hf_dir: str | Path, ckpt: str | Path, image: str | None = None, audi
         if kind == "whisper":
             ours = part_module(cfg, "audio").eval()
             ours.load_state_dict({k.removeprefix("audio."): v for k, v in full.items()})
-            mel = _mel(audio, ours, 2 * cfg.audio.max_frames)
+            mel = _mel(waveform, ours, 2 * cfg.audio.max_frames)
             diffs["audio features"] = _diff(hf.encoder(mel).last_hidden_state, ours.encode_log_mel(mel), "audio")
         elif kind != "llava":
             ours = part_module(cfg, "vision").eval()

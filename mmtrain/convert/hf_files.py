@@ -83,8 +83,8 @@ def _shard_files(folder: Path, index: Path, verify: bool) -> list[str]:
     return files
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file; a header that does not fit the file is a one-line error."""
+def _check_header(path: Path) -> None:
+    """A header that does not fit the file is a one-line error."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -92,16 +92,26 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if header_len < 2 or 8 + header_len > size:
         raise HFFolderError(f"{path}: its header length does not fit the file's {size} bytes (truncated, or not a "
                             "safetensors file?)")
+
+
+def _load_safetensors(path: Path, lazy: bool = False) -> dict[str, Any]:
+    """The tensors of one safetensors file (``lazy``: as ``LazyTensor``s, only the header read)."""
+    _check_header(path)
     try:
+        if lazy:
+            from mmtrain.convert.lazy_tensors import lazy_safetensors
+
+            return lazy_safetensors(path)
         return _safetensors().load_file(str(path))
     except Exception as exc:  # noqa: BLE001 - safetensors' own errors (header, offsets, sizes) name no file
         raise HFFolderError(f"{path}: not a valid safetensors file ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}); export or download it again") from None
 
 
-def read_hf_tensors(folder: str | Path, verify: bool = True) -> dict[str, torch.Tensor]:
+def read_hf_tensors(folder: str | Path, verify: bool = True, lazy: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of the folder, keyed by HF name (sharded or single-file safetensors); with ``verify``, each
-    file is checked against ``mmtrain-checksums.json`` when the folder has one."""
+    file is checked against ``mmtrain-checksums.json`` when the folder has one. ``lazy``: ``LazyTensor``s
+    (``mmtrain.convert.lazy_tensors``) that read only what is used of them, e.g. one tensor-parallel shard."""
     folder = Path(folder)
     index = folder / INDEX_NAME
     if index.is_file():
@@ -114,7 +124,7 @@ def read_hf_tensors(folder: str | Path, verify: bool = True) -> dict[str, torch.
         raise FileNotFoundError(f"{folder}: neither {INDEX_NAME} nor {SINGLE_NAME}{hint}")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        for key, t in _load_safetensors(_checked(folder, name, verify)).items():
+        for key, t in _load_safetensors(_checked(folder, name, verify), lazy).items():
             if key in tensors:
                 raise HFFolderError(f"{folder / name}: tensor {key} is in another file of the folder too")
             tensors[key] = t

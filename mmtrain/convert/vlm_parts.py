@@ -7,8 +7,10 @@ parts), a converted or trained VLM checkpoint holding the part, or (language) a 
 shape must be the run's (the fields that change what the weights compute, e.g. ``model.vision.class_token``);
 which block LLaVA-style feature selection reads (``feature_layer``, ``drop_first_token``) is the run's choice.
 A missing tensor of a given component, or an unused tensor of a source, is an error unless the run lists it
-(``init.expect_missing`` / ``init.expect_unused``). Every rank reads the parts' full tensors and keeps its own
-TP shards (placement from the model's sharding spec).
+(``init.expect_missing`` / ``init.expect_unused``). Each rank keeps its own TP shards (placement from the
+model's sharding spec); from a Hugging Face folder it reads only those (``safe_open(...).get_slice``, through
+``mmtrain.convert.lazy_tensors``; a tensor the import transposes or stacks, e.g. Mixtral experts, is read whole),
+from a checkpoint the part's full tensors.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mmtrain.convert.checkpoint_io import (
     resolve_checkpoint_folder,
 )
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors
+from mmtrain.convert.lazy_tensors import materialize
 from mmtrain.convert.vlm_convert import is_vlm_checkpoint, read_vlm_checkpoint, vlm_from_hf
 from mmtrain.model.vlm import VLMModel
 from mmtrain.models import encoders_hf, llava_hf
@@ -54,7 +57,7 @@ def read_part(source: str | Path, part: str) -> tuple[Any, dict[str, torch.Tenso
         hf_config = read_hf_config(folder)
         kind = hf_config.get("model_type")
         if kind in (*encoders_hf.VISION_TYPES, *encoders_hf.AUDIO_TYPES, *llava_hf.LLAVA_TYPES):
-            cfg, full, parts, skipped = vlm_from_hf(hf_config, read_hf_tensors(folder))
+            cfg, full, parts, skipped = vlm_from_hf(hf_config, read_hf_tensors(folder, lazy=True))
             if part not in parts:
                 raise ConvertError(f"init.{part}={source}: a {kind} folder holds {', '.join(parts)}, not {part}")
             return _part_cfg(cfg, part), _strip_part(full, part), skipped
@@ -66,7 +69,7 @@ def read_part(source: str | Path, part: str) -> tuple[Any, dict[str, torch.Tenso
             lm = adapter.config_from_hf(hf_config)
         except KeyError as exc:
             raise ConvertError(f"init.language={source}/config.json: no {exc.args[0]!r}") from None
-        return lm, adapter.state_from_hf(read_hf_tensors(folder), lm), []
+        return lm, adapter.state_from_hf(read_hf_tensors(folder, lazy=True), lm), []
     meta = read_checkpoint_json(resolve_checkpoint_folder(folder))
     if is_vlm_checkpoint(meta):
         full, cfg, _, parts = read_vlm_checkpoint(folder)
@@ -143,7 +146,7 @@ def load_vlm_parts(model: torch.nn.Module, cfg: VLMModelConfig, sources: dict[st
             key = spec.stored_name(name).removeprefix(part + ".")
             if key not in tensors:
                 continue
-            piece = tp_shard_of(name, tensors[key], spec, tp_rank, tp)
+            piece = materialize(tp_shard_of(name, tensors[key], spec, tp_rank, tp))  # reads this rank's rows
             if piece.shape != t.shape:
                 raise ConvertError(f"{name}: init.{part}={source} has global shape {tuple(tensors[key].shape)}, "
                                    f"this rank's shard is {tuple(t.shape)} (does model.{part} match the source?)")

@@ -134,7 +134,8 @@ class MultimodalLoader:
                                   shuffle_buffer_size=options.shuffle_buffer_size,
                                   max_samples_per_sequence=options.max_samples_per_sequence,
                                   packing_buffer_size=options.packing_buffer_size, seed=options.seed_offset)
-            self.consumed_micro_batches = 0  # global: micro-batches all ranks together have taken
+            self._start = 0  # global micro-batches consumed when this loader started (0, or a loaded state's)
+            self._taken = 0  # micro-batches this rank has taken since
             self._restored: dict[int, dict] = {}
             self._reader = None
             # fail early on a source energon cannot split into the slices (the reader rebuilds them)
@@ -151,9 +152,25 @@ class MultimodalLoader:
     # ---- training ---------------------------------------------------------------------------------------
 
     @property
+    def consumed_micro_batches(self) -> int:
+        """Global micro-batches consumed when every rank has taken as many as this one (the lockstep count)."""
+        return self._start + self._taken * self.dp_size
+
+    @property
+    def first_micro_batch(self) -> int:
+        """Global micro-batches consumed when this loader started (0, or the loaded state's): this rank takes
+        micro-batches ``first_micro_batch + dp_rank + k * dp`` for k = 0, 1, ..."""
+        return self._start
+
+    @property
     def batches_yielded(self) -> int:
         """Micro-batches per rank so far at the current data-parallel size (global count / dp)."""
         return self.consumed_micro_batches // self.dp_size
+
+    def _taken_by_rank_at(self, consumed: int) -> int:
+        """How many micro-batches this rank has taken once global micro-batches ``0 .. consumed-1`` are consumed
+        (it takes ``start + dp_rank + k * dp`` for k = 0, 1, ...)."""
+        return max(0, -(-(consumed - self._start - self.dp_rank) // self.dp_size))
 
     def __iter__(self):
         return self if self.training else iter(self.loader)
@@ -163,32 +180,43 @@ class MultimodalLoader:
             raise TypeError(f"the {self.split!r} loader is finite: iterate it with a for loop (one pass each)")
         mine = self.consumed_micro_batches + self.dp_rank
         if self._reader is None:
-            order = rank_slices(self.consumed_micro_batches, self.dp_rank, self.dp_size, self.spec.num_slices)
+            order = rank_slices(self._start, self.dp_rank, self.dp_size, self.spec.num_slices)
             if self.options.num_workers == 0:
                 self._reader = InProcessReader(self.spec, order, self._restored)
             else:
                 self._reader = WorkerPoolReader(self.spec, order, self._restored, self.options.num_workers,
                                                 self.options.prefetch_factor)
         batch = self._reader.next(mine % self.spec.num_slices)
-        self.consumed_micro_batches += self.dp_size
+        self._taken += 1
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """This rank's part of the loader state: JSON-compatible, the same ``consumed_micro_batches`` on every
         rank, the states of the slices this rank reads. Merge all dp ranks' parts (``global_state_dict``) to
-        resume at another data-parallel size."""
+        resume at another data-parallel size.
+
+        ``consumed``: the global count of consumed micro-batches when the ranks do not take them in lockstep
+        (a VLM's media rows: a rank takes as many per step as its rows need, always the next of its own
+        ``start + dp_rank (mod dp)`` sequence); this rank must have taken exactly its share of them."""
         if not self.training:
             raise TypeError(f"the {self.split!r} loader has no state: every pass reads the same batches")
+        if consumed is None:
+            consumed = self.consumed_micro_batches
+        elif consumed < self._start or self._taken_by_rank_at(consumed) != self._taken:
+            raise ValueError(f"multimodal loader state at {consumed} consumed micro-batches: data-parallel rank "
+                             f"{self.dp_rank} has taken {self._taken} since {self._start}, not its share "
+                             f"{self._taken_by_rank_at(consumed)}; the ranks are out of step (a bug)")
         states = dict(self._restored) if self._reader is None else {**self._restored, **self._reader.states()}
-        mine = set(rank_slices(self.consumed_micro_batches, self.dp_rank, self.dp_size, self.spec.num_slices))
-        return {"version": STATE_VERSION, "consumed_micro_batches": self.consumed_micro_batches,
+        mine = set(rank_slices(self._start, self.dp_rank, self.dp_size, self.spec.num_slices))
+        return {"version": STATE_VERSION, "consumed_micro_batches": consumed,
                 "micro_batch_size": self.spec.micro_batch_size, "num_slices": self.spec.num_slices,
                 "seed": self.spec.seed, "slices": {str(s): st for s, st in sorted(states.items()) if s in mine}}
 
-    def global_state_dict(self) -> dict[str, Any]:
+    def global_state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """The whole loader state (every slice), the same on every rank: collective over the dp group. Save it
-        once per checkpoint (it is replicated); any data-parallel size dividing ``num_slices`` resumes from it."""
-        own = self.state_dict()
+        once per checkpoint (it is replicated); any data-parallel size dividing ``num_slices`` resumes from it.
+        ``consumed``: as for ``state_dict``."""
+        own = self.state_dict(consumed)
         if self.dp_size == 1:
             return own
         import torch.distributed as dist
@@ -203,6 +231,7 @@ class MultimodalLoader:
             raise TypeError(f"the {self.split!r} loader has no state: every pass reads the same batches")
         if self._reader is not None:
             raise RuntimeError("MultimodalLoader.load_state_dict must be called before the first batch is drawn")
+        _check_state_shape(state)
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"multimodal loader state version {state.get('version')!r} is not {STATE_VERSION}; it "
                              "was written by another mmtrain version (version 1: energon per-rank states), whose "
@@ -228,7 +257,7 @@ class MultimodalLoader:
                 raise ValueError(f"multimodal loader state: slice {s} has given {slices[s]['batches']} batches, "
                                  f"but {want} after {consumed} consumed micro-batches; the state is inconsistent")
             restored[s] = slices[s]
-        self.consumed_micro_batches, self._restored = consumed, restored
+        self._start, self._taken, self._restored = consumed, 0, restored
 
     def close(self) -> None:
         """Stop the worker processes (also done when the loader is garbage-collected)."""
@@ -239,6 +268,31 @@ class MultimodalLoader:
     def __del__(self):
         with contextlib.suppress(Exception):  # at interpreter exit the queues may be gone; workers are daemons
             self.close()
+
+
+_STATE_KEYS = {"version": int, "consumed_micro_batches": int, "micro_batch_size": int, "num_slices": int,
+               "seed": int, "slices": dict}
+
+
+def _check_state_shape(state: Any) -> None:
+    """A state that is not what ``state_dict`` writes (edited, truncated, another program's) is a one-line
+    ``ValueError`` naming the key, never a ``KeyError`` from deep inside."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the multimodal loader state is a {type(state).__name__}, not a mapping; it is damaged")
+    if state.get("version") != STATE_VERSION:
+        return  # the version message says more
+    for key, kind in _STATE_KEYS.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"the multimodal loader state's {key!r} is {value!r}, not a {kind.__name__}; the state "
+                             "is damaged -- resume from an earlier checkpoint")
+    if state["consumed_micro_batches"] < 0:
+        raise ValueError(f"the multimodal loader state's 'consumed_micro_batches' is {state['consumed_micro_batches']}")
+    for key, slice_state in state["slices"].items():
+        if (not str(key).isdigit() or not isinstance(slice_state, dict) or "energon" not in slice_state
+                or not isinstance(slice_state.get("batches"), int)):
+            raise ValueError(f"the multimodal loader state's slice {key!r} is not a slice state (batches and "
+                             "energon); the state is damaged -- resume from an earlier checkpoint")
 
 
 def merge_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,9 +4,16 @@
 Global row ``n`` (rows are numbered over all data-parallel ranks, as ``MicroBatches`` numbers samples) is a text
 row when ``floor((n + 1) * f) > floor(n * f)`` for the text fraction ``f``, so after any ``n`` rows exactly
 ``floor(n * f)`` were text: the mix is exact and the same for every layout. Text row ``n`` is text sample
-``floor(n * f)`` of the GPT samples; a media row is the next sample of this rank's energon stream (energon shards
-its data over the data-parallel ranks itself), or, for ``data.mock``, synthetic media sample ``n - floor(n * f)``.
-State: the global row count plus this rank's part of the multimodal loader state (plain JSON values).
+``floor(n * f)`` of the GPT samples; a media row is media sample ``m = n - floor(n * f)``: for ``data.mock`` a
+synthetic one, else micro-batch ``m`` of the multimodal loader's global order (``mmtrain.data.multimodal_slices``).
+
+Rows ``C .. C + dp * mbs - 1`` (``C``: rows consumed) form one round, a micro-batch for each rank. Mock rows are
+dealt out in blocks (rank ``r`` takes rows ``C + r * mbs ..``). Energon rows come from streams: rank ``r`` reads
+only media samples ``m = B + r (mod dp)`` (``B``: media samples consumed when the loader started), so a round's
+media rows go to the ranks by that rule and its text rows fill the places left, in rank order. Every rank thus
+reads its own slices only, and the samples of each step are those of one process's run at any layout.
+State: the global row count plus the whole multimodal loader state (gathered over the data-parallel ranks at
+save: a resume at another data-parallel or context-parallel size continues it).
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from typing import Any
 import torch
 
 from mmtrain.data.media_batch import IGNORE_INDEX, MediaBatch, concat_rows, text_rows
+
+
+_STATE_VERSION = 2  # 2: the energon part is the whole (gathered) loader state, media rows dealt by stream
 
 
 class MockMediaSamples:
@@ -73,9 +83,20 @@ class EnergonRows:
         raise ValueError("the multimodal valid split has no samples; add valid shards (mmtrain-prep media "
                          "--val-ratio) or set train.eval_every=0")
 
-    def state_dict(self) -> dict:
-        """This rank's part of the multimodal loader state (plain JSON values)."""
-        return self.loader.state_dict() if self.loader.training else {}
+    @property
+    def stream(self) -> bool:
+        """True for the training loader: an endless stream in which this rank reads its own samples."""
+        return self.loader.training
+
+    @property
+    def start(self) -> int:
+        """Media samples all ranks had consumed when the stream started (0, or the loaded state's)."""
+        return self.loader.first_micro_batch
+
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """The whole multimodal loader state (plain JSON values) once ``consumed`` media samples are consumed
+        (None: as many as this rank's count implies): collective over the data-parallel group."""
+        return self.loader.global_state_dict(consumed) if self.loader.training else {}
 
     def load_state_dict(self, state: dict) -> None:
         if self.loader.training and state:
@@ -111,18 +132,62 @@ class VLMBatches:
             return self.media.row(n - t)
         return self.media.next()
 
+    def _is_text(self, n: int) -> bool:
+        return self._texts_before(n + 1) > self._texts_before(n)
+
+    def _my_rows(self, first: int) -> list[int]:
+        """The global rows of the round starting at row ``first`` that this rank takes (see the module doc)."""
+        rows = range(first, first + self.mbs * self.dp_size)
+        if not (isinstance(self.media, EnergonRows) and self.media.stream) or self.dp_size == 1:
+            start = first + self.dp_rank * self.mbs
+            return list(range(start, start + self.mbs))
+        rank_of: dict[int, int] = {}
+        room = [self.mbs] * self.dp_size
+        for n in rows:  # media rows to the rank whose stream holds their sample
+            if not self._is_text(n):
+                rank_of[n] = (n - self._texts_before(n) - self.media.start) % self.dp_size
+                room[rank_of[n]] -= 1
+        q = 0
+        for n in rows:  # text rows fill the places left, rank by rank
+            if n not in rank_of:
+                while room[q] == 0:
+                    q += 1
+                rank_of[n] = q
+                room[q] -= 1
+        return [n for n in rows if rank_of[n] == self.dp_rank]
+
     def next(self) -> MediaBatch:
-        start = self.consumed_rows + self.dp_rank * self.mbs
+        mine = self._my_rows(self.consumed_rows)
         self.consumed_rows += self.mbs * self.dp_size
-        return concat_rows([self._row(n) for n in range(start, start + self.mbs)])
+        return concat_rows([self._row(n) for n in mine])
 
     def state_dict(self) -> dict[str, Any]:
+        """The global row count and (energon media) the whole multimodal loader state: collective over the
+        data-parallel group, the same on every rank."""
         state: dict[str, Any] = {"consumed_rows": self.consumed_rows}
         if isinstance(self.media, EnergonRows):
-            state["energon"] = self.media.state_dict()
+            state["version"] = _STATE_VERSION
+            state["energon"] = self.media.state_dict(self.consumed_rows - self._texts_before(self.consumed_rows))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.consumed_rows = int(state["consumed_rows"])
-        if isinstance(self.media, EnergonRows) and "energon" in state:
-            self.media.load_state_dict(state["energon"])
+        """Continue from ``state_dict()``'s state, at any data-parallel size (``ValueError`` on a state that does
+        not fit: one line naming what differs)."""
+        rows = state.get("consumed_rows") if isinstance(state, dict) else None
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            raise ValueError(f"the VLM loader state's 'consumed_rows' is {rows!r}, not a row count; the state is "
+                             "damaged -- resume from an earlier checkpoint")
+        if isinstance(self.media, EnergonRows) and self.media.stream and "energon" in state:
+            media_rows = rows - self._texts_before(rows)
+            energon = state["energon"]
+            if state.get("version") != _STATE_VERSION:  # one rank's part, its stream's own count (older versions)
+                if self.text_fraction > 0.0 and self.dp_size > 1:
+                    raise ValueError("the VLM loader state was saved by an older mmtrain, whose ranks mixed text and "
+                                     "media rows in another order; resume it with that version, or start from its "
+                                     "weights with init_from")
+            elif not isinstance(energon, dict) or energon.get("consumed_micro_batches") != media_rows:
+                got = energon.get("consumed_micro_batches") if isinstance(energon, dict) else energon
+                raise ValueError(f"the VLM loader state has {rows} rows consumed, {media_rows} of them media, but its "
+                                 f"multimodal loader state has {got!r}; the state is inconsistent")
+            self.media.load_state_dict(energon)
+        self.consumed_rows = rows

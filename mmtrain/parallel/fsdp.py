@@ -238,6 +238,10 @@ class FsdpBuckets:
         b.shard_grad.add_(out)
 
     @torch.no_grad()
+    def launch_pending(self) -> None:
+        """Nothing: the fully sharded units are reduced per micro-batch as their gradients arrive (the bucket
+        interface's hook for GradBuckets, which launches its waiting reductions here)."""
+
     def finish(self, num_tokens: float | torch.Tensor) -> None:
         """Reduce what is left (units some of whose parameters got no gradient, the resident buckets), scale by
         1 / num_tokens, free every unit."""

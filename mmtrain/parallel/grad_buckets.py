@@ -112,6 +112,7 @@ class GradBuckets:
         for b in self.buckets:
             b.pending = {id(p) for p in b.params}
             b.handle = None
+        self._next_launch = 0
 
     def last_backward(self) -> None:
         """Call before the backward of the step's last micro-batch: ready buckets are reduced from then on."""
@@ -124,7 +125,26 @@ class GradBuckets:
         if self.sync_now:
             b = self.bucket_of[id(p)]
             b.pending.discard(id(p))
-            if not b.pending and not b.late and self.overlap:
+            if not b.pending and self.overlap:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch the ready buckets in bucket order, stopping at the first one still waiting for a gradient. Every
+        rank so issues its reductions in the same order, also when a parameter gets no gradient on some ranks
+        (a VLM's vision tower on a micro-batch of text rows): a bucket that is ready on one rank only waits."""
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if b.pending or b.late:
+                return
+            self._launch(b)
+            self._next_launch += 1
+
+    def launch_pending(self) -> None:
+        """After the step's backward, before any other collective: launch every bucket not launched yet, in
+        order (those that waited for a gradient that never came on this rank). Late buckets wait for ``finish``:
+        their tied gradients are summed over the pipeline stages first."""
+        for b in self.buckets:
+            if not b.late:
                 self._launch(b)
 
     def _launch(self, b: Bucket) -> None:

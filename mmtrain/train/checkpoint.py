@@ -59,8 +59,8 @@ def _trainable_names(model: torch.nn.Module) -> list[str]:
 
 def _rank_file_for(saved_layout: dict, mesh: ParallelMesh) -> int:
     """Which saved rank's JSON this rank reads at another layout: one of the same data-parallel (and context-
-    parallel) coordinate when the saved run had the same dp and cp sizes (its loader state is this rank's
-    data: a VLM's media rows are per dp rank), else rank 0's (a loader whose state is global resumes from any)."""
+    parallel) coordinate when the saved run had the same dp and cp sizes (a VLM checkpoint of earlier versions
+    holds that rank's part of the media state), else rank 0's (a global loader state resumes from any)."""
     d, c = mesh.dims, mesh.coord
     if saved_layout.get("dp") == d.dp and saved_layout.get("cp") == d.cp and saved_layout.get("tp"):
         return saved_layout["tp"] * (c.cp + d.cp * c.dp)  # rank = tp + TP * (cp + CP * (dp + DP * pp)), tp = pp = 0

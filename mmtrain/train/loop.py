@@ -28,7 +28,8 @@ from mmtrain.parallel.grad_buckets import GradBuckets
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.dpo import build_reference, dpo_metrics, run_dpo_micro_batches
-from mmtrain.train.checkpoint import CheckpointWriter, find_checkpoint, is_weights_only, load_checkpoint
+from mmtrain.train.checkpoint import (CheckpointError, CheckpointWriter, find_checkpoint, is_weights_only,
+                                      load_checkpoint)
 from mmtrain.train.fsdp_setup import fully_sharded_buckets, fully_sharded_frozen
 from mmtrain.train.faults import (CollectiveTimeout, NonFiniteError, collective_timeout_report, is_collective_timeout,
                                   nonfinite_report)
@@ -293,9 +294,12 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     if found is not None and not weights_only:
         restored = load_checkpoint(found, mesh, stage, optimizer, device, verify=cfg.checkpoint.verify)
         start_step = restored["step"]
-        batches.load_state_dict(restored["loader"])
-        if val_batches is not None and restored["valid_loader"] is not None:  # evaluations continue their order
-            val_batches.load_state_dict(restored["valid_loader"])
+        try:
+            batches.load_state_dict(restored["loader"])
+            if val_batches is not None and restored["valid_loader"] is not None:  # evaluations continue their order
+                val_batches.load_state_dict(restored["valid_loader"])
+        except ValueError as exc:  # a loader state this run's data cannot continue: one line, no traceback
+            raise CheckpointError(f"{found}: cannot resume the data loader: {exc}") from None
     sinks = []
     if cfg.logging.wandb and mesh.rank == 0:  # wandb is imported here, on rank 0 only
         sinks.append(WandbSink(cfg.logging, cfg.logging.run_dir, dataclasses.asdict(cfg)))
@@ -406,6 +410,8 @@ class _Run:
             b.reset()
         self.phase = "forward/backward"
         local = self.task.forward_backward(micro_batches, self.buckets)
+        for b in self.buckets:  # the gradient reductions a rank has not started yet go first, on every rank
+            b.launch_pending()
         for h in self.hooks:
             h.after_backward(step)
         self.phase = "gradient reduction"

@@ -63,18 +63,6 @@ def _load_stage_weights(init_from: str, mesh: ParallelMesh, model: torch.nn.Modu
     get_logger("train").info(f"initialized the weights from {folder}; training starts at step 0")
 
 
-def _check_resume_data_layout(found: Path, mesh: ParallelMesh) -> None:
-    """Weights and optimizer reshard to any layout, but the media rows of each data-parallel rank come from its
-    own energon stream (not in lockstep with the others): their loader state resumes at the same dp x cp only."""
-    import json
-
-    saved = json.loads((found / "complete.json").read_text()).get("layout") or {}
-    if (saved.get("dp"), saved.get("cp")) != (mesh.dims.dp, mesh.dims.cp):
-        raise ConfigError(f"{found}: saved at dp={saved.get('dp')}, cp={saved.get('cp')}; this run has dp="
-                          f"{mesh.dims.dp}, cp={mesh.dims.cp}. A VLM on media shards resumes at another tp/pp but "
-                          "the same dp and cp (start from its weights with init_from at any layout instead)")
-
-
 def _load_parts(cfg: VLMRunConfig, mesh: ParallelMesh, model: torch.nn.Module) -> None:
     """``init.*``: the pretrained parts' weights into this rank's stage, the report in the log (rank 0)."""
     from mmtrain.convert.checkpoint_io import ConvertError
@@ -158,8 +146,6 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         raise ConfigError(f"checkpoint.load={cfg.checkpoint.load}: a weights-only (converted) checkpoint is no "
                           "resume point (no optimizer or loader state); start from it with init_from (a whole VLM, "
                           "e.g. a converted LLaVA) or init.vision / init.language (its parts)")
-    if found is not None and not cfg.data.mock:
-        _check_resume_data_layout(found, mesh)
     lr_schedule = resolve_resume(found, cfg, mesh.dims.dp)  # before the data is built: a changed order is an error
     if found is None and cfg.init_from:
         _load_stage_weights(cfg.init_from, mesh, model, cfg.checkpoint.verify)

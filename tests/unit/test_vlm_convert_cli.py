@@ -98,3 +98,50 @@ def test_compare_on_a_language_model(tmp_path):
     lm.save_pretrained(tmp_path / "hf")
     assert main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck"), "--pp", "2"]) == 0
     assert main(["compare", "--hf", str(tmp_path / "hf"), "--ckpt", str(tmp_path / "ck"), "--text", "héllo"]) == 0
+
+
+def _write_wav(path, seconds: float, rate: int, channels: int = 2) -> None:
+    """A PCM-16 WAV of a chirp with noise (the standard library's writer: no codec needed)."""
+    import wave
+
+    t = torch.arange(int(seconds * rate)) / rate
+    noise = torch.randn(len(t), generator=torch.Generator().manual_seed(0))
+    x = 0.5 * torch.sin(2 * torch.pi * (200 + 600 * t) * t) + 0.05 * noise
+    frames = (x.clamp(-1, 1) * 32767).to(torch.int16)[:, None].expand(-1, channels).contiguous()
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(frames.numpy().tobytes())
+
+
+def test_compare_with_an_audio_file_on_a_whisper_encoder(tmp_path, capsys):
+    """``compare --audio FILE``: a stereo 8 kHz WAV (resampled to the encoder's rate, downmixed, cut or padded to
+    its frames) through Whisper's encoder and ours: exit 0 and the audio features' diff; a changed encoder
+    exits 1; a file that is no audio exits 2 with one line naming it."""
+    pytest.importorskip("torchaudio")
+    torch.manual_seed(0)
+    transformers.WhisperModel(transformers.WhisperConfig(**WHISPER)).save_pretrained(tmp_path / "hf")
+    assert main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")]) == 0
+    for seconds in (0.05, 3.0):  # shorter and longer than the encoder's frames
+        _write_wav(tmp_path / f"a{seconds}.wav", seconds, 8000)
+        capsys.readouterr()
+        assert main(["compare", "--hf", str(tmp_path / "hf"), "--ckpt", str(tmp_path / "ck"),
+                     "--audio", str(tmp_path / f"a{seconds}.wav")]) == 0
+        out = capsys.readouterr().out
+        assert "audio features: max |diff| = " in out and out.strip().splitlines()[-1].startswith("OK: "), out
+    torch.manual_seed(1)
+    transformers.WhisperModel(transformers.WhisperConfig(**WHISPER)).save_pretrained(tmp_path / "other")
+    assert main(["compare", "--hf", str(tmp_path / "other"), "--ckpt", str(tmp_path / "ck"),
+                 "--audio", str(tmp_path / "a3.0.wav")]) == 1
+    assert "DIFFERENT: " in capsys.readouterr().out
+    (tmp_path / "bad.wav").write_bytes(b"RIFF not really a wave file")
+    assert main(["compare", "--hf", str(tmp_path / "hf"), "--ckpt", str(tmp_path / "ck"),
+                 "--audio", str(tmp_path / "bad.wav")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m mmtrain.convert compare: error: --audio ") and "bad.wav" in err
+    assert "\n" not in err  # the file is read before any model is loaded
+    make_llava("clip", "llama").save_pretrained(tmp_path / "llava")  # --audio on a model without audio: exit 2
+    assert main(["compare", "--hf", str(tmp_path / "llava"), "--ckpt", str(tmp_path / "ck"),
+                 "--audio", str(tmp_path / "a3.0.wav")]) == 2
+    assert "--audio is for a Whisper encoder" in capsys.readouterr().err
