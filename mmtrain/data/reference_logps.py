@@ -64,7 +64,7 @@ def read_reference_logps(prefix: str | Path, pairs: int, seq_length: int) -> np.
     problem = file_problem(data, record["checksum"])
     if problem:
         raise BlendSpecError(f"dpo.reference_logps=precomputed: {data} {problem}; {fix}")
-    values = np.frombuffer(data.read_bytes(), dtype="<f8").reshape(pairs, 2)
+    values = np.frombuffer(data.read_bytes(), dtype="<f8").reshape(pairs, 2).copy()  # writable: torch takes it
     if not np.isfinite(values).all():
         raise BlendSpecError(f"dpo.reference_logps=precomputed: {data} holds non-finite values; {fix}")
     return values

@@ -275,7 +275,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     grad_dtype = torch.float32 if o.master_weights else pdtype
     dense, experts = split_by_reduce_group(stage, params)
     precision = precision_for(stage, cfg, mesh)
-    if cfg.parallel.fsdp:  # parameters and gradients sharded too, gathered per block (FP8 weights in FP8)
+    if cfg.parallel.fsdp:  # parameters and gradients sharded too, gathered per block (low-precision copies as they are)
         buckets = fully_sharded_buckets(stage, dense, experts, mesh, pdtype, grad_dtype, precision)
     else:
         buckets = [GradBuckets(dense, mesh.dp_cp_group, cfg.parallel.distributed_optimizer, pdtype,

@@ -104,4 +104,5 @@ def test_evaluate_and_lm_eval_score_the_adapted_model(lora_run, tmp_path):
     model, _, _ = load_model(ckpt, torch.device("cpu"), torch.float32)
     ids = torch.tensor([list(range(3, 30))])
     with torch.no_grad():
-        torch.testing.assert_close(model(ids), adapted(ids), rtol=1e-5, atol=1e-5)
+        # merged W + (alpha/r) B A against the unmerged adapter path: equal up to fp32 rounding of the merge
+        torch.testing.assert_close(model(ids), adapted(ids), rtol=1e-4, atol=1e-4)
