@@ -97,9 +97,8 @@ class _SideGraph:
 
 
 class _JoinSideGrad(torch.autograd.Function):
-    """Identity on the layer input for the dispatch (its gather, ``_SideOutput``); backward adds the side
-    work's input gradient (its backward run here if nothing ran it yet). It runs after ``_SideOutput``'s and
-    the exchanges' backward: they all consume its output."""
+    """Identity on the layer input for the dispatch's gather; backward adds the side work's input gradient (its
+    backward run here if nothing ran it yet). It runs after both exchanges' backward (the gather feeds them)."""
 
     @staticmethod
     def forward(ctx, x, side):
@@ -114,9 +113,9 @@ class _JoinSideGrad(torch.autograd.Function):
 
 
 class _SideOutput(torch.autograd.Function):
-    """The side work's output in the layer's graph (``anchor``: the joined layer input, for the graph edge; it
-    gets no gradient here). Backward hands the output gradient to the side graph and runs its backward at once
-    unless the combine exchange will overlap it (or has already run: then nothing is left to overlap)."""
+    """The side work's output in the layer's graph. ``anchor``: the combine exchange's output (it gets no
+    gradient here), so this backward runs before the combine's: it hands the output gradient to the side graph
+    and runs the side backward at once unless the combine's backward will overlap it."""
 
     @staticmethod
     def forward(ctx, anchor, value, side):
@@ -257,7 +256,7 @@ class AllToAllDispatch(LocalDispatch):
             out_splits, in_splits = send_splits, recv_splits
         side = None
         if graph is not None:
-            side = _SideOutput.apply(joined, graph.forward(side_work, x_ND), graph)
+            side = graph.forward(side_work, x_ND)
         elif side_work is not None:
             side = side_work(x_ND)
         if pending:
@@ -275,6 +274,8 @@ class AllToAllDispatch(LocalDispatch):
             routed = _weighted_sum(y_NKD, weights_NK)
         else:
             routed = combine_sorted(y_back, order, weights_NK)
+        if graph is not None:  # anchored on the combine's output: its backward runs before the combine's
+            side = _SideOutput.apply(y_back, side, graph)
         return routed, side
 
 
