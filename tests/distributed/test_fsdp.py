@@ -95,9 +95,8 @@ def test_fsdp_with_the_shared_experts_backward_overlapped_equals_one_process(tmp
     FSDP's unshard/reduce-scatter hooks."""
     moe = [*MOE, "model.moe_shared_ffn_hidden_size=32"]
     reference = run_distributed(_train, 1, str(tmp_path / "ref"), moe)[0]
-    results = run_distributed(_train, 4, str(tmp_path / "fsdp"), ["parallel.dp=4", "parallel.ep=2",
-                                                                  "parallel.fsdp=true", "parallel.ep_overlap_shared=true",
-                                                                  *moe])
+    layout = ["parallel.dp=4", "parallel.ep=2", "parallel.fsdp=true", "parallel.ep_overlap_shared=true"]
+    results = run_distributed(_train, 4, str(tmp_path / "fsdp"), [*layout, *moe])
     _assert_equal(reference, results, moe, experts=True)
 
 
