@@ -1,7 +1,9 @@
 """Token dispatch strategies (mmtrain.parallel.moe_dispatch): the local dispatch equals a per-token reference;
 the EP2 all-to-all dispatch — exact and padded splits, with and without the shared expert overlapped — gives
 the one-process outputs and gradients, each rank building only its experts; a layer built with the wrong
-dispatch is refused by the EP plan."""
+dispatch is refused by the EP plan. The overlapped backward (shared experts' backward inside the combine
+exchange's) is bit-equal to the plain one, also under recompute, and really starts the exchange before the
+shared-expert gradients (recorded order); permute/unpermute move the hidden-size rows once each way."""
 
 from __future__ import annotations
 
@@ -237,3 +239,43 @@ def _recompute_changes_nothing(rank: int, world_size: int, padded: bool):
 
 def test_recompute_around_the_overlapped_backward_changes_nothing():
     assert run_distributed(_recompute_changes_nothing, 2, False) == [True, True]
+
+
+ROW_OPS = ("index_select", "index_copy", "cat", "gather", "scatter", "index_add", "index_put", "take")
+
+
+def _row_copies(layer: MoELayer, x: torch.Tensor) -> dict[str, int]:
+    """The forward's ops that move hidden-size rows (float tensors of width D) by index, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    D, seen = x.shape[-1], {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__.rstrip("_")
+            if name in ROW_OPS and out.is_floating_point() and out.dim() == 2 and out.shape[-1] == D:
+                seen[name] = seen.get(name, 0) + 1
+            return out
+
+    with Record():
+        layer(x)
+    return seen
+
+
+def test_local_permute_and_unpermute_move_the_rows_once_each_way():
+    assert _row_copies(_layer(_cfg(16, 8)), torch.randn(2, 5, 16)) == {"index_select": 1, "index_copy": 1}
+
+
+def _ep2_row_copies(rank: int, world_size: int, padded: bool):
+    group = dist.new_group(list(range(world_size)))
+    layer = _layer(_cfg(16, 8), expert_dispatch(group, padded=padded))
+    # permute + the regroup by local expert in; the regroup's inverse + unpermute out (padded: its zero row)
+    want = {"index_select": 3, "index_copy": 1, "cat": 1} if padded else {"index_select": 2, "index_copy": 2}
+    assert _row_copies(layer, torch.randn(2, 5, 16)) == want
+    return True
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_ep2_permute_and_unpermute_move_the_rows_once_each_way(padded):
+    assert run_distributed(_ep2_row_copies, 2, padded) == [True, True]
