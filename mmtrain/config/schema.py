@@ -84,8 +84,7 @@ class ParallelConfig:
                  "counts per MoE layer and micro-batch) or padded (a fixed worst-case block per rank: no host sync, "
                  "never drops a token, up to ep*min(top_k, experts per rank)/top_k times the bytes).")
     ep_overlap_shared: bool = doc(False, "Run the shared experts while the expert-parallel all-to-all carries "
-                                         "the tokens, and their backward while the output gradients travel back "
-                                         "(asynchronous exchanges); bit-equal results.")
+                                         "the tokens (asynchronous exchange); same results.")
     sequence_parallel: bool = doc(False, "Shard norms and residuals along the sequence over the TP group.")
     pipeline_layers: list[int] = doc([], "Layers per pipeline stage, e.g. [3, 5, 5, 3]; empty splits evenly.", ge=1)
     virtual_pp: int = doc(1, "Virtual pipeline stages per rank (interleaved 1F1B) when > 1.", ge=1)
