@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call on two H200s: expert parallelism (issue #23's EP section). 8 experts top-2, expert FFN 4096,
 # Llama-3.2-1B shapes, B4x4096 per GPU, bf16 AdamW like the anchor (Megatron-Core+TE: 38,177 tokens/s per GPU).
-#  1. the MoE layers' time split from torch.profiler (bench/moe_ep_profile.py): EP1 on GPU 0, then EP2 with exact
-#     and padded all-to-all splits, and with a shared expert, overlapped or not;
+#  1. the MoE layers' time split from torch.profiler (bench/moe_ep_profile.py: all-to-all, grouped GEMM, router,
+#     shared experts, permute/unpermute, rest; plus wall ms/iter): EP1 on GPU 0, then EP2 with exact and padded
+#     all-to-all splits, and with a shared expert, overlapped or not (--overlap: forward with the dispatch
+#     all-to-all and backward with the combine's reverse all-to-all; compare the wall ms/iter of the pairs);
 #  2. whole-model tokens/s at EP2: exact vs padded splits, shared expert with and without the overlap;
 #  3. the Megatron-Core anchor's EP2 row in the same call, when it is carried (below).
 # Usage, from the repo root:  bash bench/h200x2_ep.sh
@@ -26,6 +28,7 @@ TAIL=10 PORT=29622 two $P --dispatch padded
 TAIL=10 PORT=29623 two $P --shared 4096
 TAIL=10 PORT=29624 two $P --shared 4096 --overlap
 TAIL=10 PORT=29625 two $P --shared 4096 --overlap --dispatch padded
+TAIL=10 PORT=29626 two $P --shared 4096 --dispatch padded
 B="--batch 4 --seq 4096 --steps 8 --warmup 3 train.compile=true optim.master_weights=false"
 MOE="model.num_experts=8 model.moe_top_k=2 model.moe_ffn_hidden_size=4096 parallel.dp=2 parallel.ep=2"
 t() { TAIL=2 PORT=$1 two bench/train_gpt.py --label "$2" $B $MOE "${@:3}"; }

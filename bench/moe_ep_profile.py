@@ -1,7 +1,9 @@
 """Where an MoE layer's time goes under expert parallelism: torch.profiler over forward + backward of a stack
 of MoE layers (mmtrain.model.moe.MoELayer with the trainer's token dispatch), split into all-to-all, grouped
-GEMM (the experts, SwiGLU included), router, shared experts and permute/unpermute (the rest of the layer:
-sorting, the gathers, the weighted combine). EP = the number of processes.
+GEMM (the experts, SwiGLU included), router, shared experts, permute/unpermute (the sorts and row copies: argsort,
+index_select / index_copy and their backward index_add, the padded buffer's cat) and the rest of the layer (the
+weighted combine, the auxiliary loss). EP = the number of processes. ``--overlap`` overlaps the shared experts
+with the dispatch all-to-all in forward and with the combine's reverse all-to-all in backward.
 
     python bench/moe_ep_profile.py                                   # 1 GPU, EP1
     torchrun --nproc_per_node 2 bench/moe_ep_profile.py              # 2 GPUs, EP2 (nccl)
@@ -11,7 +13,8 @@ sorting, the gathers, the weighted combine). EP = the number of processes.
 How the split is measured: the router, the experts and the shared experts are modules; profiler ranges open
 and close around each one's forward (forward hooks) and backward (full backward hooks), and around the whole
 layer. The all-to-all is the NCCL / gloo kernels and ops by name (an all-to-all's time includes waiting for
-the slowest rank). Permute/unpermute = layer - router - experts - shared - all-to-all. Times are device time
+the slowest rank). Permute/unpermute: the outermost index/sort ops by name (outside the router). Overlapped
+phases each count their own device time; the wall time per iteration shows what the overlap saves. Times are device time
 per iteration (CPU time with --device cpu: there the numbers only show that the script runs), plus the
 wall time per iteration without the profiler. Default shape: the Megatron-Core anchor's MoE row
 (../shared/bench/mcore_parallel_anchor.py: hidden 2048, 8 experts, top-2, expert FFN 4096, 4 x 4096 tokens).
@@ -39,6 +42,18 @@ from mmtrain.parallel.expert import apply_expert_parallel, expert_dispatch  # no
 
 PHASES = ("moe.layer", "moe.router", "moe.experts", "moe.shared")
 A2A_KEYS = ("alltoall", "all_to_all", "sendrecv")
+PERMUTE_OPS = {"aten::argsort", "aten::sort", "aten::index_select", "aten::index_copy", "aten::index_copy_",
+               "aten::index_add", "aten::index_add_", "aten::cat", "aten::scatter", "aten::scatter_"}
+
+
+def _inside(event, names: tuple[str, ...]) -> bool:
+    """Whether a CPU event runs inside a range (or op) whose name starts with one of ``names``."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(names):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 class _Stack(nn.Module):
@@ -143,10 +158,14 @@ def main() -> None:
     if not cuda:  # gloo runs the exchange inside the c10d ops: count the outermost one of each nesting
         a2a = sum(e.cpu_time_total for e in prof.events() if any(k in e.name.lower() for k in A2A_KEYS)
                   and not (e.cpu_parent and any(k in e.cpu_parent.name.lower() for k in A2A_KEYS))) / 1e3 / a.steps
+    permute = sum((e.device_time_total if cuda else e.cpu_time_total) for e in prof.events()
+                  if e.name in PERMUTE_OPS and e.device_type == torch.autograd.DeviceType.CPU
+                  and _inside(e, ("moe.layer",)) and not _inside(e, ("moe.router", "moe.experts", "moe.shared",
+                                                                        *PERMUTE_OPS))) / 1e3 / a.steps
     layer = totals["moe.layer"]
     rows = {"all-to-all": a2a, "grouped GEMM (experts)": totals["moe.experts"], "router": totals["moe.router"],
-            "shared experts": totals["moe.shared"]}
-    rows["permute/unpermute + rest"] = max(layer - sum(rows.values()), 0.0)
+            "shared experts": totals["moe.shared"], "permute/unpermute": permute}
+    rows["rest (combine, aux loss)"] = max(layer - sum(rows.values()), 0.0)
     if rank == 0:
         unit = "device" if cuda else "CPU"
         print(f"MoE x{a.layers}: {a.tokens} tokens/rank, hidden {a.hidden}, {a.experts} experts top-{a.topk}, "

@@ -162,8 +162,7 @@ class MoELayer(nn.Module):
         weights, ids, aux, load = self.router(x, self.dispatch.token_groups)
         self.step_load = load if self.step_load is None else self.step_load + load
         keep = _capacity_mask(ids, self.cfg.num_experts, self.cfg.moe_capacity_factor)
-        shared = (lambda: self.shared(x)) if self.shared is not None else None
-        out, shared_out = self.dispatch(x, weights, ids, self.experts, self.cfg.num_experts, keep, shared)
+        out, shared_out = self.dispatch(x, weights, ids, self.experts, self.cfg.num_experts, keep, self.shared)
         if shared_out is not None:
             out = out + shared_out
         if torch.is_grad_enabled() and aux.requires_grad:

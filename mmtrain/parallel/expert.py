@@ -26,7 +26,7 @@ def expert_dispatch(ep_group, token_groups: list = (), padded: bool = False,
                     overlap_shared: bool = False) -> LocalDispatch:
     """The token-dispatch strategy for MoE layers on this rank: local at EP 1, all-to-all over ``ep_group``
     otherwise (``padded``: fixed worst-case splits, no host sync; ``overlap_shared``: shared experts run while
-    the tokens travel). ``token_groups``: the groups a micro-batch's tokens are split over (TP under sequence
+    the tokens travel, and their backward while the output gradients travel back). ``token_groups``: the groups a micro-batch's tokens are split over (TP under sequence
     parallelism, CP), for the balance loss."""
     if ep_group is None or dist.get_world_size(ep_group) == 1:
         return LocalDispatch(token_groups)

@@ -3,11 +3,14 @@ one of these strategy objects at construction (``LocalDispatch`` by default); ``
 ``expert_dispatch`` picks the one for a mesh. Both strategies share one shape:
 
 1. permute: one stable sort of the N·K assignments by expert id, then ONE gather of the token rows (an assignment
-   over its expert's capacity sorts after every expert and is never computed nor sent);
+   over its expert's capacity sorts after every expert and is never computed nor sent; with padded splits the
+   gather writes the padded send buffer directly);
 2. run the experts on rows grouped by expert: counts per expert stay a device tensor (the grouped GEMM takes
    its group offsets on the device);
-3. unpermute: ONE gather by the inverse permutation back to (token, k) order, and the routing-weighted sum over
-   k as one batched matmul (deterministic: no scatter-add).
+3. unpermute: ONE row copy back to (token, k) order — ``index_copy`` by the sort order itself (a permutation: no
+   inverse to compute, deterministic, its backward one gather), or with padded splits ONE gather through the
+   composed index — and the routing-weighted sum over k as one batched matmul (no scatter-add).
+Everything the row movement needs is integer index arithmetic on N·K entries; the D-wide rows move once each way.
 
 Host syncs. ``LocalDispatch`` reads nothing back (the per-expert loop used where no grouped GEMM exists reads
 the counts: ``moe.Experts``). ``AllToAllDispatch`` with exact splits must hand ``all_to_all_single`` host split
@@ -19,7 +22,12 @@ the two. Padded splits need every EP rank's micro-batch to hold the same number 
 size and sequence length: always so in training).
 
 ``overlap_side_work``: the token all-to-all is started asynchronously and the layer's side work (its shared
-experts) runs while the tokens travel; then the dispatch waits. Same numbers either way.
+experts) runs while the tokens travel; then the dispatch waits. In backward the mirror image: the side work runs
+on its own autograd graph (``_SideGraph``, detached from the layer's), and the backward of the combine exchange
+(the first all-to-all of the layer's backward) starts the gradients' exchange asynchronously, runs the side
+work's backward, then waits. Without the overlap the same side graph's backward runs as soon as its output
+gradient arrives. Same numbers either way, bit for bit: the same ops on the same gradients, and the side work's
+input gradient joins the layer's at the same place (``_JoinSideGrad``).
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ import torch.distributed as dist
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with autograd; splits None: equal blocks. With ``pending`` (a list) the exchange is
-    only started and its work appended there (``_Wait`` finishes it); backward is the reverse exchange."""
+    only started and its work appended there (``_Wait`` finishes it); backward is the reverse exchange — with
+    ``side`` (a ``_SideGraph`` to overlap) started asynchronously, the side work's backward run, then waited."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, pending):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x, out_splits, in_splits, group, pending, side=None):
+        ctx.splits, ctx.group, ctx.side = (out_splits, in_splits), group, side
         rows = x.shape[0] if out_splits is None else sum(out_splits)
         out = x.new_empty((rows, *x.shape[1:]))
         work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
@@ -50,8 +59,76 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         rows = grad.shape[0] if in_splits is None else sum(in_splits)
         back = grad.new_empty((rows, *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None, None
+        side, ctx.side = ctx.side, None
+        overlap = side is not None and side.ready()
+        work = dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group,
+                                      async_op=overlap)
+        if side is not None:
+            side.exchanged = True
+        if overlap:
+            side.run_backward()  # while the gradients travel
+            work.wait()
+        return back, None, None, None, None, None
+
+
+class _SideGraph:
+    """The side work (shared experts) on its own autograd graph, from a detached copy of the layer input, so
+    the dispatch decides when its backward runs: inside the combine exchange's backward (``overlap``), or as
+    soon as its output gradient arrives (``_SideOutput``). Built only where the layer input requires grad."""
+
+    def __init__(self, overlap: bool) -> None:
+        self.overlap, self.x, self.out, self.grad, self.exchanged = overlap, None, None, None, False
+
+    def forward(self, side_work: Callable[[torch.Tensor], torch.Tensor], x_ND: torch.Tensor) -> torch.Tensor:
+        """Run the side work on a detached copy of ``x_ND``; its output, detached (``_SideOutput`` links it)."""
+        self.x = x_ND.detach().requires_grad_()
+        self.out = side_work(self.x)
+        return self.out.detach()
+
+    def ready(self) -> bool:
+        """Whether the overlapped backward can run now: overlap on, output gradient arrived, not yet run."""
+        return self.overlap and self.grad is not None and self.out is not None
+
+    def run_backward(self) -> None:
+        """The side work's backward, once (parameter gradients accumulate as usual; the input's into ``x``)."""
+        if self.out is not None and self.grad is not None:
+            out, grad, self.out, self.grad = self.out, self.grad, None, None
+            torch.autograd.backward(out, grad)
+
+
+class _JoinSideGrad(torch.autograd.Function):
+    """Identity on the layer input for the dispatch's gather; backward adds the side work's input gradient (its
+    backward run here if nothing ran it yet). It runs after both exchanges' backward (the gather feeds them)."""
+
+    @staticmethod
+    def forward(ctx, x, side):
+        ctx.side = side
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        side, ctx.side = ctx.side, None
+        side.run_backward()
+        return (grad if side.x.grad is None else grad + side.x.grad), None
+
+
+class _SideOutput(torch.autograd.Function):
+    """The side work's output in the layer's graph. ``anchor``: the combine exchange's output (it gets no
+    gradient here), so this backward runs before the combine's: it hands the output gradient to the side graph
+    and runs the side backward at once unless the combine's backward will overlap it."""
+
+    @staticmethod
+    def forward(ctx, anchor, value, side):
+        ctx.side = side
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        side, ctx.side = ctx.side, None
+        side.grad = grad
+        if not side.overlap or side.exchanged:
+            side.run_backward()
+        return None, None, None
 
 
 class _Wait(torch.autograd.Function):
@@ -87,11 +164,17 @@ def sort_by_expert(ids_NK: torch.Tensor, num_experts: int, keep_NK: torch.Tensor
 
 
 def combine_sorted(y_sorted: torch.Tensor, order: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-    """Expert outputs in sorted order (N·K rows; dropped ones zero) -> (N, D): gather by the inverse permutation,
-    weight and sum over k in one batched matmul."""
+    """Expert outputs in sorted order -> (N, D): ONE ``index_copy`` back to (token, k) order by the sort order
+    (its first ``len(y_sorted)`` entries; the assignments past them, dropped ones, are zero), then the weighted
+    sum over k in one batched matmul."""
     N, K = weights_NK.shape
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    y_NKD = y_sorted.index_select(0, inverse).view(N, K, -1)
+    rows, D = y_sorted.shape
+    buffer = y_sorted.new_empty if rows == N * K else y_sorted.new_zeros
+    y_NKD = buffer(N * K, D).index_copy(0, order[:rows], y_sorted).view(N, K, D)
+    return _weighted_sum(y_NKD, weights_NK)
+
+
+def _weighted_sum(y_NKD: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
     return torch.bmm(weights_NK.to(y_NKD.dtype).unsqueeze(1), y_NKD).squeeze(1)
 
 
@@ -115,13 +198,13 @@ class LocalDispatch:
 
     def __call__(self, x_ND: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, experts,
                  num_experts: int, keep_NK: torch.Tensor | None = None,
-                 side_work: Callable[[], torch.Tensor] | None = None):
-        """(routed output (N, D), ``side_work()``'s result or None). ``experts(rows, counts, valid)``: the
+                 side_work: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """(routed output (N, D), ``side_work(x_ND)``'s result or None). ``experts(rows, counts, valid)``: the
         layer's ``moe.Experts``."""
         order, counts = sort_by_expert(ids_NK, num_experts, keep_NK)
         valid = None if keep_NK is None else _first_rows(order.numel(), counts.sum())
         y_sorted = experts(x_ND.index_select(0, order // ids_NK.shape[1]), counts, valid)
-        return combine_sorted(y_sorted, order, weights_NK), side_work() if side_work is not None else None
+        return combine_sorted(y_sorted, order, weights_NK), side_work(x_ND) if side_work is not None else None
 
 
 class AllToAllDispatch(LocalDispatch):
@@ -148,24 +231,34 @@ class AllToAllDispatch(LocalDispatch):
         send_counts = counts.view(ep, local)  # [destination rank, its local expert]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, my local expert]
-        x_sorted = x_ND.index_select(0, order // K)
+        graph, joined = None, x_ND  # the side work on its own graph, its backward placed here (module docstring)
+        if side_work is not None and torch.is_grad_enabled() and x_ND.requires_grad:
+            graph = _SideGraph(self.overlap_side_work)
+            joined = _JoinSideGrad.apply(x_ND, graph)
+        token = order // K
         pending = [] if self.overlap_side_work and side_work is not None else None
         if self.padded:
             capacity = N * min(K, local)  # the most rows one rank can send another: no assignment is dropped
             slots = _padded_slots(send_counts.sum(dim=1), capacity, N * K)
-            send = x_sorted.new_zeros(ep * capacity + 1, D).index_copy(0, slots, x_sorted)[:-1]
-            recv = _AllToAll.apply(send, None, None, self.group, pending)
+            # the token of each send row (padding rows: token 0, never computed: ``valid`` below), ONE gather
+            send_token = token.new_zeros(ep * capacity + 1).index_copy_(0, slots, token)[:-1]
+            recv = _AllToAll.apply(joined.index_select(0, send_token), None, None, self.group, pending)
             rows = torch.arange(capacity, device=x_ND.device).expand(ep, capacity).contiguous()
             expert_of_row = torch.searchsorted(recv_counts.cumsum(dim=1), rows, right=True)  # local: padding
             out_splits = in_splits = None
         else:
             send_splits, recv_splits = torch.stack((send_counts.sum(dim=1), recv_counts.sum(dim=1))).tolist()
             kept = sum(send_splits)  # the one host read: all_to_all_single takes host split sizes
-            recv = _AllToAll.apply(x_sorted[:kept], recv_splits, send_splits, self.group, pending)
+            recv = _AllToAll.apply(joined.index_select(0, token[:kept]), recv_splits, send_splits, self.group,
+                                   pending)
             expert_of_row = torch.repeat_interleave(torch.arange(local, device=x_ND.device).repeat(ep),
                                                     recv_counts.flatten(), output_size=sum(recv_splits))
             out_splits, in_splits = send_splits, recv_splits
-        side = side_work() if side_work is not None else None
+        side = None
+        if graph is not None:
+            side = graph.forward(side_work, x_ND)
+        elif side_work is not None:
+            side = side_work(x_ND)
         if pending:
             recv = _Wait.apply(recv, pending)
         # received: by source rank, then local expert -> regroup by local expert, then source rank (padding last)
@@ -174,14 +267,16 @@ class AllToAllDispatch(LocalDispatch):
         valid = _first_rows(recv.shape[0], per_expert.sum()) if self.padded else None
         y_local = experts(recv.index_select(0, regroup), per_expert, valid)
         y_recv = torch.empty_like(y_local).index_copy(0, regroup, y_local)
-        y_back = _AllToAll.apply(y_recv, out_splits, in_splits, self.group, None)
-        if self.padded:  # the last row: zeros for dropped assignments
-            y_sorted = torch.cat((y_back, y_back.new_zeros(1, D))).index_select(0, slots)
-        elif y_back.shape[0] < N * K:
-            y_sorted = torch.cat((y_back, y_back.new_zeros(N * K - y_back.shape[0], D)))
+        y_back = _AllToAll.apply(y_recv, out_splits, in_splits, self.group, None, graph)
+        if self.padded:  # ONE gather: (token, k) <- its slot's row (the extra last row: zeros, dropped ones)
+            source = torch.empty_like(order).scatter_(0, order, slots)
+            y_NKD = torch.cat((y_back, y_back.new_zeros(1, D))).index_select(0, source).view(N, K, D)
+            routed = _weighted_sum(y_NKD, weights_NK)
         else:
-            y_sorted = y_back
-        return combine_sorted(y_sorted, order, weights_NK), side
+            routed = combine_sorted(y_back, order, weights_NK)
+        if graph is not None:  # anchored on the combine's output: its backward runs before the combine's
+            side = _SideOutput.apply(y_back, side, graph)
+        return routed, side
 
 
 def _padded_slots(dest_counts: torch.Tensor, capacity: int, assignments: int) -> torch.Tensor:

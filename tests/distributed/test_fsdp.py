@@ -90,6 +90,16 @@ def test_fsdp_with_expert_parallelism_equals_one_process(tmp_path):
     _assert_equal(reference, results, MOE, experts=True)
 
 
+def test_fsdp_with_the_shared_experts_backward_overlapped_equals_one_process(tmp_path):
+    """The overlapped shared-expert backward (its own graph, run inside the combine exchange's backward) under
+    FSDP's unshard/reduce-scatter hooks."""
+    moe = [*MOE, "model.moe_shared_ffn_hidden_size=32"]
+    reference = run_distributed(_train, 1, str(tmp_path / "ref"), moe)[0]
+    layout = ["parallel.dp=4", "parallel.ep=2", "parallel.fsdp=true", "parallel.ep_overlap_shared=true"]
+    results = run_distributed(_train, 4, str(tmp_path / "fsdp"), [*layout, *moe])
+    _assert_equal(reference, results, moe, experts=True)
+
+
 def _train_to(rank: int, world_size: int, run_dir: str, extra: list[str]):
     cfg = _cfg(run_dir, ["train.steps=5", "checkpoint.save_every=3", "checkpoint.keep_last=0", *extra])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()

@@ -1,7 +1,9 @@
 """Token dispatch strategies (mmtrain.parallel.moe_dispatch): the local dispatch equals a per-token reference;
 the EP2 all-to-all dispatch — exact and padded splits, with and without the shared expert overlapped — gives
 the one-process outputs and gradients, each rank building only its experts; a layer built with the wrong
-dispatch is refused by the EP plan."""
+dispatch is refused by the EP plan. The overlapped backward (shared experts' backward inside the combine
+exchange's) is bit-equal to the plain one, also under recompute, and really starts the exchange before the
+shared-expert gradients (recorded order); permute/unpermute move the hidden-size rows once each way."""
 
 from __future__ import annotations
 
@@ -128,3 +130,152 @@ def _wrong_dispatch(rank: int, world_size: int):
 
 def test_ep_plan_refuses_a_layer_built_with_another_dispatch():
     assert run_distributed(_wrong_dispatch, 2) == [True, True]
+
+
+def _overlap_is_bit_equal(rank: int, world_size: int, shape: str, padded: bool):
+    """Overlap on and off: the same output and the same gradients, bit for bit; every non-expert gradient summed
+    over the ranks equals the one-process one."""
+    hidden, ffn = SHAPES[shape]
+    cfg = _cfg(hidden, ffn, moe_shared_ffn_hidden_size=8, moe_capacity_factor=0.75 if padded else 0.0)
+    group = dist.new_group(list(range(world_size)))
+    x_all = torch.randn(world_size, 3, 7, hidden, generator=torch.Generator().manual_seed(7))
+    reference = _layer(cfg)
+    for r in range(world_size):  # one micro-batch per rank, as in the EP run (the balance loss is per micro-batch)
+        reference(x_all[r]).square().sum().backward()
+    whole = dict(reference.named_parameters())
+    runs = []
+    for overlap in (False, True):
+        layer = MoELayer(cfg, expert_dispatch(group, padded=padded, overlap_shared=overlap))
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(layer.experts.own_slice(whole[name]) if name.startswith("experts.") else whole[name])
+        x = x_all[rank].clone().requires_grad_()
+        out = layer(x)
+        out.square().sum().backward()
+        runs.append((out, x.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (out0, gx0, g0), (out1, gx1, g1) = runs
+    assert torch.equal(out0, out1) and torch.equal(gx0, gx1)
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
+    for name, grad in g1.items():
+        if name.startswith("experts."):
+            want = layer.experts.own_slice(whole[name].grad)
+        else:  # router and shared experts saw this rank's tokens: sum over ranks
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+            want = whole[name].grad
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5, msg=name)
+    return True
+
+
+@pytest.mark.parametrize("shape,padded", [("grouped", False), ("loop", True)])
+def test_ep2_overlapped_backward_is_bit_equal_and_matches_one_process(shape, padded):
+    assert run_distributed(_overlap_is_bit_equal, 2, shape, padded) == [True, True]
+
+
+class _RecordedWork:
+    def __init__(self, work, log):
+        self.work, self.log = work, log
+
+    def wait(self):
+        self.log.append("wait")
+        return self.work.wait()
+
+
+def _backward_event_order(rank: int, world_size: int, overlap: bool):
+    """The events of one MoE layer's backward: all-to-alls (sync or async), waits, shared-expert gradients."""
+    group = dist.new_group(list(range(world_size)))
+    log: list[str] = []
+    real = dist.all_to_all_single
+
+    def recording(*args, async_op=False, **kw):  # the one process of this worker: restored below
+        work = real(*args, async_op=async_op, **kw)
+        log.append("a2a-async" if async_op else "a2a")
+        return _RecordedWork(work, log) if async_op else work
+
+    layer = _layer(_cfg(16, 8, moe_shared_ffn_hidden_size=8), expert_dispatch(group, overlap_shared=overlap))
+    for p in layer.shared.parameters():
+        p.register_hook(lambda g: log.append("shared-grad"))
+    x = torch.randn(2, 5, 16, requires_grad=True, generator=torch.Generator().manual_seed(rank))
+    dist.all_to_all_single = recording
+    try:
+        out = layer(x)
+        log.append("backward")
+        out.square().sum().backward()
+    finally:
+        dist.all_to_all_single = real
+    backward = log[log.index("backward") + 1:]
+    grads = backward.count("shared-grad")
+    assert grads == len(list(layer.shared.parameters()))
+    if overlap:  # the combine's reverse exchange started, the shared experts' backward, then the wait
+        assert backward == ["a2a-async", *["shared-grad"] * grads, "wait", "a2a"], backward
+    else:
+        assert backward == [*["shared-grad"] * grads, "a2a", "a2a"], backward
+    return True
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlapped_backward_issues_the_exchange_before_the_shared_expert_backward(overlap):
+    assert run_distributed(_backward_event_order, 2, overlap) == [True, True]
+
+
+def _recompute_changes_nothing(rank: int, world_size: int, padded: bool):
+    """Full recompute (non-reentrant checkpoint, as the trainer's) around an overlapped EP2 layer: the same
+    output and gradients, bit for bit (the side graph is rebuilt with the recomputed forward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    group = dist.new_group(list(range(world_size)))
+    runs = []
+    for recompute in (False, True):
+        layer = _layer(_cfg(16, 8, moe_shared_ffn_hidden_size=8),
+                       expert_dispatch(group, padded=padded, overlap_shared=True))
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        out = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        out.square().sum().backward()
+        runs.append((out.detach(), x.grad, [p.grad for p in layer.parameters()]))
+    (out0, gx0, g0), (out1, gx1, g1) = runs
+    assert torch.equal(out0, out1) and torch.equal(gx0, gx1) and all(map(torch.equal, g0, g1))
+    return True
+
+
+def test_recompute_around_the_overlapped_backward_changes_nothing():
+    assert run_distributed(_recompute_changes_nothing, 2, False) == [True, True]
+
+
+ROW_OPS = ("index_select", "index_copy", "cat", "gather", "scatter", "index_add", "index_put", "take")
+
+
+def _row_copies(layer: MoELayer, x: torch.Tensor) -> dict[str, int]:
+    """The forward's ops that move hidden-size rows (float tensors of width D) by index, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    D, seen = x.shape[-1], {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__.rstrip("_")
+            if name in ROW_OPS and out.is_floating_point() and out.dim() == 2 and out.shape[-1] == D:
+                seen[name] = seen.get(name, 0) + 1
+            return out
+
+    with Record():
+        layer(x)
+    return seen
+
+
+def test_local_permute_and_unpermute_move_the_rows_once_each_way():
+    assert _row_copies(_layer(_cfg(16, 8)), torch.randn(2, 5, 16)) == {"index_select": 1, "index_copy": 1}
+
+
+def _ep2_row_copies(rank: int, world_size: int, padded: bool):
+    group = dist.new_group(list(range(world_size)))
+    layer = _layer(_cfg(16, 8), expert_dispatch(group, padded=padded))
+    # permute + the regroup by local expert in; the regroup's inverse + unpermute out (padded: its zero row)
+    want = {"index_select": 3, "index_copy": 1, "cat": 1} if padded else {"index_select": 2, "index_copy": 2}
+    assert _row_copies(layer, torch.randn(2, 5, 16)) == want
+    return True
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_ep2_permute_and_unpermute_move_the_rows_once_each_way(padded):
+    assert run_distributed(_ep2_row_copies, 2, padded) == [True, True]

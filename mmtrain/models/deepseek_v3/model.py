@@ -200,7 +200,7 @@ class DeepseekMoE(nn.Module):
         load = count_per_expert(ids.flatten(), self.num_experts)
         self.step_load = load if self.step_load is None else self.step_load + load
         # (B, S, D): under sequence parallelism the shared experts' TP linears gather the sequence
-        shared = (lambda: self.shared(x_BSD)) if self.shared is not None else None
+        shared = (lambda x_ND: self.shared(x_ND.view_as(x_BSD))) if self.shared is not None else None
         out, shared_out = self.dispatch(x, weights, ids, self.experts, self.num_experts, None, shared)
         out = out.view_as(x_BSD)
         return out if shared_out is None else out + shared_out
