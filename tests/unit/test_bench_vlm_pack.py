@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_vlm_pack_bench_runs_tiny_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "bench/vlm_pack_h200.py"), "--tiny", "--images", "24",
-                           "--steps", "1", "--warmup", "1", "--work", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(REPO / "bench/vlm_pack_h200.py"), "--tiny", "--images", "16",
+                           "--steps", "1", "--warmup", "0", "--work", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"pack"')]
