@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.model.fp8_native import Fp8Matmul
-from mmtrain.model.fp8_param_gather import transpose_into, gatherable_weights
+from mmtrain.model.fp8_param_gather import gatherable_weights, transpose_into, whole_weight_amax
 from mmtrain.model.fp8_scaling import quantize
 
 
@@ -129,12 +129,8 @@ class Fp8FsdpGather:
     def gather(self) -> None:
         """After the optimizer updated this rank's shards (collective): its FP8 shards cast from them, every
         weight with the scale of its whole weight; the scales go to every matmul."""
-        amax = torch.zeros(len(self.matmuls), dtype=torch.float32, device=self.owner.device)
-        if self.pieces:
-            amax[self.piece_of] = torch.stack(torch._foreach_norm(self.pieces, float("inf"))).float()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        amax = whole_weight_amax(self.pieces, self.piece_of, len(self.matmuls), self.owner.device, self.group,
+                                 self.tp_group)
         scales, inv = self.casts.weight_scales(amax, self.dtype)
         if self.pieces:
             self.casts.run(_cast_shard_pieces, amax.is_cuda, self.pieces, scales, self.piece_outs,

@@ -78,6 +78,19 @@ def gatherable_weights(runtime) -> list[torch.nn.Parameter]:
             and id(m.weight_ref) not in embeddings]
 
 
+def whole_weight_amax(pieces: list[torch.Tensor], piece_of: torch.Tensor, count: int, device: torch.device,
+                      group, tp_group) -> torch.Tensor:
+    """(count,) float32: each weight's amax over the whole weight, from this rank's ``pieces`` (piece ``i`` of
+    weight ``piece_of[i]``) reduced (MAX) over the data-parallel shards ``group`` and the TP shards (collective)."""
+    amax = torch.zeros(count, dtype=torch.float32, device=device)
+    if pieces:
+        amax[piece_of] = torch.stack(torch._foreach_norm(pieces, float("inf"))).float()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
+    return amax
+
+
 class Fp8ParamGather:
     """FP8 all-gather of the FP8 buckets of one ``GradBuckets`` (see the module docstring). Creating it attaches
     it to ``buckets`` (``buckets.separate_gather``: called by ``gather_params`` and ``gather_full_params``) and to ``runtime``
@@ -149,12 +162,8 @@ class Fp8ParamGather:
     @torch.no_grad()
     def gather(self) -> None:
         """After the optimizer updated this rank's shards: every rank gets the FP8 W (and W^T) of every weight."""
-        amax = torch.zeros(len(self.matmuls), dtype=torch.float32, device=self.fp8_buffer.device)
-        if self.pieces:
-            amax[self.piece_of] = torch.stack(torch._foreach_norm(self.pieces, float("inf"))).float()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.tp_group)
+        amax = whole_weight_amax(self.pieces, self.piece_of, len(self.matmuls), self.fp8_buffer.device, self.group,
+                                 self.tp_group)
         scales, inv = self.casts.weight_scales(amax, self.dtype)
         cast_pieces(self.owner.param_buffer, scales, self.piece_outs, self.cast_plan, self.dtype, self.casts)
         for parts, shard_part in self.joins:

@@ -77,6 +77,17 @@ def merged_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
 
 
 @torch.no_grad()
+def merged_tensors(full: dict[str, torch.Tensor], linears: list[str], scale: float) -> dict[str, torch.Tensor]:
+    """Full tensors of an adapted model (``full``, adapter tensors at ``LINEAR.adapter.lora_A/B.weight``) as the
+    base model's, each of ``linears`` holding ``W + scale * B A``; no adapter tensors left (the merged export)."""
+    out = {k: v for k, v in full.items() if ".adapter." not in k}
+    for linear in linears:
+        out[f"{linear}.weight"] = merged_weight(full[f"{linear}.weight"], full[f"{linear}.adapter.lora_A.weight"],
+                                                full[f"{linear}.adapter.lora_B.weight"], scale)
+    return out
+
+
+@torch.no_grad()
 def merge_adapters(model: nn.Module) -> list[str]:
     """Fold every LoRA adapter of ``model`` into the weight of the linear carrying it (``W + alpha/r * B A``)
     and drop the adapter: the model then computes what the adapted one did at the base model's cost (for using

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mmtrain.model.lora import merged_weight
+from mmtrain.model.lora import merged_tensors
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 from mmtrain.models.deepseek_v3.hf_adapter import HFAdapterError
 from mmtrain.models.deepseek_v3.lora import TARGETS, adapted_linears
@@ -21,10 +21,7 @@ def _pairs(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora):
 
 def merge_lora(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora) -> dict[str, torch.Tensor]:
     """The base model's tensors with every adapter merged in (``W + alpha/r * B A``); no adapter tensors left."""
-    out = {k: v for k, v in full.items() if ".adapter." not in k}
-    for _, _, linear, a, b in _pairs(full, cfg, lora):
-        out[f"{linear}.weight"] = merged_weight(full[f"{linear}.weight"], a, b, lora.alpha / lora.rank)
-    return out
+    return merged_tensors(full, [linear for _, _, linear, _, _ in _pairs(full, cfg, lora)], lora.alpha / lora.rank)
 
 
 def peft_adapter(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mmtrain.config.schema import ModelConfig
-from mmtrain.model.lora import merged_weight
+from mmtrain.model.lora import merged_tensors
 
 # our target -> (our linear in a block, HF module path in a layer, HF module names of its fused parts)
 _TARGETS = {"qkv": ("attn.qkv", "self_attn.", ("q_proj", "k_proj", "v_proj")),
@@ -39,10 +39,7 @@ def _pairs(full: dict[str, torch.Tensor], cfg: ModelConfig, lora):
 
 def merge_lora(full: dict[str, torch.Tensor], cfg: ModelConfig, lora) -> dict[str, torch.Tensor]:
     """The base model's tensors with every adapter merged in (``W + alpha/r * B A``); no adapter tensors left."""
-    out = {k: v for k, v in full.items() if ".adapter." not in k}
-    for _, _, linear, a, b in _pairs(full, cfg, lora):
-        out[f"{linear}.weight"] = merged_weight(full[f"{linear}.weight"], a, b, lora.alpha / lora.rank)
-    return out
+    return merged_tensors(full, [linear for _, _, linear, _, _ in _pairs(full, cfg, lora)], lora.alpha / lora.rank)
 
 
 def peft_adapter(full: dict[str, torch.Tensor], cfg: ModelConfig, lora,
