@@ -15,6 +15,7 @@ from typing import Any
 from mmtrain.config import ConfigError, load_config
 from mmtrain.config.help_text import section_help, sections_overview
 from mmtrain.parallel.dims import LayoutError
+from mmtrain.utils.cli import startup_error
 
 
 def _launch_env() -> tuple[int, int, int]:
@@ -25,21 +26,8 @@ def _launch_env() -> tuple[int, int, int]:
 
 
 def _startup_error(prog: str, message: str, rank: int, local_rank: int) -> int:
-    """Every rank finds the same start-up error (same config, same files), so only each node's first process
-    prints it: once on one node, not once per rank. Exit code 2.
-
-    The silent ranks wait a moment before exiting: torchrun stops every worker (SIGTERM) as soon as the first one
-    exits non-zero, and a silent rank that got there first would kill the printing one before it printed."""
-    if local_rank == 0:
-        print(f"{'' if rank == 0 else f'[rank {rank}] '}{prog}: config error: {message}", file=sys.stderr, flush=True)
-    else:
-        import time
-
-        time.sleep(_SILENT_RANK_GRACE_S)
-    return 2
-
-
-_SILENT_RANK_GRACE_S = 10.0
+    """A config, layout or data-path error before any process group: printed once per node, exit code 2."""
+    return startup_error(f"{prog}: config error: {message}", rank, local_rank)
 
 
 def _parser(cls: type, prog: str, example: str) -> argparse.ArgumentParser:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
-from mmtrain.utils.cli import OneLineArgumentParser
+from mmtrain.utils.cli import OneLineArgumentParser, startup_error
 
 PROG = "python -m mmtrain.serve"
 
@@ -137,7 +136,7 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
         served = _load_served(args.ckpt, args.tokenizer, world, dev, args.dtype)
     except (ConvertError, TokenizerError, UnsupportedModelError, ChatTemplateError, PromptError,
             CheckpointFormatError, FileNotFoundError) as exc:
-        return _startup_error(str(exc), rank)
+        return startup_error(f"{PROG}: error: {exc}", rank, local_rank=rank)  # TP on one node: rank 0 prints
     if world == 1:
         shutdown_distributed()  # one process: the model holds no process group
     channel = StepChannel(ParallelDims(world, tp=world).build(), args.peer_timeout) if world > 1 else None
@@ -178,19 +177,6 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
         print(f"{PROG}: error: {engine.failure}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-def _startup_error(message: str, rank: int) -> int:
-    """Every rank finds the same bad file: rank 0 prints it; the others wait a moment before exiting, so that
-    torchrun (which stops every worker when the first exits non-zero) does not stop rank 0 before it printed."""
-    if rank == 0:
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(_SILENT_RANK_GRACE_S)
-    return 2
-
-
-_SILENT_RANK_GRACE_S = 10.0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Command-line pieces the small entry points share (``mmtrain.generate``, ``mmtrain.serve``)."""
+"""Command-line pieces the entry points share (``mmtrain.generate``, ``mmtrain.serve``, the pretrain entry points)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -12,3 +13,19 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+# torchrun stops every worker (SIGTERM) as soon as the first one exits non-zero: a silent rank that got there first
+# would kill the printing one before it printed. The silent ranks wait this long; torchrun stops them earlier.
+SILENT_RANK_GRACE_S = 10.0
+
+
+def startup_error(line: str, rank: int, local_rank: int) -> int:
+    """Every rank finds the same start-up error (same config, same files), so only each node's first process
+    prints ``line`` (once on one node, not once per rank; ``[rank N]`` before it on the other nodes) and the others
+    wait before exiting (``SILENT_RANK_GRACE_S``). Returns the exit code, 2."""
+    if local_rank == 0:
+        print(f"{'' if rank == 0 else f'[rank {rank}] '}{line}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(SILENT_RANK_GRACE_S)
+    return 2
