@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -74,3 +75,26 @@ def make_batch(seed: int = 0, audio: bool = True) -> SimpleNamespace:
         document_ids=document_ids, images=torch.randn(sum(counts_img), 3, 16, 16, generator=g),
         image_counts=torch.tensor(counts_img), audio=wave, audio_lengths=audio_lengths,
         audio_counts=torch.tensor(counts_aud), __key__=["s0,s1", "s2"])
+
+
+def prep_text_and_media(root: Path, num_docs: int, num_images: int, num_audio: int,
+                        media_weight: int) -> tuple[Path, Path]:
+    """A text corpus and captioned images (energon shards), prepared by the public commands in-process, and a
+    blend of both (text weight 1, media ``media_weight``): (blend file, SentencePiece model)."""
+    from dataprep.cli import main as prep
+    from dataprep.samples import write_sample_jsonl
+    from dataprep.samples_media import write_media_samples
+
+    corpus = write_sample_jsonl(root / "corpus.jsonl", num_docs=num_docs)
+    manifest = write_media_samples(root / "media_src", num_images=num_images, num_audio=num_audio, video=False,
+                                   conversations=0)
+    assert prep(["train-tokenizer", "--input", str(corpus), "--output-prefix", str(root / "sp"),
+                 "--vocab-size", "300"]) in (0, None)
+    assert prep(["text", "--input", str(corpus), "--output-prefix", str(root / "text"), "--tokenizer",
+                 str(root / "sp.model"), "--append-eod", "--workers", "1"]) in (0, None)
+    assert prep(["media", "--input", str(manifest), "--output", str(root / "media"), "--workers", "1",
+                 "--val-ratio", "0", "--no-progress"]) in (0, None)
+    blend = root / "blend.yaml"
+    blend.write_text(f"train:\n  - {{path: {root / 'text'}, weight: 1}}\n"
+                     f"  - {{path: {root / 'media'}, type: energon, weight: {media_weight}}}\n")
+    return blend, root / "sp.model"

@@ -19,6 +19,7 @@ from mmtrain.config.vlm_run_schema import VLMRunConfig
 from mmtrain.config.vlm_validate import validate_vlm_config
 from mmtrain.parallel import ParallelDims
 from mmtrain.testing import run_distributed
+from tests.vlm_helpers import prep_text_and_media
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "vlm" / "tiny_cpu.yaml"
@@ -113,22 +114,7 @@ def test_resume_continues_bit_exact_and_stage2_starts_from_stage1_weights(tmp_pa
 
 def _prep_tiny_data(root: Path) -> tuple[Path, Path]:
     """A handful of captioned images + a text corpus, prepared by the public commands (in-process)."""
-    from dataprep.cli import main as prep
-    from dataprep.samples import write_sample_jsonl
-    from dataprep.samples_media import write_media_samples
-
-    corpus = write_sample_jsonl(root / "corpus.jsonl", num_docs=60)
-    manifest = write_media_samples(root / "media_src", num_images=24, num_audio=3, video=False, conversations=0)
-    assert prep(["train-tokenizer", "--input", str(corpus), "--output-prefix", str(root / "sp"),
-                 "--vocab-size", "300"]) in (0, None)
-    assert prep(["text", "--input", str(corpus), "--output-prefix", str(root / "text"), "--tokenizer",
-                 str(root / "sp.model"), "--append-eod", "--workers", "1"]) in (0, None)
-    assert prep(["media", "--input", str(manifest), "--output", str(root / "media"), "--workers", "1",
-                 "--val-ratio", "0", "--no-progress"]) in (0, None)
-    blend = root / "blend.yaml"
-    blend.write_text(f"train:\n  - {{path: {root / 'text'}, weight: 1}}\n"
-                     f"  - {{path: {root / 'media'}, type: energon, weight: 3}}\n")
-    return blend, root / "sp.model"
+    return prep_text_and_media(root, num_docs=60, num_images=24, num_audio=3, media_weight=3)
 
 
 def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):

@@ -16,6 +16,7 @@ from mmtrain.config.vlm_run_schema import VLMRunConfig
 from mmtrain.config.vlm_validate import validate_vlm_config
 from mmtrain.parallel import ParallelDims
 from mmtrain.testing import run_distributed
+from tests.vlm_helpers import prep_text_and_media
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "vlm" / "tiny_cpu.yaml"
@@ -28,22 +29,8 @@ RUN = ["train.steps=4", "checkpoint.save_every=2", "train.micro_batch_size=1", "
 def _prep(root: Path) -> list[str]:
     """Captioned images (energon shards) and a text corpus, prepared by the public commands; a blend of both with
     one text row in five (so ranks take different numbers of media rows per micro-batch)."""
-    from dataprep.cli import main as prep
-    from dataprep.samples import write_sample_jsonl
-    from dataprep.samples_media import write_media_samples
-
-    corpus = write_sample_jsonl(root / "corpus.jsonl", num_docs=30)
-    manifest = write_media_samples(root / "media_src", num_images=16, num_audio=0, video=False, conversations=0)
-    assert prep(["train-tokenizer", "--input", str(corpus), "--output-prefix", str(root / "sp"),
-                 "--vocab-size", "300"]) in (0, None)
-    assert prep(["text", "--input", str(corpus), "--output-prefix", str(root / "text"), "--tokenizer",
-                 str(root / "sp.model"), "--append-eod", "--workers", "1"]) in (0, None)
-    assert prep(["media", "--input", str(manifest), "--output", str(root / "media"), "--workers", "1",
-                 "--val-ratio", "0", "--no-progress"]) in (0, None)
-    blend = root / "blend.yaml"
-    blend.write_text(f"train:\n  - {{path: {root / 'text'}, weight: 1}}\n"
-                     f"  - {{path: {root / 'media'}, type: energon, weight: 4}}\n")
-    return [f"data.blend={blend}", f"media.tokenizer={root / 'sp.model'}"]
+    blend, tokenizer = prep_text_and_media(root, num_docs=30, num_images=16, num_audio=0, media_weight=4)
+    return [f"data.blend={blend}", f"media.tokenizer={tokenizer}"]
 
 
 def _train(world_size: int, run_dir: Path, extra: list[str]) -> list[float]:
