@@ -64,6 +64,16 @@ def _param_dtype_for(precision: str) -> torch.dtype:
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
+@torch.no_grad()
+def cast_frozen_params(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating-point parameters (a LoRA base, frozen VLM parts, the DPO reference) in the run's weight
+    dtype: the gradient buckets put the trainable ones there, and a bf16 run that left the frozen ones fp32
+    would feed fp32 weights bf16 activations (and keep twice the bytes)."""
+    for p in module.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 def global_batch_size(cfg: GPTRunConfig, dp: int) -> int:
     return cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
 
@@ -248,6 +258,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         task = _dpo_task(cfg, mesh, device, stage, None, task, train_samples.reference_logps)
     elif cfg.train.objective == "dpo":
         reference = build_reference(cfg, mesh, device, found, build_gpt_stage)
+        cast_frozen_params(reference, _param_dtype_for(cfg.train.precision))  # computes as the policy does
         if cfg.parallel.fsdp:  # sharded like the policy: its blocks gathered for their forward only (the
             fully_sharded_frozen(reference, mesh)  # buckets live on in the hooks they put on its blocks)
         task = _dpo_task(cfg, mesh, device, stage, reference, task)
@@ -272,6 +283,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     params = [p for p in stage.parameters() if p.requires_grad]
     o = cfg.optim
     pdtype = _param_dtype_for(cfg.train.precision)
+    cast_frozen_params(stage, pdtype)
     grad_dtype = torch.float32 if o.master_weights else pdtype
     dense, experts = split_by_reduce_group(stage, params)
     precision = precision_for(stage, cfg, mesh)
