@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from mmtrain.config.deepseek_v3_schema import DeepseekV3Config  # noqa: E402
 from mmtrain.config.schema import ModelConfig  # noqa: E402
-from mmtrain.inference.engine import DecodeEngine, generate  # noqa: E402
+from mmtrain.inference.engine import COMPILE_MODES, DecodeEngine, generate  # noqa: E402
 from mmtrain.inference.loading import prepare_for_decoding  # noqa: E402
 from mmtrain.inference.sampling import SamplingParams  # noqa: E402
 from mmtrain.models.deepseek_v3.model import DeepseekV3Model  # noqa: E402
@@ -73,8 +73,9 @@ def _sync(device: torch.device) -> None:
 
 
 def time_generation(model: torch.nn.Module, batch: int, prompt: int, new: int, compile: bool, device: torch.device,
-                    warmup: int = 2) -> dict:
-    engine = DecodeEngine(model, batch, prompt + new, compile=compile)
+                    warmup: int = 2, compile_mode: str = "reduce-overhead") -> dict:
+    torch._dynamo.reset()  # each setting compiles its own step
+    engine = DecodeEngine(model, batch, prompt + new, compile=compile, compile_mode=compile_mode)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, model.cfg.vocab_size - 1, (batch, prompt), generator=g).tolist()
     params = SamplingParams(max_new_tokens=new)  # no stop tokens: every row runs all `new` steps
@@ -88,7 +89,7 @@ def time_generation(model: torch.nn.Module, batch: int, prompt: int, new: int, c
     _sync(device)
     dt = time.perf_counter() - t0
     n = min(len(s.token_ids) for s in seqs)
-    return {"system": "mmtrain-generate", "compile": compile, "batch": batch, "prompt": prompt, "new_tokens": n,
+    return {"system": "mmtrain-generate", "compile": compile_mode if compile else False, "batch": batch, "prompt": prompt, "new_tokens": n,
             "s": round(dt, 3), "tokens_per_s": round(batch * n / dt), "ms_per_step": round(1000 * dt / n, 3),
             "warmup_s": round(warm_s, 1),
             "peak_mem_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -106,17 +107,22 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--family", choices=("llama", "deepseek_v3"), default="llama")
+    ap.add_argument("--compile-modes", nargs="+", default=["reduce-overhead"], choices=list(COMPILE_MODES),
+                    help="inductor settings of the compiled step to time, each at every batch size")
     a = ap.parse_args()
     device = torch.device(a.device)
     model = build_model(a.tiny, device, torch.bfloat16 if a.dtype == "bf16" else torch.float32, a.family)
-    modes = [False] if a.no_compile else ([True, False] if a.eager_too else [True])
+    modes = [] if a.no_compile else list(a.compile_modes)
+    modes += [None] if a.no_compile or a.eager_too else []  # None: eager
     rows = []
-    for compile in modes:
+    for mode in modes:
         for batch in a.batch:
             try:
-                row = time_generation(model, batch, a.prompt, a.new, compile, device)
+                row = time_generation(model, batch, a.prompt, a.new, mode is not None, device,
+                                      compile_mode=mode or "reduce-overhead")
             except Exception as exc:  # noqa: BLE001 - one failing setting costs only its own line
-                row = {"system": "mmtrain-generate", "compile": compile, "batch": batch, "error": repr(exc)[:300]}
+                row = {"system": "mmtrain-generate", "compile": mode or False, "batch": batch,
+                       "error": repr(exc)[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n| system | model | compiled | batch | new tokens/s | ms/step |\n|---|---|---|---|---|---|")

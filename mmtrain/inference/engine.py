@@ -47,10 +47,26 @@ class Sequence:
     slot: int = -1
     generator: torch.Generator | None = None
     _emitted: int = 0  # characters of ``text`` already handed to on_token
+    # incremental detokenization: the text of token_ids[:_read], and where the window decoded with the new
+    # tokens starts (one token back, so a tokenizer that drops a word's leading space at the start of a decode
+    # sees the word in context)
+    _decoded: str = ""
+    _prefix: int = 0
+    _read: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# inductor options of the compiled decode step (CUDA graphs are added on a GPU): "reduce-overhead" is
+# torch.compile's mode of that name; "coordinate-descent" also tunes each generated kernel's launch
+# configuration; "max-autotune" also benchmarks matmul kernels against cuBLAS (minutes of compilation)
+COMPILE_MODES = {
+    "reduce-overhead": {},
+    "coordinate-descent": {"coordinate_descent_tuning": True},
+    "max-autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
+}
 
 
 class DecodeEngine:
@@ -58,11 +74,13 @@ class DecodeEngine:
     not) on ``device``, in its compute dtype. ``slots``: sequences decoded together; ``max_len``: positions per slot (prompt + new tokens).
     ``compile``: run the decode step under ``torch.compile`` (with CUDA graphs on a GPU). ``overlap``: run
     all-greedy batches one step ahead (default: on a GPU, where the host's work then overlaps the device's).
+    ``compile_mode``: one of ``COMPILE_MODES`` (how inductor builds the compiled step; all capture CUDA graphs).
     ``peers``: on the server rank of a tensor-parallel group, the ``StepLeader`` that sends each model call's
     inputs to the other ranks first (they run ``step_broadcast.follow`` with an engine built like this one)."""
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, compile: bool = False,
-                 overlap: bool | None = None, peers: StepLeader | None = None) -> None:
+                 overlap: bool | None = None, peers: StepLeader | None = None,
+                 compile_mode: str = "reduce-overhead") -> None:
         check_decodable(model)
         self.model = model.eval()
         weight = model.embed.weight
@@ -76,7 +94,9 @@ class DecodeEngine:
         self._last = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # last token per slot
         self._running = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # 1: the slot's position moves
         self._decode = self._decode_all
-        self._compiled = compile
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode {compile_mode!r}: one of {', '.join(COMPILE_MODES)}")
+        self._compiled, self._compile_mode = compile, compile_mode
         if compile:
             self._decode = self._compiled_decode()
         # On a GPU an all-greedy batch runs one step ahead: the next step is launched (its input tokens are on the
@@ -98,8 +118,9 @@ class DecodeEngine:
         # graph reads and writes them where they are (no copies in and out)
         for t in [*self.cache.buffers(), self._last, self._positions]:
             torch._dynamo.mark_static_address(t)
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
-        return torch.compile(self._decode_all, mode=mode, fullgraph=False, dynamic=False)
+        options = dict(COMPILE_MODES[self._compile_mode])
+        options["triton.cudagraphs"] = self.device.type == "cuda"
+        return torch.compile(self._decode_all, options=options, fullgraph=False, dynamic=False)
 
     def submit(self, seq: Sequence) -> None:
         """Queue ``seq``; it joins at the next ``step`` with a free slot (``check`` first)."""
@@ -279,12 +300,14 @@ class DecodeEngine:
         for s, tok in zip(seqs, tokens):
             if tok in s.params.stop_token_ids:
                 s.finish_reason = "stop"
+                changed = s._read < len(s.token_ids)  # text held back for an incomplete character comes out
             else:
                 s.token_ids.append(tok)
                 if len(s.token_ids) >= s.params.max_new_tokens:
                     s.finish_reason = "length"
-                if s.decode is not None and (s.params.stop or s.on_token is not None):
-                    self._update_text(s)
+                changed = True
+            if changed and s.decode is not None and (s.params.stop or s.on_token is not None):
+                self._update_text(s)
             if s.on_token is not None:
                 self._emit(s)
             if s.finished:
@@ -296,7 +319,7 @@ class DecodeEngine:
 
     @staticmethod
     def _update_text(s: Sequence) -> None:
-        text = s.decode(s.token_ids)
+        text = _decode_incrementally(s)
         if s.params.stop:
             # a stop string can only begin where it could overlap the newly added text
             start = max(0, len(s.text) - max(len(x) for x in s.params.stop))
@@ -318,6 +341,21 @@ class DecodeEngine:
         new, s._emitted = s.text[s._emitted:end], max(s._emitted, end)
         if new or s.finished:
             s.on_token(s, new, s.finished)
+
+
+def _decode_incrementally(s: Sequence) -> str:
+    """The text of all of ``s.token_ids`` so far, decoding only a window of the last few tokens per call (a
+    full decode per token would cost O(length) a token, O(length^2) a sequence). Text of tokens that end in an
+    incomplete UTF-8 character waits for the next token, unless the sequence has finished."""
+    ids = s.token_ids
+    before = s.decode(ids[s._prefix:s._read])
+    window = s.decode(ids[s._prefix:])
+    if len(window) > len(before) and (s.finished or not window.endswith("\ufffd")):
+        s._decoded += window[len(before):]
+        s._prefix, s._read = s._read, len(ids)
+    elif s.finished:
+        s._decoded += window[len(before):]
+    return s._decoded
 
 
 def generate(engine: DecodeEngine, prompts: Seq[list[int]], params: SamplingParams | Seq[SamplingParams],

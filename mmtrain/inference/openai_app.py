@@ -92,12 +92,23 @@ async def _collect(seq: Sequence, out: asyncio.Queue) -> None:
             seq.cancelled = True
 
 
+def _drain(out: asyncio.Queue, text: str, done: bool) -> tuple[str, bool]:
+    """``text`` and every piece already waiting on ``out`` after it, as one piece."""
+    pieces = [text]
+    while not done and not out.empty():
+        more, done = out.get_nowait()
+        pieces.append(more)
+    return "".join(pieces), done
+
+
 async def _stream(seq: Sequence, out: asyncio.Queue, chunk, final_usage) -> AsyncIterator[bytes]:
-    """SSE events: one chunk per piece of text, the last with the finish reason, then ``[DONE]``."""
+    """SSE events: one chunk per piece of text, the last with the finish reason, then ``[DONE]``. Pieces that
+    arrived while the previous event was being sent go out together, so a busy server sends fewer, larger
+    events instead of falling behind the decode steps."""
     try:
         first = True
         while True:
-            text, done = await out.get()
+            text, done = _drain(out, *await out.get())
             if text or done or first:
                 yield _sse(chunk(text, seq.finish_reason if done else None, first))
                 first = False
