@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on one H200 (under 4 minutes): 1B packed chat SFT with mmtrain (full and LoRA r=16) against the
+# One device call on one H200 (about 4-5 minutes): 1B packed chat SFT with mmtrain (full and LoRA r=16) against the
 # Hugging Face forward/backward baseline (one conversation per row, padded; with peft LoRA when its wheel is
 # carried): tokens/s, step time and peak memory, one table (bench/sft_lora.py).
 # Usage, from the repo root, carrying .device/whl (xxhash, and for the HF rows transformers + peft + their
@@ -11,5 +11,5 @@ if ls .device/whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 220 python3 bench/sft_lora.py --seq 4096 --batch 2 --steps "${STEPS:-8}" --warmup 2 \
-  2>&1 | grep -E '^\{|^\||Error|error' | tail -12
+timeout "${SFT_TIMEOUT:-330}" python3 bench/sft_lora.py --seq 4096 --batch 2 --steps "${STEPS:-8}" --warmup 2 \
+  2>&1 | grep -E "^\{|^\||Error|error" | tail -16

@@ -8,8 +8,9 @@ Synthetic conversations (lengths uniform in [--min-len, --max-len] tokens, the s
 loss) are written as an `mmtrain-prep sft`-format dataset (tokens + loss mask + manifest); mmtrain runs its real
 training loop (``data.type=sft``: packed, per-conversation attention) with full weights and with LoRA. The HF
 rows run ``LlamaForCausalLM`` of the same shape on the same conversations one per row, padded to the longest
-(labels -100 outside the loss; what a plain HF ``Trainer`` does without packing), with AdamW; and, when ``peft``
-is importable, the same with LoRA. Tokens/s counts real (non-padding) tokens per second; "loss tok/s" only the
+(labels -100 outside the loss), with AdamW, in a plain forward/backward loop; and, when ``peft`` is importable,
+the same with LoRA. The ``hf-trainer`` rows run ``transformers.Trainer`` itself (bf16 autocast, fused AdamW),
+padded or packed by ``DataCollatorWithFlattening``. Tokens/s counts real (non-padding) tokens per second; "loss tok/s" only the
 tokens that carry the loss; memory is the peak allocated by the step.
 """
 
@@ -143,6 +144,89 @@ def hf_row(label: str, cfg_path: str, lengths, tokens, mask, a, device, lora: bo
     return out
 
 
+def hf_trainer_row(label: str, cfg_path: str, lengths, tokens, mask, a, device, lora: bool,
+                   flatten: bool) -> dict | None:
+    """``transformers.Trainer`` as users run it (bf16 autocast over fp32 weights, fused AdamW), one conversation
+    per row padded to the longest (``flatten=False``) or ``DataCollatorWithFlattening``'s packing (position ids
+    restart per conversation); about the same tokens per step as the other rows. Step times come from a
+    callback that synchronises the device at each step's start and end; real tokens from the collator."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    m = load_config(GPTRunConfig, cfg_path, a.overrides).model
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
+        max_position_embeddings=max(a.seq + 1, 128), rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
+        attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    if lora:
+        try:
+            import peft
+        except ImportError:
+            return None
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=a.lora_rank, lora_alpha=2 * a.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj"]))
+    starts = np.r_[0, np.cumsum(lengths)]
+    rows = []
+    for i, n in enumerate(lengths):
+        n = min(int(n), a.seq + 1)
+        ids = tokens[starts[i]:starts[i] + n].astype(np.int64)
+        rows.append({"input_ids": ids.tolist(),
+                     "labels": np.where(mask[starts[i]:starts[i] + n] > 0, ids, -100).tolist()})
+    per_row = max(1, round(a.batch * (a.seq + 1) / float(np.mean(np.minimum(lengths, a.seq + 1)))))
+    real: list[int] = []
+    flattening = transformers.DataCollatorWithFlattening(return_position_ids=True) if flatten else None
+
+    def collate(features):
+        real.append(sum(len(f["input_ids"]) for f in features))
+        if flattening is not None:
+            return flattening(features)
+        width = max(len(f["input_ids"]) for f in features)
+        out = {k: torch.full((len(features), width), fill, dtype=torch.long)
+               for k, fill in (("input_ids", 0), ("labels", -100), ("attention_mask", 0))}
+        for r, f in enumerate(features):
+            n = len(f["input_ids"])
+            out["input_ids"][r, :n] = torch.tensor(f["input_ids"])
+            out["labels"][r, :n] = torch.tensor(f["labels"])
+            out["attention_mask"][r, :n] = 1
+        return out
+
+    times: list[float] = []
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            times.append(time.perf_counter() - self.t0)
+
+    args = transformers.TrainingArguments(
+        output_dir=str(Path(a.workdir) / label), per_device_train_batch_size=1 if flatten else per_row,
+        max_steps=a.steps + a.warmup, learning_rate=1e-5, bf16=device.type == "cuda", logging_steps=10**6,
+        report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+        remove_unused_columns=False, optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
+        use_cpu=device.type != "cuda")
+    if flatten:  # the flattening collator packs the rows of one batch: a batch of per_row conversations
+        args.per_device_train_batch_size = per_row
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, data_collator=collate,
+                                   callbacks=[StepTimer()])
+    out = trainer.train()
+    dt = statistics.median(times[a.warmup:])
+    row = {"label": label, "step_s": dt, "tok_s": statistics.median(real[a.warmup:len(times)]) / dt,
+           "mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+           "loss_last": float(out.training_loss)}
+    del trainer, model
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(REPO / "configs/models/llama3.2-1b.yaml"))
@@ -175,6 +259,12 @@ def main() -> None:
                                                   f"peft.lora.alpha={2 * a.lora_rank}", "optim.lr=2e-4"], device)),
         ("hf-full-padded", lambda: hf_row("hf-full-padded", a.model, lengths, tokens, mask, a, device, False)),
         ("hf-lora-padded", lambda: hf_row("hf-lora-padded", a.model, lengths, tokens, mask, a, device, True)),
+        ("hf-trainer-full-padded", lambda: hf_trainer_row("hf-trainer-full-padded", a.model, lengths, tokens, mask,
+                                                          a, device, lora=False, flatten=False)),
+        ("hf-trainer-full-flattened", lambda: hf_trainer_row("hf-trainer-full-flattened", a.model, lengths,
+                                                             tokens, mask, a, device, lora=False, flatten=True)),
+        ("hf-trainer-lora-flattened", lambda: hf_trainer_row("hf-trainer-lora-flattened", a.model, lengths,
+                                                             tokens, mask, a, device, lora=True, flatten=True)),
     ]
     results = []
     for label, fn in runs:
