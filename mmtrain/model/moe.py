@@ -160,7 +160,9 @@ class MoELayer(nn.Module):
         shape = x_BSD.shape
         x = x_BSD.reshape(-1, shape[-1])
         weights, ids, aux, load = self.router(x, self.dispatch.token_groups)
-        self.step_load = load if self.step_load is None else self.step_load + load
+        if self.training:  # the bias update counts training tokens only (not validation, a DPO reference or
+            # decoding, where a count kept across compiled steps would hold a CUDA graph's overwritten output)
+            self.step_load = load if self.step_load is None else self.step_load + load
         keep = _capacity_mask(ids, self.cfg.num_experts, self.cfg.moe_capacity_factor)
         out, shared_out = self.dispatch(x, weights, ids, self.experts, self.cfg.num_experts, keep, self.shared)
         if shared_out is not None:

@@ -198,7 +198,9 @@ class DeepseekMoE(nn.Module):
         x = x_BSD.reshape(-1, x_BSD.shape[-1])
         weights, ids = self.router(x)
         load = count_per_expert(ids.flatten(), self.num_experts)
-        self.step_load = load if self.step_load is None else self.step_load + load
+        if self.training:  # the bias update counts training tokens only (not validation, a DPO reference or
+            # decoding, where a count kept across compiled steps would hold a CUDA graph's overwritten output)
+            self.step_load = load if self.step_load is None else self.step_load + load
         # (B, S, D): under sequence parallelism the shared experts' TP linears gather the sequence
         shared = (lambda x_ND: self.shared(x_ND.view_as(x_BSD))) if self.shared is not None else None
         out, shared_out = self.dispatch(x, weights, ids, self.experts, self.num_experts, None, shared)
