@@ -29,6 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 class LoRAAdapter(nn.Module):
     """``scale * B(A(x))``; ``B`` starts at zero, so an adapted model starts equal to its base."""
 
@@ -58,9 +62,10 @@ class DoRAAdapter(LoRAAdapter):
 
     @torch.no_grad()
     def weight_norm(self, weight: torch.Tensor, input_group=None) -> torch.Tensor:
-        """``||W + scale B A||`` per output row (fp32), the squares summed over ``input_group`` when the input
-        dimension is split over it (a row-parallel linear)."""
-        sq = (weight.float() + self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())).square().sum(1)
+        """``||W + scale B A||`` per output row (in fp32 at least), the squares summed over ``input_group`` when
+        the input dimension is split over it (a row-parallel linear)."""
+        t = _at_least_fp32(weight.dtype)
+        sq = (weight.to(t) + self.scale * (self.lora_B.weight.to(t) @ self.lora_A.weight.to(t))).square().sum(1)
         if input_group is not None and dist.get_world_size(input_group) > 1:
             dist.all_reduce(sq, group=input_group)
         return sq.sqrt()
@@ -145,13 +150,14 @@ def reset_dora_magnitudes(model: nn.Module) -> list[str]:
 @torch.no_grad()
 def merged_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float,
                   magnitude: torch.Tensor | None = None, row_norm: torch.Tensor | None = None) -> torch.Tensor:
-    """``W + scale * B A`` on full tensors (computed in fp32, returned in the weight's dtype); with a DoRA
+    """``W + scale * B A`` on full tensors (computed in fp32 at least, returned in the weight's dtype); with a DoRA
     ``magnitude``, ``magnitude / ||W + scale B A||_row * (W + scale B A)`` (``row_norm``: that norm when the rows
     are split, e.g. a row-parallel shard's, summed over TP; default this tensor's own)."""
-    w = weight.float() + scale * (lora_B.float() @ lora_A.float())
+    t = _at_least_fp32(weight.dtype)
+    w = weight.to(t) + scale * (lora_B.to(t) @ lora_A.to(t))
     if magnitude is not None:
-        norm = w.norm(dim=1) if row_norm is None else row_norm.float()
-        w = w * (magnitude.float() / norm)[:, None]
+        norm = w.norm(dim=1) if row_norm is None else row_norm.to(t)
+        w = w * (magnitude.to(t) / norm)[:, None]
     return w.to(weight.dtype)
 
 
