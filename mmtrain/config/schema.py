@@ -253,7 +253,7 @@ class LoraConfig:
                                  "shared_down (shared experts); routed experts have none.")
     dora: bool = doc(False, "DoRA (peft's use_dora): each adapted linear's weight W + (alpha/rank) B A is "
                             "re-normalized per output feature and scaled by a trained magnitude vector that "
-                            "starts at the row norms of W (docs/post-training.md#dora).")
+                            "starts at the row norms of W (docs/post-training.md, DoRA).")
 
     def targets_for(self, model: "ModelConfig") -> tuple[str, ...]:
         """The targets this run adapts for ``model``: ``targets``, or the family's full list when empty."""
