@@ -4,6 +4,7 @@ weights) and the generation loader's merge give the adapted model's logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 
@@ -93,7 +94,7 @@ def test_dora_matches_peft_on_the_hf_model():
         torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=2e-5)  # step 0: the base model
     _randomize_adapters(ours)
     full = {n: t.detach() for n, t in ours.state_dict().items()}
-    config, tensors = peft_adapter(full, mcfg, dataclass_replace(lora, list(lora.targets_for(mcfg))))
+    config, tensors = peft_adapter(full, mcfg, dataclasses.replace(lora, targets=list(lora.targets_for(mcfg))))
     assert config["use_dora"] is True and any(k.endswith("lora_magnitude_vector") for k in tensors)
     keep = {k: v for k, v in config.items() if k in peft.LoraConfig.__dataclass_fields__}
     theirs = peft.get_peft_model(hf, peft.LoraConfig(**{**keep, "inference_mode": False}))
@@ -119,12 +120,6 @@ def test_dora_matches_peft_on_the_hf_model():
     torch.testing.assert_close(down.lora_A.weight.grad, peft_grads[f"{d}lora_A.default.weight"], rtol=1e-4, atol=1e-6)
 
 
-def dataclass_replace(lora, targets):
-    import dataclasses
-
-    return dataclasses.replace(lora, targets=targets)
-
-
 def _tp_grads(rank: int, world_size: int, ids: torch.Tensor):
     """Loss and adapter gradients of the randomized DoRA model, sharded over TP2 (row linears' norms summed)."""
     cfg = load_config(GPTRunConfig, None, BASE)
@@ -136,7 +131,8 @@ def _tp_grads(rank: int, world_size: int, ids: torch.Tensor):
     loss = model(ids[:, :-1], ids[:, 1:]).sum()
     loss.backward()
     allreduce_tp_partial_grads(model, mesh.tp_group)
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, mesh.coord.tp
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return float(loss.detach()), grads, mesh.coord.tp
 
 
 def test_dora_tp2_loss_and_grads_equal_one_process():
@@ -161,9 +157,14 @@ def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
     return result.losses, {k: v.detach().clone() for k, v in result.model.named_parameters()}, mesh.coord.tp
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return run_distributed(_train, 1, str(tmp_path_factory.mktemp("one")), [])[0]
+
+
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.pp=2"]])
-def test_dora_layouts_train_as_one_process(tmp_path, layout):
-    ref_losses, ref_params, _ = run_distributed(_train, 1, str(tmp_path / "one"), [])[0]
+def test_dora_layouts_train_as_one_process(single, tmp_path, layout):
+    ref_losses, ref_params, _ = single
     out = run_distributed(_train, 2, str(tmp_path / "two"), layout)
     torch.testing.assert_close(torch.tensor(out[-1][0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     cfg = load_config(GPTRunConfig, None, BASE)
@@ -226,3 +227,55 @@ def test_dora_from_hf_exports_merged_and_peft_adapter(tmp_path):
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(ids).logits, adapted, rtol=0, atol=1e-4)
+
+
+def test_dora_deepseek_v3_tp2_sp_trains_as_one_process(tmp_path):
+    from tests.distributed.test_lora_deepseek_v3 import _cfg, _stage
+    from tests.distributed.test_lora_deepseek_v3 import _train as train_deepseek
+
+    dora = ["peft.lora.dora=true"]
+    ref_losses, ref_params, *_ = run_distributed(train_deepseek, 1, str(tmp_path / "one"), dora)[0]
+    out = run_distributed(train_deepseek, 2, str(tmp_path / "two"),
+                          [*dora, "parallel.tp=2", "parallel.sequence_parallel=true"])
+    torch.testing.assert_close(torch.tensor(out[-1][0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    spec = _stage(_cfg(dora)).sharding_spec()
+    assert spec["layers.0.attn.kv_down.adapter.magnitude"].tp_partial_grad == "always"  # opens the TP region
+    assert spec["layers.0.attn.q_up.adapter.magnitude"].tp == "column"
+    for _, params, tp_rank, tp, *_ in out:
+        for name, p in params.items():
+            torch.testing.assert_close(p, tp_shard_of(name, ref_params[name], spec, tp_rank, tp), rtol=1e-4,
+                                       atol=1e-4, msg=name)
+
+
+def test_dora_deepseek_v3_peft_adapter_and_merge_match_the_hf_model():
+    """DeepSeek-V3 DoRA on HF weights (attention targets, trained-looking adapters): peft's DoRA with the exported
+    adapter and the merged weights in transformers give the adapted model's logits."""
+    from tests.distributed.test_lora_deepseek_v3 import _hf_model
+    peft = pytest.importorskip("peft")
+    from mmtrain.models.deepseek_v3.hf_adapter import config_from_hf, state_dict_from_hf, state_dict_to_hf
+    from mmtrain.models.deepseek_v3.lora_export import merge_lora, peft_adapter
+    from mmtrain.models.deepseek_v3.model import DeepseekV3Model
+
+    _, hf = _hf_model()
+    cfg = config_from_hf(hf.config.to_dict())
+    lora = dataclasses.replace(load_config(GPTRunConfig, None, DORA).peft.lora,
+                               targets=["q_down", "q_up", "kv_down", "kv_up", "proj"])
+    ours = DeepseekV3Model(cfg, lora=lora)
+    ours.init_weights(0)
+    missing, unexpected = ours.load_state_dict(state_dict_from_hf(hf.state_dict(), cfg), strict=False)
+    assert not unexpected and all(".adapter." in n for n in missing)
+    reset_dora_magnitudes(ours)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    _randomize_adapters(ours)
+    full = {n: t.detach() for n, t in ours.state_dict().items()}
+    with torch.no_grad():
+        adapted = ours.eval()(ids)
+        merged = state_dict_to_hf(merge_lora(full, cfg, lora), cfg, experts_layout="module")
+        config, tensors = peft_adapter(full, cfg, lora)
+        keep = {k: v for k, v in config.items() if k in peft.LoraConfig.__dataclass_fields__}
+        theirs = peft.get_peft_model(hf, peft.LoraConfig(**keep))
+        peft.set_peft_model_state_dict(theirs, tensors)
+        torch.testing.assert_close(theirs.eval()(ids).logits, adapted, rtol=0, atol=1e-4)
+        hf_merged = theirs.unload()  # the HF base again, without the adapter
+        hf_merged.load_state_dict(merged)
+        torch.testing.assert_close(hf_merged(ids).logits, adapted, rtol=0, atol=1e-4)
