@@ -162,7 +162,9 @@ def single(tmp_path_factory):
     return run_distributed(_train, 1, str(tmp_path_factory.mktemp("one")), [])[0]
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.pp=2"]])
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.pp=2"],
+                                    ["parallel.dp=2", "parallel.fsdp=true", "parallel.distributed_optimizer=true"]],
+                         ids=["tp2-sp", "pp2", "dp2-fsdp"])
 def test_dora_layouts_train_as_one_process(single, tmp_path, layout):
     ref_losses, ref_params, _ = single
     out = run_distributed(_train, 2, str(tmp_path / "two"), layout)
@@ -233,7 +235,7 @@ def test_dora_deepseek_v3_tp2_sp_trains_as_one_process(tmp_path):
     from tests.distributed.test_lora_deepseek_v3 import _cfg, _stage
     from tests.distributed.test_lora_deepseek_v3 import _train as train_deepseek
 
-    dora = ["peft.lora.dora=true"]
+    dora = ["peft.lora.dora=true", "train.steps=2"]
     ref_losses, ref_params, *_ = run_distributed(train_deepseek, 1, str(tmp_path / "one"), dora)[0]
     out = run_distributed(train_deepseek, 2, str(tmp_path / "two"),
                           [*dora, "parallel.tp=2", "parallel.sequence_parallel=true"])
