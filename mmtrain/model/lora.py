@@ -33,7 +33,7 @@ def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def dora_gain(magnitude: torch.Tensor, row_norm: torch.Tensor) -> torch.Tensor:
+def _dora_gain(magnitude: torch.Tensor, row_norm: torch.Tensor) -> torch.Tensor:
     """``m / ||W + scale B A||_row`` in fp32 at least, the norm rounded to the magnitude's dtype first: a bf16
     magnitude set from that norm (:func:`reset_dora_magnitudes`) then gives exactly 1, the base model."""
     t = _at_least_fp32(magnitude.dtype)
@@ -79,7 +79,7 @@ class DoRAAdapter(LoRAAdapter):
 
     def forward(self, x: torch.Tensor, base: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                 input_group=None) -> torch.Tensor:
-        gain = dora_gain(self.magnitude, self.weight_norm(weight, input_group))
+        gain = _dora_gain(self.magnitude, self.weight_norm(weight, input_group))
         lora = self.lora_B(self.lora_A(x)) * self.scale
         return (gain - 1).to(base.dtype) * base + gain.to(lora.dtype) * lora
 
@@ -163,7 +163,7 @@ def merged_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
     t = _at_least_fp32(weight.dtype)
     w = weight.to(t) + scale * (lora_B.to(t) @ lora_A.to(t))
     if magnitude is not None:
-        w = w * dora_gain(magnitude, w.norm(dim=1) if row_norm is None else row_norm).to(t)[:, None]
+        w = w * _dora_gain(magnitude, w.norm(dim=1) if row_norm is None else row_norm).to(t)[:, None]
     return w.to(weight.dtype)
 
 
