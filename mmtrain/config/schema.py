@@ -251,6 +251,9 @@ class LoraConfig:
                                  "down (MoE models: qkv, proj). deepseek_v3: q_down, q_up (or q_proj without "
                                  "q_lora_rank), kv_down, kv_up, proj, up, down (dense layers), shared_up, "
                                  "shared_down (shared experts); routed experts have none.")
+    dora: bool = doc(False, "DoRA (peft's use_dora): each adapted linear's weight W + (alpha/rank) B A is "
+                            "re-normalized per output feature and scaled by a trained magnitude vector that "
+                            "starts at the row norms of W (docs/post-training.md, DoRA).")
 
     def targets_for(self, model: "ModelConfig") -> tuple[str, ...]:
         """The targets this run adapts for ``model``: ``targets``, or the family's full list when empty."""

@@ -91,6 +91,8 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if t.precision == "fp8":
         _validate_fp8(cfg, mk)
     lora = getattr(getattr(cfg, "peft", None), "lora", None)
+    if lora is not None and lora.dora and not lora.rank:
+        raise ConfigError("peft.lora.dora=true needs LoRA adapters: set peft.lora.rank > 0 (or peft.lora.dora=false)")
     if lora is not None and lora.rank:
         _validate_lora(cfg, lora, mk)
     if t.sample_every:

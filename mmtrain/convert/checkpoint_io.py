@@ -25,6 +25,7 @@ import yaml
 import mmtrain
 from mmtrain.config.loader import apply_mapping
 from mmtrain.config.schema import GPTRunConfig, LoraConfig, ModelConfig, ParallelConfig
+from mmtrain.model.lora import reset_dora_magnitudes
 from mmtrain.models.registry import model_family
 from mmtrain.models.spec import ShardingSpec
 from mmtrain.parallel.global_chunks import (
@@ -280,7 +281,8 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     ``run_model_cfg``: the run's model config, checked field by field against the checkpoint's. ``verify``:
     check the files read against ``checksums.json`` (``checkpoint.verify``). ``adapters``: also read the
     model's LoRA adapters (the checkpoint of a LoRA run, loaded to be used: generation, evaluation); without it
-    they keep their initial values (a LoRA run starting from base weights)."""
+    they keep their initial values (a LoRA run starting from base weights; DoRA magnitudes are set to the row
+    norms of the weights read, as the model's init sets them)."""
     folder = resolve_checkpoint_folder(path)
     meta, cfg, _ = _read_checkpoint_meta(folder)
     if run_model_cfg is not None:
@@ -308,6 +310,8 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     if missing:
         raise ConvertError(f"{path}: parameter(s) {', '.join(missing[:5])} missing from the checkpoint")
     _checked_read(folder, "checkpoint.load", False, lambda: load_chunks(folder, chunks, verify))
+    if not adapters:  # DoRA magnitudes start at the row norms of the base weights just read
+        reset_dora_magnitudes(model)
     return meta
 
 

@@ -41,7 +41,7 @@ class ParamSpec:
     is summed): ``auto`` = column linears copy their input, the others do not; ``copy`` = a replicated linear
     that opens the region for the column linears after it (MLA's ``q_down``/``kv_down``: their outputs feed
     per-head ``q_up``/``kv_up``, so their gradients are partial over TP); ``local`` = a column linear whose
-    input is already in the region (``q_up``/``kv_up``: not copied again). ``adapter``: a LoRA adapter tensor
+    input is already in the region (``q_up``/``kv_up``: not copied again). ``adapter``: a LoRA (or DoRA) adapter tensor
     (trained while the base is frozen; not in a base checkpoint, so loading base weights leaves it as
     initialized; exported on its own as a ``peft`` adapter)."""
 
@@ -135,24 +135,33 @@ class ShardingSpec(Mapping):
         return self[name].tied_to or name
 
 
-def lora_adapter_entries(linear: str, weight: ParamSpec) -> dict[str, ParamSpec]:
+def lora_adapter_entries(linear: str, weight: ParamSpec, dora: bool = False) -> dict[str, ParamSpec]:
     """The spec entries of a LoRA adapter (``mmtrain.model.lora``) on ``linear``, from its weight's entry. Column
     linear: ``B`` split like the weight (the same fused parts, its input already in the TP region), ``A`` whole,
     its gradient partial over TP (each rank back-propagates through its slice of ``B``). Row linear: ``A`` split
     like the weight (its partial outputs summed over TP), ``B`` whole (a partial gradient only under sequence
     parallelism). Replicated linear: ``A`` and ``B`` whole with the weight's partial-gradient rule (a linear that
-    opens a TP region, ``tp_input: copy``, feeds per-rank column slices: its adapter's gradients are partial)."""
-    a, b = f"{linear}.adapter.lora_A.weight", f"{linear}.adapter.lora_B.weight"
+    opens a TP region, ``tp_input: copy``, feeds per-rank column slices: its adapter's gradients are partial).
+    ``dora``: also the DoRA magnitude (one per output feature): split like a column linear's output rows (its
+    fused parts), else whole with ``B``'s partial-gradient rule (it scales the same outputs ``B`` writes)."""
+    a, b, m = f"{linear}.adapter.lora_A.weight", f"{linear}.adapter.lora_B.weight", f"{linear}.adapter.magnitude"
     if weight.tp == "column":
-        return {a: ParamSpec(tp_partial_grad="always", adapter=True),
-                b: ParamSpec("column", parts=weight.parts, unit=weight.unit, tp_input="local", adapter=True)}
-    if weight.tp == "row":
-        return {a: ParamSpec("row", unit=weight.unit, adapter=True),
-                b: ParamSpec(tp_partial_grad="sequence_parallel", adapter=True)}
-    if weight.tp != "replicated" or weight.expert_dim is not None:
+        out = {a: ParamSpec(tp_partial_grad="always", adapter=True),
+               b: ParamSpec("column", parts=weight.parts, unit=weight.unit, tp_input="local", adapter=True)}
+        magnitude = ParamSpec("column", parts=weight.parts, unit=weight.unit, adapter=True)
+    elif weight.tp == "row":
+        out = {a: ParamSpec("row", unit=weight.unit, adapter=True),
+               b: ParamSpec(tp_partial_grad="sequence_parallel", adapter=True)}
+        magnitude = ParamSpec(tp_partial_grad="sequence_parallel", adapter=True)
+    elif weight.tp != "replicated" or weight.expert_dim is not None:
         raise ValueError(f"{linear}: no LoRA adapter for a {weight.tp} / expert-sliced tensor")
-    return {a: ParamSpec(tp_partial_grad=weight.tp_partial_grad, adapter=True),
-            b: ParamSpec(tp_partial_grad=weight.tp_partial_grad, adapter=True)}
+    else:
+        out = {a: ParamSpec(tp_partial_grad=weight.tp_partial_grad, adapter=True),
+               b: ParamSpec(tp_partial_grad=weight.tp_partial_grad, adapter=True)}
+        magnitude = ParamSpec(tp_partial_grad=weight.tp_partial_grad, adapter=True)
+    if dora:
+        out[m] = magnitude
+    return out
 
 
 def merge_specs(*specs: ShardingSpec, family: str = "") -> ShardingSpec:

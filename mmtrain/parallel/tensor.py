@@ -36,6 +36,13 @@ def _param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(data, requires_grad=like.requires_grad)
 
 
+def _with_base_adapter(adapter: nn.Module, x: torch.Tensor, base: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None, input_group) -> torch.Tensor:
+    """A linear's output with an adapter that needs its bias-free output ``base`` (DoRA: ``mmtrain.model.lora``)."""
+    y = base + adapter(x, base, weight, input_group)
+    return y + bias if bias is not None else y
+
+
 class ColumnParallelLinear(nn.Module):
     """Output features split over TP; input replicated (or gathered along the sequence under SP)."""
 
@@ -53,9 +60,13 @@ class ColumnParallelLinear(nn.Module):
         # a LoRA adapter (mmtrain.model.lora) on the same input; the plan shards its B like this weight
         self.adapter = getattr(full, "adapter", None)
 
+    input_split_group = None  # whole input rows: a DoRA adapter's row norms are local
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
+        if self.adapter is not None and self.adapter.needs_base:
+            return _with_base_adapter(self.adapter, x, self.matmul(x, self.weight, None), self.weight, self.bias, None)
         y = self.matmul(x, self.weight, self.bias)
         return y + self.adapter(x) if self.adapter is not None else y
 
@@ -74,8 +85,12 @@ class RegionEntryLinear(nn.Module):
         # a LoRA adapter on the same copied input, whole like this weight (its gradients partial over TP)
         self.adapter = getattr(full, "adapter", None)
 
+    input_split_group = None  # a whole weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
+        if self.adapter is not None and self.adapter.needs_base:
+            return _with_base_adapter(self.adapter, x, F.linear(x, self.weight), self.weight, self.bias, None)
         y = F.linear(x, self.weight, self.bias)
         return y + self.adapter(x) if self.adapter is not None else y
 
@@ -93,10 +108,13 @@ class RowParallelLinear(nn.Module):
         # a LoRA adapter on the same (split) input: the plan splits its A like this weight, so A's partial
         # outputs are summed over TP like this linear's
         self.adapter = getattr(full, "adapter", None)
+        self.input_split_group = group  # a DoRA adapter sums its squared row norms over it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight, None)
         y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_group(y, self.group)
+        if self.adapter is not None and self.adapter.needs_base:
+            return _with_base_adapter(self.adapter, x, y, self.weight, self.bias, self.group)
         y = y + self.bias if self.bias is not None else y
         return y + self.adapter(x) if self.adapter is not None else y
 
@@ -216,6 +234,10 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         model.sequence_parallel = sp  # the layout its spec resolves partial gradients for
     spec = model.sharding_spec()
     param_names = {id(p): n for n, p in model.named_parameters()}
+    in_linears = {id(p) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))
+                  for p in m.parameters(recurse=False)}
+    # sharded tensors outside any linear (a DoRA magnitude, split like its linear's output features)
+    loose = [(n, p) for n, p in model.named_parameters() if spec[n].tp_sharded and id(p) not in in_linears]
     swaps = []
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):  # placed by its weight's entry
@@ -225,6 +247,11 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     for name, new in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+    rank = dist.get_rank(group)
+    for name, p in loose:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                _param(tp_shard_of(name, p.data, spec, rank, n), p))
     if getattr(model, "head", None) is not None:  # the output head's strategy: vocab-parallel loss
         model.head = VocabParallelHead(group, sp, dist.get_rank(group) * model.cfg.vocab_size // n, model.head.matmul)
     return model

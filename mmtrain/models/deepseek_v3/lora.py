@@ -57,4 +57,4 @@ def add_adapters(model: nn.Module, cfg: DeepseekV3Config, lora) -> list[str]:
             module.bias_update_rate = 0.0
     start, end = model.layer_range
     return add_lora_at(model, [path for _, _, path in adapted_linears(cfg, lora.targets, range(start, end))],
-                       lora.rank, lora.alpha)
+                       lora.rank, lora.alpha, lora.dora)

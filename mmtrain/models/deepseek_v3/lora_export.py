@@ -20,7 +20,8 @@ def _pairs(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora):
 
 
 def merge_lora(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora) -> dict[str, torch.Tensor]:
-    """The base model's tensors with every adapter merged in (``W + alpha/r * B A``); no adapter tensors left."""
+    """The base model's tensors with every adapter merged in (``W + alpha/r * B A``, re-normalized for DoRA); no
+    adapter tensors left."""
     return merged_tensors(full, [linear for _, _, linear, _, _ in _pairs(full, cfg, lora)], lora.alpha / lora.rank)
 
 
@@ -35,16 +36,19 @@ def peft_adapter(full: dict[str, torch.Tensor], cfg: DeepseekV3Config, lora,
                              "export the merged model (--lora merge) or train attention targets only")
     tensors: dict[str, torch.Tensor] = {}
     modules: list[str] = []
-    for i, target, _, a, b in _pairs(full, cfg, lora):
+    for i, target, linear, a, b in _pairs(full, cfg, lora):
         _, where, (name,), _ = TARGETS[target]  # attention: one HF module per linear
         module = f"model.layers.{i}.{where}{name}"
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+        magnitude = full.get(f"{linear}.adapter.magnitude")
+        if magnitude is not None:  # DoRA (the key peft 0.21 saves)
+            tensors[f"base_model.model.{module}.lora_magnitude_vector"] = magnitude.contiguous()
         modules.append(module.replace(".", r"\."))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
               "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
               "target_modules": "^(" + "|".join(modules) + ")$",
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "use_rslora": False, "use_dora": False, "modules_to_save": None, "rank_pattern": {},
+              "use_rslora": False, "use_dora": lora.dora, "modules_to_save": None, "rank_pattern": {},
               "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
     return config, tensors

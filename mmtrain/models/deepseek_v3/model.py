@@ -35,6 +35,7 @@ from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
 from mmtrain.model.layers import MLP, RMSNorm
+from mmtrain.model.lora import reset_dora_magnitudes
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 from mmtrain.models.deepseek_v3.lora import add_adapters
@@ -268,7 +269,8 @@ class DeepseekV3Model(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Deterministic per-parameter init keyed by (seed, name), as ``GPTModel``: any stage split gets the same
         values. Output projections (``attn.proj``, ``down``, ``w_down``) are scaled by 1/sqrt(2 * num_layers);
-        norms start at one, routing biases at zero; LoRA's ``B`` at zero (the adapted model starts as the base)."""
+        norms start at one, routing biases at zero; LoRA's ``B`` at zero and DoRA magnitudes at their weights' row
+        norms (the adapted model starts as the base)."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             if name.endswith("lora_B.weight"):
@@ -292,6 +294,7 @@ class DeepseekV3Model(nn.Module):
         for module in self.modules():
             if isinstance(module, GroupLimitedRouter):
                 module.expert_bias.zero_()
+        reset_dora_magnitudes(self)  # DoRA magnitudes: the row norms of the weights just set
 
     def output_weight(self) -> torch.Tensor:
         return self.output.weight if self.output is not None else self.embed.weight

@@ -120,10 +120,11 @@ def deepseek_v3_sharding_spec(cfg: DeepseekV3Config, names: list[str]) -> Shardi
         adapted = re.fullmatch(_ADAPTER, n)
         if adapted:  # a LoRA adapter: placed after its linear's weight
             linear = adapted.group(1)
-            out.update(lora_adapter_entries(linear, _param_spec(sharding_of(f"{linear}.weight"), cfg)))
+            out.update(lora_adapter_entries(linear, _param_spec(sharding_of(f"{linear}.weight"), cfg),
+                                            dora=f"{linear}.adapter.magnitude" in names))
         else:
             out[n] = _param_spec(sharding_of(n), cfg, tied if n == "output.weight" else None)
     return ShardingSpec(out, "deepseek_v3")
 
 
-_ADAPTER = r"(.+)\.adapter\.lora_[AB]\.weight"  # mmtrain.model.lora's names next to the adapted linear
+_ADAPTER = r"(.+)\.adapter\.(lora_[AB]\.weight|magnitude)"  # mmtrain.model.lora's names next to the adapted linear

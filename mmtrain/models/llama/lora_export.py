@@ -4,7 +4,8 @@
 Our fused linears carry one adapter: ``attn.qkv`` has one ``A`` (r x d) and one ``B`` ((q + k + v) x r). In HF
 terms that is ``q_proj``, ``k_proj`` and ``v_proj`` each with the same ``A`` and its rows of ``B`` -- exactly
 the same update ``B_q A x``, so ``peft``'s ``PeftModel`` on the HF base computes what the adapted model does.
-Likewise ``mlp.up`` = ``gate_proj`` | ``up_proj``.
+Likewise ``mlp.up`` = ``gate_proj`` | ``up_proj``. DoRA's row norms are per output feature, so each HF module's
+rows keep theirs: its magnitude vector is its rows of ours.
 """
 
 from __future__ import annotations
@@ -38,28 +39,34 @@ def _pairs(full: dict[str, torch.Tensor], cfg: ModelConfig, lora):
 
 
 def merge_lora(full: dict[str, torch.Tensor], cfg: ModelConfig, lora) -> dict[str, torch.Tensor]:
-    """The base model's tensors with every adapter merged in (``W + alpha/r * B A``); no adapter tensors left."""
+    """The base model's tensors with every adapter merged in (``W + alpha/r * B A``, re-normalized for DoRA); no
+    adapter tensors left."""
     return merged_tensors(full, [linear for _, _, linear, _, _ in _pairs(full, cfg, lora)], lora.alpha / lora.rank)
 
 
 def peft_adapter(full: dict[str, torch.Tensor], cfg: ModelConfig, lora,
                  base_model: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json mapping, tensors under peft's saved names) of the adapters in ``full``."""
+    """(adapter_config.json mapping, tensors under peft's saved names) of the adapters in ``full`` (DoRA: with
+    ``use_dora`` and each module's ``lora_magnitude_vector``, the key peft 0.21 saves)."""
     tensors: dict[str, torch.Tensor] = {}
     modules: list[str] = []
-    for i, target, _, a, b in _pairs(full, cfg, lora):
+    for i, target, linear, a, b in _pairs(full, cfg, lora):
         _, where, hf_names = _TARGETS[target]
         sizes = _part_sizes(cfg, target)
         pieces = b.split(sizes) if sizes else (b,)
-        for name, piece in zip(hf_names, pieces):
+        magnitude = full.get(f"{linear}.adapter.magnitude")  # DoRA: one per output feature, split like B's rows
+        magnitudes = (magnitude.split(sizes) if sizes else (magnitude,)) if magnitude is not None else ()
+        for j, (name, piece) in enumerate(zip(hf_names, pieces)):
             key = f"base_model.model.model.layers.{i}.{where}{name}"
             tensors[f"{key}.lora_A.weight"] = a.clone()  # one copy per HF module (safetensors shares none)
             tensors[f"{key}.lora_B.weight"] = piece.contiguous()
+            if magnitudes:
+                tensors[f"{key}.lora_magnitude_vector"] = magnitudes[j].contiguous()
             if name not in modules:
                 modules.append(name)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
               "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": modules,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "use_rslora": False, "use_dora": False, "modules_to_save": None, "rank_pattern": {},
+              "use_rslora": False, "use_dora": lora.dora, "modules_to_save": None, "rank_pattern": {},
               "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
     return config, tensors

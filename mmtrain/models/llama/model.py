@@ -17,7 +17,7 @@ from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
-from mmtrain.model.lora import add_lora
+from mmtrain.model.lora import add_lora, reset_dora_magnitudes
 from mmtrain.model.moe import Experts
 from mmtrain.models.llama.spec import llama_sharding_spec
 from mmtrain.models.spec import ShardingSpec
@@ -56,7 +56,7 @@ class GPTModel(nn.Module):
                              persistent=False)
         self.lora = lora if lora is not None and lora.rank else None
         if self.lora is not None:
-            add_lora(self, list(self.lora.targets_for(cfg)), self.lora.rank, self.lora.alpha)
+            add_lora(self, list(self.lora.targets_for(cfg)), self.lora.rank, self.lora.alpha, self.lora.dora)
 
     def sharding_spec(self) -> ShardingSpec:
         """How every tensor of the whole model is sharded (``mmtrain.models.llama.spec``), for this layout."""
@@ -66,7 +66,8 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic per-parameter init keyed by (seed, parameter name): any stage split or rank of the same
-        model gets the same values. Output projections of each block are scaled by 1/sqrt(2 * num_layers)."""
+        model gets the same values. Output projections of each block are scaled by 1/sqrt(2 * num_layers); LoRA's
+        ``B`` starts at zero and a DoRA magnitude at its weight's row norms (the adapted model starts as the base)."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -87,6 +88,7 @@ class GPTModel(nn.Module):
                     p.copy_(owner.own_slice(torch.randn((owner.num_total, *p.shape[1:]), generator=g) * scale))
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * scale)
+        reset_dora_magnitudes(self)  # DoRA magnitudes: the row norms of the weights just set
 
     # ------------------------------------------------------------------------------------------ forward
     @property

@@ -83,7 +83,7 @@ def llama_sharding_spec(cfg: ModelConfig, lora=None) -> ShardingSpec:
         if lora is not None and lora.rank:
             for target in lora.targets_for(cfg):
                 linear = f"layers.{i}.{_LORA_LINEARS[target]}"
-                out.update(lora_adapter_entries(linear, block[f"{linear}.weight"]))
+                out.update(lora_adapter_entries(linear, block[f"{linear}.weight"], lora.dora))
     out.update(_norm_entries("norm", cfg, _SP_PARTIAL))
     out["output.weight"] = ParamSpec("vocab", tied_to="embed.weight" if cfg.tie_embeddings else None)
     return ShardingSpec(out, "llama")
