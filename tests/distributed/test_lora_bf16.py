@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config
@@ -18,14 +19,15 @@ BASE = ["data.mock=true", "data.seq_length=16", "train.precision=bf16", "train.d
         "model.vocab_size=64", "peft.lora.rank=4", "peft.lora.alpha=8", "train.eval_every=0"]
 
 
-def _train(rank: int, world_size: int, run_dir: str):
-    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}"])
+def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", *extra])
     validate_gpt_config(cfg, world_size)
     result = train_gpt(cfg, ParallelDims.from_config(cfg.parallel, world_size).build(), torch.device("cpu"))
     return result.losses, {(p.requires_grad, p.dtype) for p in result.model.parameters()}
 
 
-def test_bf16_lora_trains_with_the_frozen_base_in_bf16(tmp_path):
-    losses, kinds = run_distributed(_train, 1, str(tmp_path))[0]
+@pytest.mark.parametrize("extra", [[], ["peft.lora.dora=true"]], ids=["lora", "dora"])
+def test_bf16_lora_trains_with_the_frozen_base_in_bf16(tmp_path, extra):
+    losses, kinds = run_distributed(_train, 1, str(tmp_path), extra)[0]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert kinds == {(False, torch.bfloat16), (True, torch.bfloat16)}  # fp32 masters live in the optimizer
