@@ -120,7 +120,10 @@ VARIANTS = [["fp8.backend=native", "fp8.recipe=tensorwise"],
             ["fp8.backend=native", "fp8.recipe=tensorwise", "fp8.bf16_first_layers=1"],
             ["fp8.backend=native", "fp8.recipe=delayed", "train.compile=true", "fp8.fast_accum_backward=true"],
             ["fp8.backend=te", "fp8.recipe=delayed"],
-            ["fp8.backend=te", "fp8.recipe=tensorwise", "train.compile=true"]]
+            ["fp8.backend=te", "fp8.recipe=tensorwise", "train.compile=true"],
+            # packed documents through TE's linears (the attention core stays the block-mask FlexAttention)
+            ["fp8.backend=te", "fp8.recipe=delayed", "train.compile=true", "data.reset_position_ids=true",
+             "data.reset_attention_mask=true", "data.eod_mask_loss=true"]]
 
 
 @pytest.mark.parametrize("extra", VARIANTS, ids=lambda e: "-".join(x.split("=")[1] for x in e))
