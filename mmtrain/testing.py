@@ -36,7 +36,11 @@ class DistributedTestFailure(AssertionError):
 
 # Imported once in the forkserver, before any rank forks from it. Only imports: nothing in the server starts a
 # thread pool or a process group, so forking it is safe. A module that fails to import is skipped there.
-_PRELOAD = ["torch", "torch.distributed", "mmtrain.train.loop", "mmtrain.testing"]
+# Besides the trainer: what many ranks would otherwise each import again (CPU s a rank, 2-core dev machine):
+# torch.compile's autograd tracing (0.4, the compiled-block tests), energon and the VLM loader (1.0, the VLM
+# runs) and transformers' top level (1.0, the HF-bridge tests' modules import it).
+_PRELOAD = ["torch", "torch.distributed", "mmtrain.train.loop", "mmtrain.testing", "torch._functorch.aot_autograd",
+            "megatron.energon", "mmtrain.data.multimodal_loader", "mmtrain.train.vlm_train", "transformers"]
 
 
 def _context():

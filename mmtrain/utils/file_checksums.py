@@ -40,7 +40,10 @@ class HashingFile:
     ``_BORROW_MIN`` bytes is hashed in place after ``write`` returned: DCP's writer hands over tensor storage
     that it keeps alive until the file is closed (``entry()`` waits for the hashes). Were that ever not so,
     the record would not match and loading would stop on the file; it could not let damage through. Smaller
-    buffers (zip headers written from short-lived memory) are copied first."""
+    buffers (zip headers written from short-lived memory) are copied into one pending block, hashed when it
+    reaches ``_BORROW_MIN``, before the next large buffer, or at ``entry()``: one task per block, not per
+    write (``torch.save`` writes ~40 small records per tensor, and a thread-pool task each made a checkpoint
+    of many small tensors spend more time handing out work than hashing)."""
 
     def __init__(self, raw, background: bool = False) -> None:
         self.raw = raw
@@ -49,16 +52,27 @@ class HashingFile:
         self._hasher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mmtrain-hash") if background
                         else None)
         self._pending: list[concurrent.futures.Future] = []
+        self._small = bytearray()  # copies of the small writes since the last hand-over to the hasher
 
     def _update(self, view) -> None:
         self._hash.update(view)
+
+    def _hand_over_small(self) -> None:
+        if self._small:
+            self._pending.append(self._hasher.submit(self._update, self._small))
+            self._small = bytearray()  # a new block: the hasher may still be reading the old one
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         if self._hasher is None:
             self._update(view)
+        elif view.nbytes >= _BORROW_MIN:
+            self._hand_over_small()  # first: the hash covers the bytes in write order
+            self._pending.append(self._hasher.submit(self._update, view))
         else:
-            self._pending.append(self._hasher.submit(self._update, view if view.nbytes >= _BORROW_MIN else bytes(view)))
+            self._small += view
+            if len(self._small) >= _BORROW_MIN:
+                self._hand_over_small()
         written = self.raw.write(view)
         self.size += view.nbytes
         return view.nbytes if written is None else written
@@ -66,6 +80,7 @@ class HashingFile:
     def entry(self) -> dict[str, Any]:
         """The record of everything written (waits for the hashes still running)."""
         if self._hasher is not None:
+            self._hand_over_small()
             self._hasher.shutdown(wait=True)
             for f in self._pending:
                 f.result()  # re-raise a failed hash

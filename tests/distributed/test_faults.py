@@ -93,18 +93,28 @@ def _stuck_peer(rank: int, world_size: int, run_dir: str):
     import time as _time
 
     original = loop.build_gpt_stage
+    rank0_failed = Path(run_dir) / "rank0_failed"
 
     def build(cfg, mesh, device):
         stage = original(cfg, mesh, device)
-        if rank == 1:
-            _time.sleep(20)  # rank 1 hangs; rank 0 waits in its first collective
+        if rank == 1:  # rank 1 hangs (up to 20 s); rank 0 waits in its first collective
+            deadline = _time.monotonic() + 20
+            while not rank0_failed.exists() and _time.monotonic() < deadline:
+                _time.sleep(0.05)
+            # rank 0 has failed: end now rather than sleep on until the harness's 10 s grace period kills it
+            raise RuntimeError("the stuck peer, released after rank 0 failed")
         return stage
 
     loop.build_gpt_stage = build
     cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "parallel.dp=2",
                                            "parallel.collective_timeout_s=3"])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build(timeout_s=cfg.parallel.collective_timeout_s)
-    return loop.train_gpt(cfg, mesh, torch.device("cpu")).losses
+    try:
+        return loop.train_gpt(cfg, mesh, torch.device("cpu")).losses
+    except BaseException:
+        if rank == 0:
+            rank0_failed.touch()
+        raise
 
 
 def test_collective_timeout_names_rank_step_and_phase(tmp_path):

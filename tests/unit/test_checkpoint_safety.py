@@ -117,6 +117,22 @@ def test_every_file_is_recorded_when_written(tmp_path):
         assert record["files"][name] == {"xxh3_64": f"0x{xxhash.xxh3_64_intdigest(data):016x}", "bytes": len(data)}
 
 
+def test_background_hashing_covers_small_and_large_writes_in_order(tmp_path):
+    """Small writes are hashed in blocks, large ones in place: the record is still that of the bytes in order."""
+    import io
+
+    from mmtrain.utils.file_checksums import _BORROW_MIN, HashingFile, entry_of_bytes
+
+    rng = torch.Generator().manual_seed(0)
+    sizes = [3, 100, _BORROW_MIN + 5, 7, *([_BORROW_MIN // 3] * 4), 1, _BORROW_MIN, 2, 9]
+    parts = [bytes(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=rng).tolist()) for n in sizes]
+    raw = io.BytesIO()
+    hashing = HashingFile(raw, background=True)
+    for part in parts:
+        assert hashing.write(part) == len(part)
+    assert hashing.entry() == entry_of_bytes(b"".join(parts)) == entry_of_bytes(raw.getvalue())
+
+
 def test_a_flipped_byte_is_found_by_default_and_loads_only_unchecked(tmp_path):
     values = _saved(tmp_path)
     assert torch.equal(_load(tmp_path), values)
