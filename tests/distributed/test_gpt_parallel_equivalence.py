@@ -1,5 +1,5 @@
-"""TP, SP, PP and DP layouts train exactly like one process: same losses over 5 steps and the same
-parameters after them (fp32, CPU, gloo), to 1e-5 relative (evaluation: over 10 steps)."""
+"""TP, SP, PP and DP layouts train exactly like one process: same losses over 10 steps and the same
+parameters after them (fp32, CPU, gloo), to 1e-5 relative."""
 
 from __future__ import annotations
 
@@ -15,12 +15,9 @@ from mmtrain.parallel.tensor import tp_shard_of
 from mmtrain.testing import DistributedTestFailure, run_distributed
 from mmtrain.train.loop import train_gpt
 
-# lr 3e-3 on weights of std 0.02: large enough that a few steps visibly train, small enough that fp32
+# lr 3e-3 on weights of std 0.02: large enough that 10 steps visibly train, small enough that fp32
 # reduction-order noise is not amplified chaotically (at 1e-2 each step moves weights by ~50%).
-# 5 steps (it was 10, half of this file's time): 2 of warmup, 3 of decay, 20 micro-batches, and every piece a
-# layout shards (gradient reductions, sharded Adam state, tied copies, DP sample order, routing) has acted on
-# every step from the first, so a bug there shows in the first steps' losses and parameters.
-BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=5",
+BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=10",
         "train.micro_batch_size=2", "train.global_batch_size=8", "optim.warmup_steps=2", "optim.lr=3e-3",
         "model.num_layers=4", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.vocab_size=64",
@@ -92,8 +89,8 @@ MOE_LAYOUTS = [
 
 
 def _val_losses(rank: int, world_size: int, run_dir: str, extra: list[str]):
-    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "train.steps=10",
-                                           "train.eval_every=5", "train.eval_steps=2", *extra])
+    cfg = load_config(GPTRunConfig, None, [*BASE, f"logging.run_dir={run_dir}", "train.eval_every=5",
+                                           "train.eval_steps=2", *extra])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
     return train_gpt(cfg, mesh, torch.device("cpu")).val_losses
 
