@@ -76,27 +76,36 @@ def mmtrain_row(label: str, cfg_path: str, prefix: Path, a, extra: list[str], de
             "loss_last": rows[-1]["loss"]}
 
 
+def hf_llama(transformers, cfg_path: str, a, lora: bool):
+    """``LlamaForCausalLM`` of the run's shape (random init, SDPA), with peft LoRA on all seven projections when
+    ``lora``; None when ``lora`` and peft is not importable."""
+    m = load_config(GPTRunConfig, cfg_path, a.overrides).model
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
+        max_position_embeddings=max(a.seq + 1, 128), rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
+        attn_implementation="sdpa"))
+    if not lora:
+        return model
+    try:
+        import peft
+    except ImportError:
+        return None
+    return peft.get_peft_model(model, peft.LoraConfig(
+        r=a.lora_rank, lora_alpha=2 * a.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"]))
+
+
 def hf_row(label: str, cfg_path: str, lengths, tokens, mask, a, device, lora: bool) -> dict | None:
     try:
         import transformers
     except ImportError:
         return None
-    m = load_config(GPTRunConfig, cfg_path, a.overrides).model
-    hf_cfg = transformers.LlamaConfig(
-        hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
-        max_position_embeddings=max(a.seq + 1, 128), rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
-        attn_implementation="sdpa")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = transformers.LlamaForCausalLM(hf_cfg).to(device, dtype)
-    if lora:
-        try:
-            import peft
-        except ImportError:
-            return None
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=a.lora_rank, lora_alpha=2 * a.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                        "gate_proj", "up_proj", "down_proj"]))
+    model = hf_llama(transformers, cfg_path, a, lora)
+    if model is None:
+        return None
+    model = model.to(device, dtype)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
                             fused=device.type == "cuda")
     starts = np.r_[0, np.cumsum(lengths)]
@@ -154,21 +163,9 @@ def hf_trainer_row(label: str, cfg_path: str, lengths, tokens, mask, a, device, 
         import transformers
     except ImportError:
         return None
-    m = load_config(GPTRunConfig, cfg_path, a.overrides).model
-    hf_cfg = transformers.LlamaConfig(
-        hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
-        max_position_embeddings=max(a.seq + 1, 128), rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
-        attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(hf_cfg)
-    if lora:
-        try:
-            import peft
-        except ImportError:
-            return None
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=a.lora_rank, lora_alpha=2 * a.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                        "gate_proj", "up_proj", "down_proj"]))
+    model = hf_llama(transformers, cfg_path, a, lora)  # fp32 weights: the Trainer's bf16 is autocast
+    if model is None:
+        return None
     starts = np.r_[0, np.cumsum(lengths)]
     rows = []
     for i, n in enumerate(lengths):
