@@ -19,6 +19,7 @@ from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.tensor import allreduce_tp_partial_grads, apply_tensor_parallel, tp_shard_of
 from mmtrain.testing import run_distributed
 from mmtrain.train.loop import train_gpt
+from tests.lora_helpers import assert_exports_give_the_adapted_logits, tiny_hf_llama_imported
 
 SHAPE = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.vocab_size=64"]
@@ -202,33 +203,16 @@ def _dora_from_hf(rank: int, world_size: int, ckpt: str, run_dir: str, ids: torc
 def test_dora_from_hf_exports_merged_and_peft_adapter(tmp_path):
     """A TP2 DoRA run started from an HF import: the generation loader's merge (per TP shard), the merged HF export
     in transformers and the peft adapter on the HF base through PeftModel all give the adapted model's logits."""
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    from mmtrain.convert.__main__ import main as convert
-
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, max_position_embeddings=64)).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    assert convert(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
-    ids = torch.randint(0, 96, (2, 12))
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    hf, ids = tiny_hf_llama_imported(tmp_path)
     adapted, merged_tp = run_distributed(_dora_from_hf, 2, str(tmp_path / "base"), str(tmp_path / "run"), ids)[0]
     with torch.no_grad():
         base_logits = hf(ids).logits
     assert (adapted - base_logits).abs().max() > 1e-3  # the adapters changed the model
     torch.testing.assert_close(merged_tp, adapted, rtol=0, atol=1e-4)
-    ckpts = str(tmp_path / "run" / "checkpoints")
-    assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "merged")]) == 0
-    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, adapted, rtol=0, atol=1e-4)
-    assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "adapter"), "--lora", "adapter"]) == 0
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
-    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(with_adapter(ids).logits, adapted, rtol=0, atol=1e-4)
+    adapter = assert_exports_give_the_adapted_logits(tmp_path, str(tmp_path / "run" / "checkpoints"), ids, adapted)
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
 
 
 def test_dora_deepseek_v3_tp2_sp_trains_as_one_process(tmp_path):

@@ -12,6 +12,7 @@ from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.tensor import tp_shard_of
 from mmtrain.testing import run_distributed
 from mmtrain.train.loop import train_gpt
+from tests.lora_helpers import assert_exports_give_the_adapted_logits, tiny_hf_llama_imported
 
 BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=4",
         "train.micro_batch_size=2", "train.global_batch_size=4", "optim.warmup_steps=0", "optim.lr=1e-2",
@@ -88,33 +89,15 @@ def _lora_from_hf(rank: int, world_size: int, ckpt: str, run_dir: str, ids: torc
 def test_lora_from_hf_exports_merged_and_peft_adapter(tmp_path):
     """A TP2 LoRA run started from an HF import: the merged HF export loads in transformers with the adapted
     model's logits, and the peft adapter on the HF base gives the same logits through PeftModel."""
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    from mmtrain.convert.__main__ import main as convert
-
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, max_position_embeddings=64)).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    assert convert(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
-    ids = torch.randint(0, 96, (2, 12))
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    hf, ids = tiny_hf_llama_imported(tmp_path)
     adapted = run_distributed(_lora_from_hf, 2, str(tmp_path / "base"), str(tmp_path / "run"), ids)[0]
     with torch.no_grad():
         base_logits = hf(ids).logits
     assert (adapted - base_logits).abs().max() > 1e-3  # the adapters changed the model
-    ckpts = str(tmp_path / "run" / "checkpoints")
-    assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "merged")]) == 0
-    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, adapted, rtol=0, atol=1e-4)
-    assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "adapter"), "--lora", "adapter"]) == 0
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
-                                                                       "adapter_model.safetensors"]
-    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(with_adapter(ids).logits, adapted, rtol=0, atol=1e-4)
+    adapter = assert_exports_give_the_adapted_logits(tmp_path, str(tmp_path / "run" / "checkpoints"), ids, adapted)
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 def test_lora_checkpoint_saved_at_tp2_resumes_at_one_process(single, tmp_path):
