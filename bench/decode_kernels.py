@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mmtrain.inference.sampling import argmax_rows  # noqa: E402
+from mmtrain.inference.split_k import split_k_matmul  # noqa: E402
 
 LINEARS = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
            "head": (128256, 2048)}
@@ -48,24 +54,27 @@ def graph_time_us(fn, reps: int) -> float:
     return best
 
 
-def split_k_linear(x_1K: torch.Tensor, w_NK: torch.Tensor, splits: int) -> torch.Tensor:
-    """x @ w.T as ``splits`` partial products over slices of K (a batched matmul: more thread blocks at M = 1),
-    then their sum."""
+def split_k_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ w.T as ``splits`` bf16 partial products over slices of K (a batched matmul: more thread blocks at
+    M = 1), then their sum."""
     N, K = w_NK.shape
     w = w_NK.view(N, splits, K // splits).permute(1, 2, 0)  # (splits, K/splits, N), no copy
-    return torch.bmm(x_1K.view(splits, 1, K // splits), w).sum(0)
+    return torch.bmm(x_MK.view(-1, splits, K // splits).transpose(0, 1), w).sum(0)
 
 
-def linear_rows(reps: int) -> list[tuple[str, str, float, float]]:
+def linear_rows(reps: int, shapes: dict, m: int = 1, full: bool = True) -> list[tuple[str, str, float, float]]:
     rows = []
-    for name, (n, k) in LINEARS.items():
+    for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         variants = {"F.linear": lambda: F.linear(x, w)}
-        for s in (2, 4, 8):
+        for s in (2, 4, 8) if full else (8,):
             variants[f"split-K {s}"] = lambda s=s: split_k_linear(x, w, s)
-        compiled = torch.compile(lambda: F.linear(x, w), options={"coordinate_descent_tuning": True})
-        variants["compiled, coordinate descent"] = compiled
+        variants["split-K 8, fp32 partials (mmtrain)"] = lambda: split_k_matmul(x, w, 8).to(x.dtype)
+        variants["split-K 8, fp32 partials, compiled"] = torch.compile(lambda: split_k_matmul(x, w, 8).to(x.dtype))
+        if full:
+            compiled = torch.compile(lambda: F.linear(x, w), options={"coordinate_descent_tuning": True})
+            variants["compiled, coordinate descent"] = compiled
         ref = F.linear(x, w).float()
         for label, fn in variants.items():
             try:
@@ -75,7 +84,7 @@ def linear_rows(reps: int) -> list[tuple[str, str, float, float]]:
                 rows.append((name, label, float("nan"), float("nan")))
                 print(f"{name} {label}: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            rows.append((name, label, us, n * k * 2 / us / 1e6))
+            rows.append((f"{name} (M={m})", label, us, n * k * 2 / us / 1e6))
             if err > 2e-2:
                 print(f"{name} {label}: relative error {err:.1e}")
     return rows
@@ -136,15 +145,32 @@ def attention_rows(cache: int, reps: int) -> list[tuple[str, float]]:
     return rows
 
 
+def argmax_rows_us(reps: int) -> list[tuple[str, float]]:
+    logits = torch.randn(1, 128256, device="cuda")
+    variants = {"argmax": lambda: logits.argmax(-1), "argmax_rows (two passes)": lambda: argmax_rows(logits),
+                "argmax, compiled": torch.compile(lambda: logits.argmax(-1)),
+                "argmax_rows, compiled": torch.compile(lambda: argmax_rows(logits))}
+    return [(label, graph_time_us(fn, reps)) for label, fn in variants.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", type=int, default=392, help="cache positions (bench/generate.py: 128 + 256 + 8)")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--quick", action="store_true", help="only the down projection, the argmax")
     a = ap.parse_args()
     torch.manual_seed(0)
     print("| matmul (M=1) | variant | us | TB/s |\n|---|---|---|---|")
-    for name, label, us, tbs in linear_rows(a.reps):
+    rows = linear_rows(a.reps, LINEARS) if not a.quick else []
+    rows += linear_rows(a.reps, {"down": LINEARS["down"]}, 1, full=False)
+    rows += linear_rows(a.reps, {"down": LINEARS["down"]}, 4, full=False)
+    for name, label, us, tbs in rows:
         print(f"| {name} | {label} | {us:.2f} | {tbs:.2f} |")
+    print("\n| argmax over 128256 (fp32, one row) | us |\n|---|---|")
+    for label, us in argmax_rows_us(a.reps):
+        print(f"| {label} | {us:.2f} |")
+    if a.quick:
+        return
     print(f"\n| attention, 1 query, cache {a.cache} | us | max abs error |\n|---|---|---|")
     for label, us, err in attention_rows(a.cache, a.reps):
         print(f"| {label} | {us:.2f} | {err:.1e} |")

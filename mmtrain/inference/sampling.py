@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # a sanity bound; the context length is the real one
 
@@ -83,12 +84,25 @@ def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tens
     return probs
 
 
+def argmax_rows(logits_BV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``logits_BV.argmax(-1)`` (the first index of each row's largest value) in two passes: the best of every
+    ``chunk`` entries, then the best chunk. One pass over a 128k vocabulary at batch 1 is one row for one thread
+    block (28 us on the H200, 2% of a 1B model's decode step); in chunks it spreads over the GPU."""
+    B, V = logits_BV.shape
+    if V <= 2 * chunk:
+        return logits_BV.argmax(-1)
+    padded = F.pad(logits_BV, (0, -V % chunk), value=float("-inf"))
+    best_BC, where_BC = padded.view(B, -1, chunk).max(-1)
+    c = best_BC.argmax(-1)  # the first chunk holding the row's largest value: the first index overall
+    return c * chunk + where_BC.gather(1, c[:, None])[:, 0]
+
+
 def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams | None],
                 generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list[int]]:
     """One token per row, as a device tensor (B,) and a host list: the argmax for greedy rows (and rows whose
     params are None: free slots), a draw from the row's generator otherwise. One device op and one read-back
     for an all-greedy batch."""
-    chosen = logits_BV.argmax(-1)
+    chosen = argmax_rows(logits_BV)
     drawn = {b: int(torch.multinomial(filtered_probs(logits_BV[b].cpu(), p), 1, generator=g))
              for b, (p, g) in enumerate(zip(params, generators)) if p is not None and not p.greedy}
     if drawn:

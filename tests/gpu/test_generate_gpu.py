@@ -20,6 +20,7 @@ from mmtrain.inference.decoder import decoder_forward, kv_cache_for
 from mmtrain.inference.engine import DecodeEngine, generate
 from mmtrain.inference.loading import prepare_for_decoding
 from mmtrain.inference.sampling import SamplingParams
+from mmtrain.inference.split_k import use_split_k
 from mmtrain.models.deepseek_v3.model import GroupLimitedRouter
 from tests.inference_helpers import tiny_config, tiny_deepseek_config, tiny_model
 
@@ -86,3 +87,19 @@ def test_compiled_decode_equals_eager(dtype, family):
             tied, gaps = _tied(model, PROMPTS[row] + e.token_ids[:j], c.token_ids[j], e.token_ids[j], TIE[dtype])
             assert tied, (f"row {row}: compiled {c.token_ids} vs eager {e.token_ids}: they part at step {j} "
                           f"where the eager model's two tokens are {gaps} (relative to the largest)")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_split_k_linear_equals_the_linear_on_the_gpu(rows):
+    """The few-token split of a wide linear (mmtrain.inference.split_k), eager and compiled, against F.linear;
+    5 rows take F.linear itself."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, rows, 8192, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    plain = layer(x)
+    assert use_split_k(layer) == 1
+    for y in (layer(x), torch.compile(layer)(x)):
+        assert y.shape == plain.shape and y.dtype == plain.dtype
+        err, plain_err = float((y.float() - ref).abs().max()), float((plain.float() - ref).abs().max())
+        assert err <= 2 * plain_err + 1e-3, (err, plain_err)
