@@ -113,20 +113,17 @@ class DecodeEngine:
     def _decode_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor) -> torch.Tensor:
         return decoder_forward(self.model, self.cache, positions_N1, tokens_BS=tokens_N1)
 
-    def _greedy_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor,
-                    running_N1: torch.Tensor) -> torch.Tensor:
-        """One greedy decode step in place: every slot's argmax into ``tokens_N1`` (the next step's input), its
-        position moved on where running; returns the chosen tokens (N,). Compiled, the argmax and the input
-        updates are in the step's graph: no separate kernels."""
-        chosen = argmax_rows(self._decode_all(tokens_N1, positions_N1))
-        tokens_N1.copy_(chosen[:, None])
-        positions_N1.add_(running_N1)
-        return chosen
+    def _greedy_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor) -> torch.Tensor:
+        """One greedy decode step of every slot: the chosen tokens (N,). Compiled, the argmax is in the step's
+        graph (``argmax_rows``, fused with the logits' cast). The inputs are updated outside it, by two small
+        kernels: with the updates inside, the step's profile on the H200 looked launch-bound, as without CUDA
+        graphs (bench/results/h200_2026-12-01_s8.md)."""
+        return argmax_rows(self._decode_all(tokens_N1, positions_N1))
 
     def _compile(self, step):
-        # mutated in place by the step (the cache, its inputs) or between steps (its inputs): static addresses,
-        # so the CUDA graph reads and writes them where they are (no copies in and out)
-        for t in [*self.cache.buffers(), self._last, self._positions, self._running]:
+        # mutated in place by the step (the cache) or between steps (its inputs): static addresses, so the CUDA
+        # graph reads and writes them where they are (no copies in and out)
+        for t in [*self.cache.buffers(), self._last, self._positions]:
             torch._dynamo.mark_static_address(t)
         options = dict(COMPILE_MODES[self._compile_mode])
         options["triton.cudagraphs"] = self.device.type == "cuda"
@@ -221,11 +218,11 @@ class DecodeEngine:
         if self._peers is None:
             if self._compiled and self.device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()
-            chosen = self._greedy(self._last, self._positions, self._running)
+            chosen = self._greedy(self._last, self._positions)
         else:  # the other TP ranks repeat the model call only (step_broadcast.follow)
             chosen = argmax_rows(self._run_decode())
-            self._last.copy_(chosen[:, None])
-            self._positions += self._running
+        self._last.copy_(chosen[:, None])
+        self._positions += self._running
         host = self._host_tokens[self._flip]
         self._flip ^= 1
         cuda = self.device.type == "cuda"

@@ -9,7 +9,8 @@ model's down projection at 3.5 TB/s against 3.0 for ``F.linear`` plus its split-
 
 ``use_split_k`` turns the eligible plain ``nn.Linear`` layers of a model that is only decoded (one prepared by
 ``mmtrain.inference.loading``) into ``SplitKLinear``: the same parameters and state dict; the split runs on a
-CUDA device for at most ``MAX_ROWS`` rows, every other call is ``nn.Linear``'s. Tensor-parallel linears (whose
+CUDA device for at most ``MAX_ROWS`` rows without autograd (``bmm`` with an fp32 output has no backward),
+every other call is ``nn.Linear``'s. Tensor-parallel linears (whose
 collectives need their own forward) are left alone.
 """
 
@@ -51,7 +52,8 @@ class SplitKLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.splits == 1 or not x.is_cuda or rows > MAX_ROWS or x.dtype != self.weight.dtype:
+        if (self.splits == 1 or not x.is_cuda or rows > MAX_ROWS or x.dtype != self.weight.dtype
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):  # no bmm backward
             return super().forward(x)
         y = split_k_matmul(x.reshape(rows, x.shape[-1]), self.weight, self.splits)
         if self.bias is not None:
