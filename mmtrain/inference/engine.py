@@ -116,8 +116,8 @@ class DecodeEngine:
     def _greedy_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor) -> torch.Tensor:
         """One greedy decode step of every slot: the chosen tokens (N,). Compiled, the argmax is in the step's
         graph (``argmax_rows``, fused with the logits' cast). The inputs are updated outside it, by two small
-        kernels: with the updates inside, the step's profile on the H200 looked launch-bound, as without CUDA
-        graphs (bench/results/h200_2026-12-01_s8.md)."""
+        kernels: with the updates inside the graph, the step was slower on the H200 (832 against 853 new
+        tokens/s at batch 1; bench/results/h200_2026-12-01_s8.md)."""
         return argmax_rows(self._decode_all(tokens_N1, positions_N1))
 
     def _compile(self, step):
