@@ -8,10 +8,11 @@ a strided view), summed in fp32. Measured on the H200 (``bench/decode_kernels.py
 model's down projection at 3.5 TB/s against 3.0 for ``F.linear`` plus its split-K reduction kernel.
 
 ``use_split_k`` turns the eligible plain ``nn.Linear`` layers of a model that is only decoded (one prepared by
-``mmtrain.inference.loading``) into ``SplitKLinear``: the same parameters and state dict; the split runs on a
-CUDA device for at most ``MAX_ROWS`` rows without autograd (``bmm`` with an fp32 output has no backward),
-every other call is ``nn.Linear``'s. Tensor-parallel linears (whose
-collectives need their own forward) are left alone.
+``mmtrain.inference.loading``) into ``SplitKLinear``: the same parameters and state dict. The split runs on a
+CUDA device for at most ``MAX_ROWS`` rows without autograd (``bmm`` with an fp32 output has no backward); every
+other call is ``nn.Linear``'s. Tensor-parallel linears (whose collectives need their own forward) are left alone.
+Like cuBLAS's own choice of kernel by batch size, this rounds a bf16 batch-of-one a little differently from a
+larger batch; fp32 on the CPU is unaffected.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def split_k_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, splits: int) -> torch
     """``x_MK @ w_NK.T`` as ``splits`` partial products over slices of K, summed in fp32; (M, N) fp32."""
     (n, k), m = w_NK.shape, x_MK.shape[0]
     w = w_NK.view(n, splits, k // splits).permute(1, 2, 0)  # (s, k/s, n): slice i is w[:, i*k/s:(i+1)*k/s].T
-    x = x_MK.view(m, splits, k // splits).transpose(0, 1)  # (s, m, k/s)
+    x = x_MK.reshape(m, splits, k // splits).transpose(0, 1)  # (s, m, k/s)
     # fp32 partials (cuBLAS accumulates in fp32 anyway): one rounding at the end, as F.linear's
     partial = torch.bmm(x, w, out_dtype=torch.float32) if x.dtype != torch.float32 else torch.bmm(x, w)
     return partial.sum(0)
