@@ -22,13 +22,14 @@ from torch import nn
 
 MAX_ROWS = 4  # tokens per call up to which the split pays (measured at batch 1)
 MIN_SLICE = 1024  # input features per slice, at least: slices long enough to stream
+MIN_FEATURES = 4096  # matrices narrower than this were not measured (the gain was at 8192 -> 2048)
 
 
 def split_count(in_features: int, out_features: int) -> int:
     """How many slices to split ``in_features`` into (1: do not split): 8, 4 or 2 slices of at least
-    ``MIN_SLICE`` features (a multiple of 8, for 16-byte-aligned bf16 rows), for a matrix at least twice as
-    wide as it is tall."""
-    if in_features < 2 * out_features:
+    ``MIN_SLICE`` features (a multiple of 8, for 16-byte-aligned bf16 rows), for a matrix of at least
+    ``MIN_FEATURES`` inputs and at least twice as wide as it is tall."""
+    if in_features < max(2 * out_features, MIN_FEATURES):
         return 1
     for s in (8, 4, 2):
         if in_features % s == 0 and in_features // s >= MIN_SLICE and (in_features // s) % 8 == 0:

@@ -44,11 +44,12 @@ def _router_margin(router: GroupLimitedRouter, x_D: torch.Tensor) -> float:
     if c.n_group > 1:
         grouped = choice.view(c.n_group, -1)
         sums = grouped.topk(2, dim=-1).values.sum(-1)
-        margins.append(_margin(sums.sort(descending=True).values, c.topk_group))
-        allowed = sums.topk(c.topk_group).indices
-        choice = grouped[allowed].flatten()
-    margins.append(_margin(choice.sort(descending=True).values, c.num_experts_per_tok))
-    return min(margins)
+        if c.topk_group < c.n_group:
+            margins.append(_margin(sums.sort(descending=True).values, c.topk_group))
+        choice = grouped[sums.topk(c.topk_group).indices].flatten()
+    if c.num_experts_per_tok < choice.numel():
+        margins.append(_margin(choice.sort(descending=True).values, c.num_experts_per_tok))
+    return min(margins, default=float("inf"))
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ def test_split_counts():
     assert split_count(10944, 2048) == 8  # DeepSeek-V2-Lite's dense MLP: slices of 1368
     assert split_count(6000, 1000) == 2  # 4 slices of 1500 are not 16-byte rows
     assert split_count(2048, 3072) == split_count(4096, 4096) == split_count(1024, 128) == 1
+    assert split_count(2048, 576) == 1  # DeepSeek-V2-Lite's kv_down: narrower than anything measured
 
 
 def test_split_k_matmul_and_the_swap_keep_the_linear():
