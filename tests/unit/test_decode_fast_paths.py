@@ -13,12 +13,13 @@ from mmtrain.inference.split_k import SplitKLinear, split_count, split_k_matmul,
 
 
 @pytest.mark.parametrize("vocab", [7, 2048, 3000, 128256])
-def test_two_pass_argmax_is_argmax_with_ties_and_infinities(vocab):
+def test_two_pass_argmax_is_argmax_with_ties_infinities_and_nans(vocab):
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randint(-3, 4, (5, vocab), generator=g).float()  # many exact ties
     logits[1] = float("-inf")
     logits[1, vocab - 1] = 0.0  # the only finite entry is the last one (in the padded chunk)
     logits[2, vocab // 2:] = float("inf")
+    logits[3, [vocab // 3, vocab - 1]] = float("nan")  # a broken model's NaNs win, the first one as in argmax
     for x in (logits, logits.bfloat16()):
         assert torch.equal(argmax_rows(x), x.argmax(-1))
 
