@@ -208,17 +208,19 @@ class DecodeEngine:
 
     def decode_forward(self) -> torch.Tensor:
         """One decode step of every slot from the input buffers; (slots, V) fp32 logits."""
+        return self._graph_step(self._decode)
+
+    def _graph_step(self, step) -> torch.Tensor:
+        """``step`` (``_decode`` or ``_greedy``) on the input buffers."""
         if self._compiled and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
-        return self._decode(self._last, self._positions)
+        return step(self._last, self._positions)
 
     def _launch_greedy(self, running: list[Sequence]) -> tuple[list[Sequence], torch.Tensor, torch.cuda.Event]:
         """Queue one greedy decode step on the device: next tokens into the inputs, their copy to pinned host
         memory; nothing waits."""
         if self._peers is None:
-            if self._compiled and self.device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
-            chosen = self._greedy(self._last, self._positions)
+            chosen = self._graph_step(self._greedy)
         else:  # the other TP ranks repeat the model call only (step_broadcast.follow)
             chosen = argmax_rows(self._run_decode())
         self._last.copy_(chosen[:, None])
