@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", required=True, help="the model's tokenizer (its chat template, if any, is read "
                                                        "from tokenizer_config.json next to it)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
     ap.add_argument("--model-name", default=None, help="the name clients ask for (default: the checkpoint folder's)")
     ap.add_argument("--slots", type=int, default=32, help="requests decoded together (KV-cache slots)")
     ap.add_argument("--context", type=int, default=2048, help="positions per slot: prompt + new tokens")
@@ -163,20 +163,43 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
         if args.compile:
             engine.warmup()  # compiles (minutes) before the port opens, not on the first request
         app = build_app(engine, served.tokenizer, name, served.renderer)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+        try:
+            listener = _listen(args.host, args.port)
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if (exc.errno or 0) > 0 else (exc.strerror or str(exc))  # gaierror: < 0
+            print(f"{PROG}: error: cannot listen on {args.host}:{args.port}: {reason}; pick another --port "
+                  f"(--port 0: any free one) or --host", file=sys.stderr, flush=True)
+            return 2
+        port = listener.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
         # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again for the handler it
         # found: this one records it, so the engine (and the followers) stop cleanly and the exit code is 0
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
         layout = f"tensor-parallel over {world} ranks" if world > 1 else "one process"
-        get_logger("serve").info(f"serving {name!r} on http://{args.host}:{args.port} (pid {os.getpid()}, {layout})")
-        server.run()
+        get_logger("serve").info(f"serving {name!r} on http://{_url_host(args.host)}:{port} "
+                                 f"(pid {os.getpid()}, {layout})")
+        server.run(sockets=[listener])
     finally:
         engine.close()
     if engine.failure is not None:
         print(f"{PROG}: error: {engine.failure}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _listen(host: str, port: int):
+    """The server's listening socket, bound here rather than by uvicorn: a port in use is a one-line error, and
+    with ``--port 0`` the log can name the port the system picked (a port chosen beforehand and bound later can
+    be taken in between)."""
+    import socket
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +75,23 @@ def start_rank_server() -> None:
 
 
 def free_port() -> int:
+    """A port free now, for a process started next to bind (torchrun's ``--master_port``). It is drawn below the
+    system's ephemeral range: a port the kernel hands out for ``bind(0)`` or an outgoing connection (gloo's
+    pairs, another test's server) would be free to be taken again before the process binds it."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for port in [rng.randrange(max(1024, low - 12000), low) for _ in range(50)] if low > 2048 else []:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

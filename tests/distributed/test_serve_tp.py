@@ -32,10 +32,10 @@ REQUESTS = [dict(prompt=PROMPTS[i % len(PROMPTS)] + " " * (i // 8), max_tokens=4
 CHAT = dict(messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
 
 
-def _start_tp2(ckpt: Path, tok: Path, port: int, log) -> subprocess.Popen:
+def _start_tp2(ckpt: Path, tok: Path, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "--monitor-interval=0.2", "-m", "mmtrain.serve", "--ckpt", str(ckpt), "--tokenizer", str(tok),
-           "--port", str(port), "--slots", "8", "--context", "96", "--device", "cpu", "--model-name", "tiny"]
+           "--port", "0", "--slots", "8", "--context", "96", "--device", "cpu", "--model-name", "tiny"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -100,15 +100,17 @@ async def _concurrent(url: str) -> list[str]:
         return await asyncio.gather(*(one(r, i) for i, r in enumerate(REQUESTS)))
 
 
-def _wait_ready(client: httpx.Client, proc: subprocess.Popen, url: str, log_path: Path,
-                timeout_s: float = 180) -> None:
+def _wait_ready(client: httpx.Client, proc: subprocess.Popen, log_path: Path, timeout_s: float = 180) -> str:
+    """The server's URL, once it answers: ``--port 0`` lets it pick a free port and name it in its log (a port
+    picked here and bound there later can be taken in between, by this test's own one-process server)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"the TP2 server exited ({proc.returncode}):\n{log_path.read_text()}")
+        found = re.search(r"serving 'tiny' on (http://\S+) ", log_path.read_text())
         try:
-            if client.get(f"{url}/health").status_code == 200:
-                return
+            if found and client.get(f"{found.group(1)}/health").status_code == 200:
+                return found.group(1)
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -118,14 +120,12 @@ def _wait_ready(client: httpx.Client, proc: subprocess.Popen, url: str, log_path
 def test_tp2_server_answers_as_one_process_and_stops_cleanly(tmp_path):
     tok = tiny_tokenizer(tmp_path / "tok")
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log, httpx.Client(timeout=60) as client:
-        proc = _start_tp2(ckpt, tok, port, log)
+        proc = _start_tp2(ckpt, tok, log)
         try:
             single, chat = _one_process_answers(ckpt, tok)  # while the TP2 ranks start
-            _wait_ready(client, proc, url, log_path)
+            url = _wait_ready(client, proc, log_path)
             assert [m["id"] for m in client.get(f"{url}/v1/models").json()["data"]] == ["tiny"]
             assert asyncio.run(_concurrent(url)) == single
             openai = pytest.importorskip("openai")

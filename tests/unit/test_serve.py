@@ -150,3 +150,19 @@ def test_32_concurrent_clients_get_their_single_request_answers(server):
     assert together == single
     # batched: far fewer engine steps than the sum of the requests' tokens
     assert engine.steps - steps_before < sum(r["max_tokens"] for r in requests)
+
+
+def test_a_port_in_use_is_a_one_line_error(tmp_path, capsys):
+    from mmtrain.serve import main
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        code = main(["--ckpt", str(tiny_checkpoint(tmp_path / "ckpt")), "--tokenizer",
+                     str(tiny_tokenizer(tmp_path / "tok")), "--port", str(port), "--device", "cpu",
+                     "--slots", "2", "--context", "32"])
+    finally:
+        taken.close()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port 0" in err, err
