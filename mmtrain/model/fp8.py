@@ -28,13 +28,19 @@ from mmtrain.utils.log import get_logger
 FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
 
 
-def te_importable() -> bool:
-    """Whether Transformer Engine's PyTorch API imports here (never imported at module import time)."""
+def te_import_error() -> str | None:
+    """Why Transformer Engine's PyTorch API does not import here (``None``: it does). Never imported at module
+    import time."""
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError, RuntimeError):  # not installed, or without a usable CUDA build
-        return False
-    return True
+    except (ImportError, OSError, RuntimeError) as exc:  # not installed, or without a usable CUDA build
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
+    return None
+
+
+def te_importable() -> bool:
+    """Whether Transformer Engine's PyTorch API imports here."""
+    return te_import_error() is None
 
 
 def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
@@ -53,8 +59,8 @@ def resolve_fp8_backend(cfg: GPTRunConfig, device: torch.device) -> str:
         backend = ("te" if te_importable() and f.recipe in TE_FP8_RECIPES and not cfg.parallel.fsdp
                    else "native")
     if backend == "te" and not te_importable():
-        raise ConfigError("fp8.backend=te but transformer_engine.pytorch does not import here; install Transformer "
-                          "Engine or set fp8.backend=native")
+        raise ConfigError(f"fp8.backend=te but transformer_engine.pytorch does not import here ({te_import_error()}); "
+                          f"install Transformer Engine or set fp8.backend=native")
     if backend == "native" and f.recipe not in NATIVE_FP8_RECIPES:
         raise ConfigError(f"fp8.recipe={f.recipe} needs Transformer Engine (fp8.backend=te), which "
                           f"{'is not installed' if not te_importable() else 'was not chosen'}; the native backend "

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mmtrain.config import GPTRunConfig, load_config
-from mmtrain.model.fp8 import te_importable
+from mmtrain.model.fp8 import te_import_error
 from mmtrain.model.fp8_native import Fp8Casts, Fp8Linear, refresh_weights_in_place
 from mmtrain.model.fp8_scaling import quantize
 from mmtrain.parallel import ParallelDims, init_distributed
@@ -128,8 +128,8 @@ VARIANTS = [["fp8.backend=native", "fp8.recipe=tensorwise"],
 
 @pytest.mark.parametrize("extra", VARIANTS, ids=lambda e: "-".join(x.split("=")[1] for x in e))
 def test_fp8_training_tracks_bf16(tmp_path, mesh, bf16_losses, extra):
-    if "fp8.backend=te" in extra and not te_importable():
-        pytest.skip("Transformer Engine does not import here")
+    if "fp8.backend=te" in extra and (te_error := te_import_error()) is not None:
+        pytest.skip(f"Transformer Engine does not import here: {te_error}")
     cfg = load_config(GPTRunConfig, None, [*BASE, "train.precision=fp8", f"logging.run_dir={tmp_path}", *extra])
     losses = train_gpt(cfg, mesh, torch.device("cuda", 0)).losses
     assert all(torch.isfinite(torch.tensor(losses)))
