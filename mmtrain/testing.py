@@ -84,8 +84,8 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    rng = random.Random()
-    for port in [rng.randrange(max(1024, low - 12000), low) for _ in range(50)] if low > 2048 else []:
+    for _ in range(50 if low > 2048 else 0):  # a few tries; then any free port, as before
+        port = random.randrange(max(1024, low - 12000), low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
