@@ -16,6 +16,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence
 
+from mmtrain.core.sentencepiece_offsets import piece_offsets
+
+
 class TokenizerError(ValueError):
     """A tokenizer file is missing, unreadable or of another kind than asked for; the message names the file and
     the fix (``mmtrain-prep`` prints it as one line and exits 2, like its own ``PrepError``)."""
@@ -67,11 +70,10 @@ class Tokenizer(ABC):
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
+    @abstractmethod
     def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """Ids and each token's character span ``[start, end)`` in its text (what a loss mask over character
-        spans needs). Only the Hugging Face kinds report offsets."""
-        raise TokenizerError(f"{self.path}: a {self.type} tokenizer reports no character offsets; chat data "
-                             "needs a Hugging Face tokenizer.json (with the chat template's special tokens)")
+        spans needs), as Hugging Face ``tokenizers`` reports them."""
 
     def set_threads(self, threads: int) -> None:
         """Threads the library may use inside one ``encode_batch`` call."""
@@ -119,6 +121,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._sp.encode(list(texts), out_type=int, num_threads=self._threads)
+
+    def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        return piece_offsets(self._sp, texts, self._threads)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
