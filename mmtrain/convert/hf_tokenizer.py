@@ -10,7 +10,12 @@ Special-token strings inside text are split like plain text for SentencePiece ex
 encoded them), and parsed as the tokenizer.json says otherwise (as its library does).
 
 Which tokenizer: the ``--tokenizer`` given, else the one the manifest of the checkpoint's first data prefix
-names (checked by its SHA-256), else none (weights only, with a note)."""
+names (checked by its SHA-256), else none (weights only, with a note).
+
+What the tokenizer's folder says about chat goes along: the chat template (``chat_template.jinja``, or
+``chat_template`` in its ``tokenizer_config.json``; of named templates the ``default``) and the special tokens that config lists
+(``extra_special_tokens`` / ``additional_special_tokens``, e.g. chatml's ``<|im_start|>``, ``<|im_end|>`` from
+``mmtrain-prep train-tokenizer --chat-template chatml``), marked special in the export with their ids unchanged."""
 
 from __future__ import annotations
 
@@ -97,9 +102,60 @@ def _hf_fast_tokenizer(tok: Tokenizer):
     return transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok.path))
 
 
-def _check_same_ids(hf_tok, tok: Tokenizer) -> None:
+def _folder_chat_files(tok: Tokenizer) -> tuple[Any, list[str]]:
+    """The chat template (or None) and the listed special tokens of ``tok``'s folder (``tokenizer_config.json``
+    and ``chat_template.jinja``, the files mmtrain-prep sft and mmtrain.serve read)."""
+    folder = Path(tok.path).parent
+    config_path = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        jinja = folder / "chat_template.jinja"
+        template = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+    except (OSError, ValueError) as exc:
+        raise TokenizerExportError(f"{config_path.parent}: tokenizer files unreadable ({exc}); fix them or export "
+                                   "with --no-tokenizer") from None
+    if not isinstance(config, dict):
+        raise TokenizerExportError(f"{config_path}: not a JSON object; fix it or export with --no-tokenizer")
+    if template is None:
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one, as mmtrain-prep sft and serve take it
+            template = next((t.get("template") for t in template
+                             if isinstance(t, dict) and t.get("name") == "default"), None)
+        if template is not None and not isinstance(template, str):
+            raise TokenizerExportError(f"{config_path}: chat_template is neither a string nor a list of named "
+                                       "templates; fix it or export with --no-tokenizer")
+    special: list[str] = []
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        listed = config.get(key) or []
+        for item in listed.values() if isinstance(listed, dict) else listed:
+            token = item.get("content") if isinstance(item, dict) else item
+            if not isinstance(token, str):
+                raise TokenizerExportError(f"{config_path}: {key} holds {item!r}, not a token string")
+            if token not in special:
+                special.append(token)
+    return template, special
+
+
+def _carry_chat_files(hf_tok, tok: Tokenizer) -> list[str]:
+    """Put the folder's chat template and special tokens into ``hf_tok``; the special tokens (to probe)."""
+    template, special = _folder_chat_files(tok)
+    missing = [t for t in special if tok.token_id(t) is None]
+    if missing:
+        raise TokenizerExportError(f"{Path(tok.path).parent / 'tokenizer_config.json'} lists special token(s) "
+                                   f"{', '.join(missing)} that {tok.path} does not have as single tokens; remove them "
+                                   "from the config (or retrain with mmtrain-prep train-tokenizer --special-tokens)")
+    new = [t for t in special if t not in hf_tok.all_special_tokens]
+    if new:
+        hf_tok.add_special_tokens({"extra_special_tokens": new}, replace_extra_special_tokens=False)
+    if template is not None:
+        hf_tok.chat_template = template
+    return special
+
+
+def _check_same_ids(hf_tok, tok: Tokenizer, special: list[str] = ()) -> None:
     path = tok.path
-    for text in _PROBES:
+    probes = [*_PROBES, *special, "".join(f"{t}x {t}\n" for t in special)] if special else _PROBES
+    for text in probes:
         ours, theirs = tok.encode(text), hf_tok.encode(text, add_special_tokens=False)
         if ours != theirs:
             raise TokenizerExportError(f"{path}: the exported tokenizer encodes {text!r} as {theirs[:12]}, the "
@@ -121,7 +177,7 @@ def hf_tokenizer_files(tok: Tokenizer) -> tuple[dict[str, bytes], dict[str, Any]
     eos = tok.eod_id
     if eos is not None and hf_tok.eos_token_id != eos:  # the end-of-document id the data was prepared with
         hf_tok.eos_token = hf_tok.convert_ids_to_tokens(eos)
-    _check_same_ids(hf_tok, tok)
+    _check_same_ids(hf_tok, tok, _carry_chat_files(hf_tok, tok))
     with tempfile.TemporaryDirectory(prefix="mmtrain-tok-") as tmp:
         hf_tok.save_pretrained(tmp)
         files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
