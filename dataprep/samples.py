@@ -1,4 +1,6 @@
-"""A small, deterministic sample corpus generated on the spot (no download): the quick-start demo's data.
+"""A small, deterministic sample corpus generated on the spot (no download): the quick-start demo's data, and
+chat conversations and preference pairs over the same grammar for the post-training walk-through
+(docs/post-training.md).
 
 Sentences come from a little grammar, so a tiny model can learn real structure in a few dozen steps and
 its loss visibly falls. Same ``seed`` -> byte-identical files.
@@ -46,4 +48,57 @@ def write_sample_jsonl(path: str | Path, num_docs: int = 2000, seed: int = 0) ->
     with atomic_open(path, "w", encoding="utf-8") as f:
         for i, text in enumerate(sample_documents(num_docs, seed)):
             f.write(json.dumps({"id": f"doc-{i:06d}", "text": text}, ensure_ascii=False) + "\n")
+    return path
+
+
+def _answer(rng: random.Random, subject: str) -> str:
+    words = f"{subject} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+    return words[0].upper() + words[1:] + "."
+
+
+def sample_chats(num: int, seed: int = 0) -> list[dict]:
+    """OpenAI-style ``{"messages": [...]}`` records: what does SUBJECT do? -> a sentence about SUBJECT (some
+    with a system message, some with a second turn)."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(num):
+        messages = [{"role": "system", "content": "Answer in one sentence."}] if rng.random() < 0.3 else []
+        for _ in range(2 if rng.random() < 0.25 else 1):
+            subject = rng.choice(_SUBJECTS)
+            messages += [{"role": "user", "content": f"What does {subject} do?"},
+                         {"role": "assistant", "content": _answer(rng, subject)}]
+        records.append({"messages": messages})
+    return records
+
+
+def sample_preferences(num: int, seed: int = 0) -> list[dict]:
+    """``{"prompt", "chosen", "rejected"}`` records: the chosen answer is a sentence about the subject asked for,
+    the rejected one the same words in a shuffled order."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(num):
+        subject = rng.choice(_SUBJECTS)
+        chosen = _answer(rng, subject)
+        words = chosen.rstrip(".").lower().split()
+        while " ".join(words) == chosen.rstrip(".").lower():
+            rng.shuffle(words)
+        records.append({"prompt": f"What does {subject} do?", "chosen": chosen,
+                        "rejected": " ".join(words).capitalize() + "."})
+    return records
+
+
+def write_sample_chats(path: str | Path, num: int = 400, seed: int = 0) -> Path:
+    """Write :func:`sample_chats` as JSONL to ``path`` atomically and return it."""
+    return _write_rows(path, sample_chats(num, seed))
+
+
+def write_sample_preferences(path: str | Path, num: int = 200, seed: int = 0) -> Path:
+    """Write :func:`sample_preferences` as JSONL to ``path`` atomically and return it."""
+    return _write_rows(path, sample_preferences(num, seed))
+
+
+def _write_rows(path: str | Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     return path
