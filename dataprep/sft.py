@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="writes PREFIX.bin/.idx + PREFIX_loss_mask.bin/.idx + PREFIX.manifest.json (--preference: "
                         "PREFIX_chosen*, PREFIX_rejected*)")
     p.add_argument("--tokenizer", required=True,
-                   help="Hugging Face tokenizer.json or its folder (the folder's tokenizer_config.json gives the "
-                        "chat template, bos/eos)")
+                   help="Hugging Face tokenizer.json or its folder, or a SentencePiece .model (the folder's "
+                        "tokenizer_config.json gives the chat template, bos/eos)")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="override the type detected from --tokenizer")
     p.add_argument("--merge-file", default=None, metavar="MERGES", help="GPT-2 merges.txt (type gpt2-bpe)")
