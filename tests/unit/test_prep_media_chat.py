@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dataprep.chat_template import BUILTIN_TEMPLATES
 from dataprep.cli import main as prep
+from mmtrain.core.chat_template import BUILTIN_TEMPLATES
 from tests.sft_helpers import (IMAGE_CONVERSATIONS, IMAGE_TOKEN, OWN_TEMPLATE_TAGGED, build_vlm_chat_input,
                                image_paths, image_texts)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataprep.chat_template import BUILTIN_TEMPLATES
 from dataprep.cli import main as prep
+from mmtrain.core.chat_template import BUILTIN_TEMPLATES
 from mmtrain.core.indexed import IndexedDataset
 from tests.sft_helpers import CONVERSATIONS, OWN_TEMPLATE_TAGGED, build_chat_tokenizer
 
