@@ -17,6 +17,7 @@ assistant message with ``"weight": 0`` (OpenAI's fine-tuning format; ``1`` is th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 ROLES = ("system", "user", "assistant")
@@ -49,7 +50,7 @@ def message_weight(m: dict, role: str, where: str) -> str | None:
         return None
     weight = m["weight"]
     if isinstance(weight, bool) or weight not in (0, 1):
-        return f"{where}.weight is {str(weight)[:40]!r}; weight is 0 (no loss on this message) or 1"
+        return f"{where}.weight is {json.dumps(weight)[:40]}; weight is 0 (no loss on this message) or 1"
     if role != "assistant":
         return f"{where}.weight is set on a {role} message; only assistant messages carry a weight"
     return None

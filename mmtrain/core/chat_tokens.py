@@ -99,7 +99,9 @@ def _reencode_swapped(tokenizer: HuggingFaceTokenizer, guard: ContentGuard, text
                       offsets: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
     """The tokenizer's own encoding of ``text`` with every stretch between control tokens that holds a swapped
     character replaced by the plain-text encoding of that stretch, swapped back."""
-    control = set(tokenizer.control_tokens().values())
+    # a control token is one the template wrote: its characters spell it (an <unk> a swapped character became
+    # is an id of a control token, but not one written there)
+    control = {i: t for t, i in tokenizer.control_tokens().items()}
     out_ids: list[int] = []
     out_offsets: list[tuple[int, int]] = []
     run: list[int] = []  # indices of the tokens since the last control token
@@ -108,17 +110,24 @@ def _reencode_swapped(tokenizer: HuggingFaceTokenizer, guard: ContentGuard, text
     def flush(end: int) -> None:
         stretch = text[start:end]
         if guard.holds_swaps(stretch):
-            (plain_ids, plain_offsets), = tokenizer.encode_plain_batch_with_offsets([guard.unguard(stretch)],
-                                                                                    continuation=start > 0)
-            out_ids.extend(plain_ids)
-            out_offsets.extend((a + start, b + start) for a, b in plain_offsets)
+            plain = guard.unguard(stretch)
+            (plain_ids, plain_offsets), = tokenizer.encode_plain_batch_with_offsets([plain], continuation=start > 0)
+            for token, (a, b) in zip(plain_ids, plain_offsets):
+                if token in control:  # the model spelled a control token from text: one character at a time
+                    for k, ((char_ids, char_offsets),) in enumerate(
+                            tokenizer.encode_plain_batch_with_offsets([c], continuation=True) for c in plain[a:b]):
+                        out_ids.extend(char_ids)
+                        out_offsets.extend((start + a + k, start + a + k + 1) for _ in char_ids)
+                else:
+                    out_ids.append(token)
+                    out_offsets.append((a + start, b + start))
         else:
             out_ids.extend(ids[k] for k in run)
             out_offsets.extend(offsets[k] for k in run)
         run.clear()
 
     for k, (token, (a, b)) in enumerate(zip(ids, offsets)):
-        if token in control:
+        if token in control and control[token] in text[a:b]:
             flush(a)
             out_ids.append(token)
             out_offsets.append((a, b))
