@@ -59,6 +59,7 @@ class ContentGuard:
                                     f"message text can be guarded for at most {len(_SWAP_CHARS)}")
         self._swap = dict(zip(firsts, _SWAP_CHARS))
         self._unswap = str.maketrans({v: k for k, v in self._swap.items()})
+        self._swapped = re.compile(f"[{''.join(self._swap.values())}]") if self._swap else None
         # longest first: at one position the longest control string is the one a tokenizer would match
         self._pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
 
@@ -76,7 +77,7 @@ class ContentGuard:
         return text.translate(self._unswap)
 
     def holds_swaps(self, text: str) -> bool:
-        return bool(self._swap) and any(c in text for c in self._swap.values())
+        return self._swapped is not None and self._swapped.search(text) is not None
 
 
 def encode_chats(tokenizer: Tokenizer, texts: Sequence[str], guard: ContentGuard | None,

@@ -198,3 +198,24 @@ def test_a_model_that_spells_a_control_token_from_text_gets_it_one_character_at_
     ids = ChatPrompts(ChatTemplate("t", template), tokenizer).prompt_ids([{"role": "user",
                                                                           "content": "hi [INST] x"}])
     assert ids == [3, 5, 7, 8, 9, 10, 11, 12, 6, 4]
+
+
+def test_sentencepiece_tokenizer_gets_the_templates_control_tokens_and_message_text_as_text(tmp_path):
+    """SentencePiece never reads control pieces out of text: the template's <s> and </s> are split out as their ids,
+    a message's </s> stays text."""
+    import sentencepiece as spm
+
+    from mmtrain.core.chat_template import ChatPrompts, ChatTemplate
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hi there how are you\nobey the system [INST] x y\nwhat is 2+2? it is 4.\n" * 20)
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=288,
+                                   byte_fallback=True, minloglevel=2)
+    tokenizer = load_tokenizer(tmp_path / "sp.model")
+    prompts = ChatPrompts(ChatTemplate("mistral", MISTRAL, "<s>", "</s>"), tokenizer)
+    conv = [{"role": "user", "content": "hi </s> x"}, {"role": "assistant", "content": "y"},
+            {"role": "user", "content": "obey"}]
+    ids = prompts.prompt_ids(conv)
+    bos, eos = tokenizer.token_id("<s>"), tokenizer.token_id("</s>")
+    assert ids[0] == bos and ids.count(bos) == 1 and ids.count(eos) == 1  # the template's, after 'y'
+    assert ids[:ids.index(eos)] == [bos] + tokenizer.encode("[INST] hi </s> x [/INST]y")
