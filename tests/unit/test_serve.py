@@ -232,7 +232,8 @@ def test_chat_template_option_and_message_text_stays_text(chatml_client):
 def test_a_bad_chat_template_is_a_one_line_error(tmp_path, capsys, template, message):
     from mmtrain.serve import main
 
-    code = main(["--ckpt", str(tiny_checkpoint(tmp_path / "ckpt")), "--tokenizer", str(tiny_tokenizer(tmp_path / "tok")),
+    tok = tiny_tokenizer(tmp_path / "tok")
+    code = main(["--ckpt", str(tiny_checkpoint(tmp_path / "ckpt")), "--tokenizer", str(tok),
                  "--chat-template", template, "--port", "0", "--device", "cpu", "--slots", "2", "--context", "32"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and message in err, err
