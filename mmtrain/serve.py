@@ -20,8 +20,11 @@ PROG = "python -m mmtrain.serve"
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineArgumentParser(prog=PROG, description="Serve an mmtrain checkpoint over an OpenAI-compatible HTTP API.")
     ap.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
-    ap.add_argument("--tokenizer", required=True, help="the model's tokenizer (its chat template, if any, is read "
-                                                       "from tokenizer_config.json next to it)")
+    ap.add_argument("--tokenizer", required=True, help="the model's tokenizer (tokenizer.json or its folder, "
+                                                       "SentencePiece .model, GPT-2 vocab.json)")
+    ap.add_argument("--chat-template", default="tokenizer", metavar="NAME",
+                    help="chat template of /v1/chat/completions: 'tokenizer' (its own: chat_template.jinja or "
+                         "tokenizer_config.json next to it; default), a built-in (chatml, llama3) or a .jinja file")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
     ap.add_argument("--model-name", default=None, help="the name clients ask for (default: the checkpoint folder's)")
@@ -36,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots: int = 32, context: int = 2048,
-                     device: str = "auto", dtype: str | None = None, compile: bool = False):
+                     device: str = "auto", dtype: str | None = None, compile: bool = False,
+                     chat_template: str = "tokenizer"):
     """(FastAPI app, its EngineThread): the model of ``ckpt`` in one process, ready to serve."""
     from mmtrain.inference.openai_app import build_app
     from mmtrain.inference.server_engine import EngineThread
@@ -45,7 +49,7 @@ def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots:
     dev = pick_device(device)
     init_distributed(device=dev)
     try:
-        served = _load_served(ckpt, tokenizer_path, 1, dev, dtype)
+        served = _load_served(ckpt, tokenizer_path, 1, dev, dtype, chat_template)
     finally:
         shutdown_distributed()  # one process: the model holds no process group
     engine = EngineThread(served.engine(slots, context, compile))
@@ -66,18 +70,16 @@ class _Served:
         return DecodeEngine(self.model, slots, context, compile=compile, peers=peers)
 
 
-def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None) -> _Served:
-    """The tokenizer, its chat template and this rank's TP shard of ``ckpt``'s model (a process group of ``tp``
-    ranks is up). Raises the one-line errors ``main`` prints."""
+def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None, chat_template: str = "tokenizer") -> _Served:
+    """The tokenizer, the chat template's prompts and this rank's TP shard of ``ckpt``'s model (a process group of
+    ``tp`` ranks is up). Raises the one-line errors ``main`` prints."""
     from mmtrain.core.tokenizer import load_tokenizer
-    from mmtrain.inference.chat import ChatRenderer, load_chat_template
     from mmtrain.inference.loading import DTYPES, load_checkpoint_model
     from mmtrain.inference.prompts import PromptError
     from mmtrain.parallel import ParallelDims
 
     tokenizer = load_tokenizer(tokenizer_path)
-    template = load_chat_template(tokenizer_path)
-    renderer = ChatRenderer(template, _special_tokens(tokenizer)) if template else None
+    renderer = chat_prompts(tokenizer, tokenizer_path, chat_template)
     model, cfg = load_checkpoint_model(ckpt, ParallelDims(tp, tp=tp).build(), dev,
                                        DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")])
     if tokenizer.max_id >= cfg.shape().vocab_size:  # the family's shape (model.deepseek_v3 for DeepSeek-V3)
@@ -86,10 +88,17 @@ def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None) -> _Serv
     return _Served(tokenizer, renderer, model)
 
 
-def _special_tokens(tokenizer) -> dict[str, str]:
-    """bos_token / eos_token strings a chat template may use."""
-    eos = tokenizer.decode([tokenizer.eod_id]) if tokenizer.eod_id is not None else ""
-    return {"eos_token": eos, "bos_token": ""}
+def chat_prompts(tokenizer, tokenizer_path, name: str):
+    """The ``ChatPrompts`` of ``--chat-template NAME`` (`mmtrain-prep sft`'s renderer and bos/eos strings), or None
+    when NAME is ``tokenizer`` and it has no template (chat requests then get a 400 saying how to give one)."""
+    from mmtrain.core.chat_template import ChatPrompts, NoChatTemplateError, check_template_tokens, load_chat_template
+
+    try:
+        template = load_chat_template(name, tokenizer_path)
+    except NoChatTemplateError:
+        return None
+    check_template_tokens(template, tokenizer, str(tokenizer_path))
+    return ChatPrompts(template, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +130,7 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
 
     from mmtrain.convert.checkpoint_io import ConvertError
     from mmtrain.core.tokenizer import TokenizerError
-    from mmtrain.inference.chat import ChatTemplateError
+    from mmtrain.core.chat_tokens import ChatTemplateError
     from mmtrain.inference.decoder import UnsupportedModelError
     from mmtrain.inference.openai_app import build_app
     from mmtrain.inference.prompts import PromptError
@@ -133,7 +142,7 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
 
     setup_logging(rank)
     try:
-        served = _load_served(args.ckpt, args.tokenizer, world, dev, args.dtype)
+        served = _load_served(args.ckpt, args.tokenizer, world, dev, args.dtype, args.chat_template)
     except (ConvertError, TokenizerError, UnsupportedModelError, ChatTemplateError, PromptError,
             CheckpointFormatError, FileNotFoundError) as exc:
         return startup_error(f"{PROG}: error: {exc}", rank, local_rank=rank)  # TP on one node: rank 0 prints

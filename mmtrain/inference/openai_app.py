@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API on FastAPI: ``POST /v1/completions``, ``POST /v1/chat/completions`` (when the
-tokenizer has a chat template), server-sent-event streaming, ``GET /v1/models``, ``GET /health``.
+"""The OpenAI-compatible HTTP API on FastAPI: ``POST /v1/completions``, ``POST /v1/chat/completions`` (a 400 saying
+how to give a chat template when the server has none), server-sent-event streaming, ``GET /v1/models``, ``GET /health``.
 
 Handlers only encode, check and wait: the model runs in the engine thread (``server_engine.EngineThread``). Every
 refusal is a 400 (404 for another model name) with OpenAI's error shape ``{"error": {"message", "type",
@@ -19,8 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mmtrain.core.chat_template import ChatPrompts
+from mmtrain.core.chat_tokens import ChatTemplateError, RenderError
 from mmtrain.core.tokenizer import Tokenizer
-from mmtrain.inference.chat import ChatRenderer, ChatTemplateError
 from mmtrain.inference.engine import ContextLengthError, Sequence
 from mmtrain.inference.openai_schema import ChatCompletionRequest, CompletionRequest
 from mmtrain.inference.sampling import SamplingError, SamplingParams
@@ -46,7 +47,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 class _Api:
     def __init__(self, engine: EngineThread, tokenizer: Tokenizer, model_name: str,
-                 chat: ChatRenderer | None) -> None:
+                 chat: ChatPrompts | None) -> None:
         self.engine, self.tokenizer, self.model_name, self.chat = engine, tokenizer, model_name, chat
         self.created = int(time.time())
         self.stop_ids = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
@@ -122,9 +123,14 @@ async def _stream(seq: Sequence, out: asyncio.Queue, chunk, final_usage) -> Asyn
             seq.cancelled = True  # the client went away: free the slot at the next step
 
 
-def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat: ChatRenderer | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (``chat``: the tokenizer's chat template; without it there is no chat
-    endpoint)."""
+_NO_TEMPLATE = ("this server has no chat template (its tokenizer has none: no chat_template.jinja, no chat_template "
+                "in tokenizer_config.json); restart it with --chat-template chatml, llama3 or a .jinja file, or send "
+                "the rendered prompt to /v1/completions")
+
+
+def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat: ChatPrompts | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (``chat``: the chat template's prompts; without it chat requests get a
+    400 saying how to give one)."""
     app = FastAPI(title="mmtrain", docs_url=None, redoc_url=None, openapi_url=None)
     api = _Api(engine, tokenizer, model_name, chat)
 
@@ -185,17 +191,22 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
             return _error(500, "the decode step failed; see the server log", kind="server_error")
         return {**body(prefix + seq.text, seq.finish_reason), "usage": api.usage(seq)}
 
+    if chat is None:  # the route exists: a client is told how to give a template, not a bare 404
+        @app.post("/v1/chat/completions")
+        async def chat_without_template(req: ChatCompletionRequest):
+            return wrong_model(req) or _error(400, _NO_TEMPLATE)
+
     if chat is not None:
         @app.post("/v1/chat/completions")
         async def chat_completions(req: ChatCompletionRequest):
             if (bad := wrong_model(req)) is not None:
                 return bad
-            try:
-                prompt = chat.render([m.model_dump(exclude_none=True) for m in req.messages])
-            except ChatTemplateError as exc:
+            try:  # message text is text: only the template makes control tokens (mmtrain.core.chat_tokens)
+                prompt_ids = chat.prompt_ids([m.model_dump(exclude_none=True) for m in req.messages])
+            except (ChatTemplateError, RenderError) as exc:
                 return _error(400, str(exc), "messages")
             try:
-                seq, out = api.start(tokenizer.encode(prompt), req, req.max_completion_tokens or req.max_tokens)
+                seq, out = api.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens)
             except (SamplingError, ContextLengthError) as exc:
                 return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
             except EngineStopped as exc:
