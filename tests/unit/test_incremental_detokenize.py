@@ -27,8 +27,8 @@ def _collapsing_sentencepiece(folder):
 
 
 BUILDERS = {"byte-level BPE": tiny_tokenizer, "sentencepiece": train_sentencepiece,
-            "sentencepiece, collapsed whitespace": _collapsing_sentencepiece, "metaspace tokenizer.json":
-            metaspace_tokenizer}
+            "sentencepiece, collapsed whitespace": _collapsing_sentencepiece,
+            "metaspace tokenizer.json": metaspace_tokenizer}
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -59,12 +59,14 @@ def test_prompt_text_plus_completion_is_the_decode_of_both(tokenizer):
     for cut in range(1, len(ids)):  # some cuts are inside a character
         _check(tokenizer, ids[:cut], ids[cut:])
     rng = random.Random(0)
-    # random ids, weighted to the tokens that decode differently at the start of a text: control ids, '▁'
-    # pieces, byte pieces (a character split over tokens; a prompt that ends inside one)
-    tricky = [i for i in range(tokenizer.vocab_size) if set(tokenizer.decode([i])) <= {" ", ""}
-              or tokenizer.decode([i]) == "\ufffd"][:40] + [tokenizer.token_id(t) or 0 for t in ("▁", "▁▁", "<s>")]
+    # random ids, weighted to the tokens that decode differently at the start of a text (control ids decode
+    # to nothing, standalone '▁' pieces to a space or nothing) and to the bytes of a character split over tokens
+    singles = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+    tricky = ([i for i, text in enumerate(singles) if set(text) <= {" "}]
+              + [i for i, text in enumerate(singles) if text == "\ufffd"][:20])
     for _ in range(300):
-        pick = lambda: rng.choice(tricky) if rng.random() < 0.5 else rng.randrange(tokenizer.vocab_size)  # noqa: E731
+        def pick():
+            return rng.choice(tricky) if rng.random() < 0.5 else rng.randrange(tokenizer.vocab_size)
         _check(tokenizer, [pick() for _ in range(rng.randrange(0, 12))], [pick() for _ in range(rng.randrange(1, 12))])
 
 
