@@ -224,6 +224,11 @@ class HuggingFaceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` that encodes and decodes (what an HF export copies)."""
+        return self._tk
+
     def checksum(self) -> str:
         return file_sha256(self.path)
 
@@ -261,6 +266,11 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         self.eod_id = self._vocab.get(GPT2_EOD)
         self._control, self._plain = {}, {}  # no added tokens: <|endoftext|> in text is text
         self._encode = getattr(self._tk, "encode_batch_fast", self._tk.encode_batch)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        if skip_special_tokens and self.eod_id is not None:  # the end of document is GPT-2's special token
+            ids = [i for i in ids if int(i) != self.eod_id]
+        return super().decode(ids)
 
     def checksum(self) -> str:
         h = hashlib.sha256()

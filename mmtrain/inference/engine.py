@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from mmtrain.inference.decoder import UnsupportedModelError, check_decodable, decoder_forward, kv_cache_for
+from mmtrain.inference.detokenize import CompletionText
 from mmtrain.inference.sampling import SamplingParams, argmax_rows, find_stop, make_generator, next_tokens
 from mmtrain.inference.step_broadcast import StepLeader
 
@@ -33,7 +34,9 @@ class ContextLengthError(ValueError):
 class Sequence:
     """One prompt being completed. ``prompt_embeds`` (S, D), when given, replace the prompt's token embeddings
     (a VLM prompt with its media spliced in). ``on_token(seq, new_text, finished)`` is called after each token
-    from the engine's thread (streaming); ``decode`` turns ids into text (needed for stop strings and streaming)."""
+    from the engine's thread (streaming); ``decode`` turns ids into text (needed for stop strings and streaming).
+    ``text`` is what decoding prompt + completion adds to the prompt's text (``detokenize.CompletionText``): a
+    word keeps its leading space, and the prompt's text + ``text`` is the decode of both."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -47,16 +50,18 @@ class Sequence:
     slot: int = -1
     generator: torch.Generator | None = None
     _emitted: int = 0  # characters of ``text`` already handed to on_token
-    # incremental detokenization: the text of token_ids[:_read], and where the window decoded with the new
-    # tokens starts (one token back, so a tokenizer that drops a word's leading space at the start of a decode
-    # sees the word in context)
-    _decoded: str = ""
-    _prefix: int = 0
-    _read: int = 0
+    _detok: CompletionText | None = field(default=None, repr=False)  # the text, decoded a few tokens at a time
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_text_end(self) -> int:
+        """How many prompt tokens have their text before ``text``: all of them, or fewer when the prompt's ids end
+        inside a character that the completion completes (``text`` then begins with that character). So
+        ``decode(prompt_ids[:prompt_text_end]) + text`` is the decode of prompt + completion (an echo)."""
+        return len(self.prompt_ids) if self._detok is None else self._detok.prompt_end
 
 
 # inductor options of the compiled decode step (CUDA graphs are added on a GPU): "reduce-overhead" is
@@ -313,27 +318,26 @@ class DecodeEngine:
         done = []
         for s, tok in zip(seqs, tokens):
             if tok in s.params.stop_token_ids:
-                s.finish_reason = "stop"
-                changed = s._read < len(s.token_ids)  # text held back for an incomplete character comes out
+                s.finish_reason = "stop"  # text held back for an incomplete character comes out below
             else:
                 s.token_ids.append(tok)
                 if len(s.token_ids) >= s.params.max_new_tokens:
                     s.finish_reason = "length"
-                changed = True
-            if changed and s.decode is not None and (s.params.stop or s.on_token is not None):
+            # without stop strings or streaming the text is decoded once, at the end
+            if s.decode is not None and (s.params.stop or s.on_token is not None or s.finished):
                 self._update_text(s)
             if s.on_token is not None:
                 self._emit(s)
             if s.finished:
-                if s.decode is not None and not s.params.stop and s.on_token is None:
-                    s.text = s.decode(s.token_ids)
                 self._release(s)
                 done.append(s)
         return done
 
     @staticmethod
     def _update_text(s: Sequence) -> None:
-        text = _decode_incrementally(s)
+        if s._detok is None:
+            s._detok = CompletionText(s.prompt_ids, s.decode)
+        text = s._detok.update(s.token_ids, s.finished)
         if s.params.stop:
             # a stop string can only begin where it could overlap the newly added text
             start = max(0, len(s.text) - max(len(x) for x in s.params.stop))
@@ -355,21 +359,6 @@ class DecodeEngine:
         new, s._emitted = s.text[s._emitted:end], max(s._emitted, end)
         if new or s.finished:
             s.on_token(s, new, s.finished)
-
-
-def _decode_incrementally(s: Sequence) -> str:
-    """The text of all of ``s.token_ids`` so far, decoding only a window of the last few tokens per call (a
-    full decode per token would cost O(length) a token, O(length^2) a sequence). Text of tokens that end in an
-    incomplete UTF-8 character waits for the next token, unless the sequence has finished."""
-    ids = s.token_ids
-    before = s.decode(ids[s._prefix:s._read])
-    window = s.decode(ids[s._prefix:])
-    if len(window) > len(before) and (s.finished or not window.endswith("\ufffd")):
-        s._decoded += window[len(before):]
-        s._prefix, s._read = s._read, len(ids)
-    elif s.finished:
-        s._decoded += window[len(before):]
-    return s._decoded
 
 
 def generate(engine: DecodeEngine, prompts: Seq[list[int]], params: SamplingParams | Seq[SamplingParams],

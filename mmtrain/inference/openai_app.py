@@ -164,9 +164,9 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
             vocab = engine.engine.model.cfg.vocab_size
             if any(not 0 <= t < vocab for t in req.prompt):
                 return _error(400, f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
-            ids, text = req.prompt, tokenizer.decode(req.prompt) if req.echo else ""
+            ids, prompt_text = req.prompt, None  # echoed as decoded, up to where the completion's text begins
         else:
-            ids, text = tokenizer.encode(req.prompt), req.prompt
+            ids, prompt_text = tokenizer.encode(req.prompt), req.prompt
         try:
             seq, out = api.start(ids, req, req.max_tokens or 16)
         except (SamplingError, ContextLengthError) as exc:
@@ -174,14 +174,20 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
         except EngineStopped as exc:
             return _error(503, str(exc), kind="server_error")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prefix = text if req.echo else ""
+
+        def echo() -> str:
+            """The prompt's text before the completion's: echo + completion is the decode of both. Read once the
+            engine has handed back text (a token-id prompt may end inside a character the completion completes)."""
+            if not req.echo:
+                return ""
+            return prompt_text if prompt_text is not None else tokenizer.decode(ids[:seq.prompt_text_end])
 
         def body(text, finish):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
         if req.stream:
             def chunk(text, finish, first):
-                return body((prefix if first else "") + text, finish)
+                return body((echo() if first else "") + text, finish)
             usage = None
             if (req.stream_options or {}).get("include_usage"):
                 usage = lambda: {**body("", None), "choices": [], "usage": api.usage(seq)}  # noqa: E731
@@ -189,7 +195,7 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
         await _collect(seq, out)
         if seq.finish_reason == "error":
             return _error(500, "the decode step failed; see the server log", kind="server_error")
-        return {**body(prefix + seq.text, seq.finish_reason), "usage": api.usage(seq)}
+        return {**body(echo() + seq.text, seq.finish_reason), "usage": api.usage(seq)}
 
     if chat is None:  # the route exists: a client is told how to give a template, not a bare 404
         @app.post("/v1/chat/completions")
