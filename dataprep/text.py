@@ -95,7 +95,7 @@ class _Run:
         self.start = time.monotonic()
 
     def _reject(self, file_index: int, line: int, reason: str, excerpt: str, code: str,
-                row_group: int | None = None) -> None:
+                row_group: int | None = None, rows: int = 1) -> None:
         entry = self.files[file_index]
         path = str(entry.path)
         if entry.kind == "jsonl":
@@ -106,15 +106,15 @@ class _Run:
         if self.args.strict:
             raise PrepError(f"{named}: {reason} (--strict stops at the first bad record; "
                             "drop --strict to collect them in PREFIX.rejects.jsonl)")
-        self.rejects.add(path, where, reason, excerpt, code)
-        self.rejected += 1
+        self.rejects.add(path, where, reason, excerpt, code, rows)
+        self.rejected += rows
 
     def consume(self, item: EncodedBlock | Truncated) -> None:
         if isinstance(item, Truncated):
-            self.read += 1
-            self.files[item.file_index].records += 1
-            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial), "truncated_file",
-                         item.row_group)
+            self.read += item.rows
+            self.files[item.file_index].records += item.rows
+            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial), item.code,
+                         item.row_group, item.rows)
             return
         for r in item.rejects:
             self._reject(item.file_index, r.line, r.reason, r.excerpt, r.code, item.row_group)
