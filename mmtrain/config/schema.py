@@ -274,7 +274,9 @@ class DpoConfig:
     """Direct preference optimization (train.objective: dpo)."""
 
     beta: float = doc(0.1, "Strength of the pull towards the reference model (the rewards' scale).", gt=0)
-    loss: Literal["sigmoid", "ipo"] = doc("sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1/(2 beta))^2.")
+    loss: Literal["sigmoid", "ipo"] = doc("sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1/(2 beta))^2 "
+                                                     "with each answer's log-ratio divided by its loss tokens "
+                                                     "(TRL's IPO).")
     reference: str = doc("", "Weights-only checkpoint of the frozen reference model; empty: the run's initial "
                              "weights (the weights-only checkpoint.load, else the seeded init).")
     reference_logps: Literal["model", "precomputed"] = doc(
