@@ -132,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
                    f"{loss_tokens[k]:,} loss tokens in {prefixes[mask_key(k)]})" for k in token_keys]
                   + [f"{prefix}.manifest.json"], rejects_file,
                   inputs=describe_inputs(files, skipped))
+    for line in state.warning_lines("mmtrain-prep sft"):
+        print(line, file=sys.stderr)
     return 0
 
 

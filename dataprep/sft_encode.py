@@ -25,6 +25,8 @@ from mmtrain.core.chat_tokens import ContentGuard, RenderError, encode_chats, pr
 from mmtrain.core.tokenizer import Tokenizer, load_tokenizer
 
 MASK_DTYPE = "uint8"
+IDENTICAL_PAIR = ("chosen and rejected are the same tokens: a zero-gradient pair, DPO learns nothing from it "
+                  "(it is written; fix or drop the record)")
 
 
 def output_keys(preference: bool) -> tuple[str, ...]:
@@ -168,6 +170,9 @@ class ChatBlockEncoder:
             except RecordError as exc:
                 out.rejects.append(Reject(block.first_line + where[j], str(exc), excerpt(lines[where[j]]), exc.code))
                 continue
+            if per_record == 2 and all(np.array_equal(a, b) for a, b in zip(*arrays)):
+                out.warnings.append(Reject(block.first_line + where[j], IDENTICAL_PAIR, excerpt(lines[where[j]]),
+                                           "identical_pair"))
             token_keys = self.keys[:per_record]
             for key, (tokens, mask) in zip(token_keys, arrays):
                 ids[key].append(tokens)

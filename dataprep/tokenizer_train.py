@@ -64,7 +64,7 @@ def _sample(args) -> tuple[list[str], dict, list, list[str]]:
 
     for item in stream_inputs(files, keys):
         if isinstance(item, Truncated):
-            counts["bad"] += 1
+            counts["bad"] += item.rows
             examples.append(f"{where(item.file_index, item.line, item.row_group)}: {item.reason}")
             continue
         if isinstance(item, TableBlock):

@@ -163,6 +163,22 @@ def test_weight_0_assistant_messages_carry_no_loss(tmp_path, chat_tok):
         " 6, of course.\n<|im_end|>"
 
 
+def test_identical_chosen_and_rejected_are_counted_and_warned(tmp_path, chat_tok, capsys):
+    records = [{"prompt": "Hi there", "chosen": "Hello!", "rejected": "Go away."},
+               {"prompt": "Hi there", "chosen": "Same.", "rejected": "Same."},
+               {"prompt": CONVERSATIONS[1][:3], "chosen": CONVERSATIONS[1][3:], "rejected": CONVERSATIONS[1][3:]},
+               {"prompt": "Hi", "chosen": "Same.", "rejected": "Other."}]
+    prefix = tmp_path / "pref"
+    assert prep(["sft", "--preference", "--input", str(_write(tmp_path / "p.jsonl", records)), "--output-prefix",
+                 str(prefix), "--tokenizer", str(chat_tok), "--chat-template", "chatml", "--workers", "0"]) == 0
+    m = json.loads(Path(f"{prefix}.manifest.json").read_text())
+    assert m["documents"]["written"] == 4 and m["documents"]["rejected"] == 0  # written, not rejected
+    assert m["warnings_by_code"] == {"identical_pair": 2}
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "2 identical_pair record(s)" in warned[0] and "p.jsonl:2:" in warned[0]
+    assert "zero-gradient" in warned[0]
+
+
 def test_rejects_and_verify_inspect(tmp_path, chat_tok, capsys):
     lines = [json.dumps({"messages": CONVERSATIONS[0]}),
              json.dumps({"messages": [{"role": "tool", "content": "x"}]}),
