@@ -1,17 +1,13 @@
-"""An lm-evaluation-harness model for mmtrain checkpoints, registered as ``mmtrain`` (extra ``mmtrain[eval]``).
-
-    python -m mmtrain.lm_eval --model mmtrain --model_args ckpt=CKPT,tokenizer=TOK --tasks hellaswag
-    python -m mmtrain.lm_eval run --model mmtrain --model_args ckpt=CKPT --tasks my_task --include_path tasks/
-
-lm-eval finds models only in its own registry (no plugin discovery), so ``python -m mmtrain.lm_eval`` registers
-this class and then runs lm-eval's own command line with the same arguments (every lm-eval option works).
-From Python, ``import mmtrain.lm_eval`` registers it for ``lm_eval.simple_evaluate(model="mmtrain", ...)``.
+"""The lm-evaluation-harness model ``mmtrain`` (extra ``mmtrain[eval]``): an mmtrain checkpoint as lm-eval's
+``TemplateLM``. ``mmtrain.lm_eval`` registers it (by this module's name) and wraps lm-eval's command line.
 
 ``model_args``: ``ckpt`` (any mmtrain checkpoint, any training layout; weights only), ``tokenizer`` (anything
-``mmtrain-prep --tokenizer`` takes; default: the one the checkpoint's data manifest names), ``device``
-(default cuda when there is one), ``dtype`` (float32 / bfloat16), ``max_length`` (default: the HF config the
-checkpoint was converted from, else its training ``data.seq_length``), ``prefix_token_id`` (default: the
-tokenizer's BOS, else its end-of-document id -- the rule of lm-eval's ``hf`` model).
+``mmtrain-prep --tokenizer`` takes; default: the one the checkpoint names), ``device`` (default cuda when there
+is one, else cpu), ``dtype`` (float32 / bfloat16), ``max_length`` (default: ``max_position_embeddings`` as the HF
+export of the checkpoint writes it, which lm-eval's ``hf`` model reads; the training ``data.seq_length`` only
+for a model that has no HF export), ``prefix_token_id`` (default: the tokenizer's BOS, else its
+end-of-document id -- the rule of lm-eval's ``hf`` model), ``allow_other_tokenizer`` (a ``tokenizer`` that is
+not the one the checkpoint names is refused unless true: ``mmtrain.core.tokenizer_record``).
 
 Scores follow lm-eval's ``hf`` model exactly: the same context/continuation split (``TemplateLM``), left
 truncation to ``max_length + 1`` tokens, rolling windows for ``loglikelihood_rolling``, and for
@@ -20,7 +16,6 @@ truncation to ``max_length + 1`` tokens, rolling windows for ``loglikelihood_rol
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +31,16 @@ except ImportError:  # the optional extra is not installed
 
 from mmtrain.convert.checkpoint_io import checkpoint_lora, read_full_state
 from mmtrain.convert.hf_tokenizer import open_tokenizer, recorded_tokenizer
+from mmtrain.core.tokenizer_record import describe_record, tokenizer_mismatch
 from mmtrain.model.lora import merge_adapters
 from mmtrain.models.registry import model_family
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_KNOWN_ARGS = "ckpt, tokenizer, device, dtype, max_length, prefix_token_id, allow_other_tokenizer"
+
+
+class MMTrainLMError(ValueError):
+    """A model argument, the checkpoint or tokenizer it names, or a request the model cannot serve; one line."""
 
 
 @torch.no_grad()
@@ -81,30 +82,76 @@ def _batch_size(value: Any) -> int:
     return int(text) if text.isdigit() else 8  # "auto": lm-eval's search needs CUDA OOMs; a fixed size instead
 
 
+def _device(device: str | None) -> torch.device:
+    """``device`` (lm-eval's ``--device`` or the model argument), or cuda when there is one, else cpu."""
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise MMTrainLMError(f"device={device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise MMTrainLMError(f"device={device} but no CUDA device is visible; pass --device cpu")
+    return chosen
+
+
+def default_max_length(cfg, meta: dict) -> int:
+    """The context limit lm-eval's ``hf`` model uses on the HF export of this checkpoint: the
+    ``max_position_embeddings`` that ``mmtrain-to-hf`` writes into its config.json. A model the export cannot
+    express falls back to the training ``data.seq_length``."""
+    adapter = model_family(cfg).hf
+    try:
+        exported = adapter.config_to_hf(cfg, meta.get("hf_config"))
+    except adapter.errors():  # a shape with no HF equivalent
+        exported = {}
+    if exported.get("max_position_embeddings"):
+        return int(exported["max_position_embeddings"])
+    run = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    data = run.get("data") if isinstance(run.get("data"), dict) else {}
+    return int(data.get("seq_length") or 2048)
+
+
+def _check_tokenizer(tok, meta: dict, ckpt: str, allow_other: bool) -> None:
+    """A ``tokenizer`` argument that is not the tokenizer the checkpoint names is refused (unless allowed)."""
+    given = tok.describe()
+    found = None if allow_other else tokenizer_mismatch(meta, given)
+    if found is None:
+        return
+    raise MMTrainLMError(f"tokenizer={tok.path} is {describe_record(given)}, but {ckpt}'s model was "
+                         f"trained with {describe_record(found[0])} (from its {found[1]}): its scores would be "
+                         "meaningless; leave tokenizer= out to use that one, or add allow_other_tokenizer=true if "
+                         "this is intended")
+
+
+def _flag(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes")
+
+
 class MMTrainLM(TemplateLM):
     """lm-eval's view of an mmtrain checkpoint (see the module docstring for the arguments)."""
 
     def __init__(self, ckpt: str, tokenizer: str | None = None, device: str | None = None, dtype: str = "float32",
                  batch_size: int | str = 1, max_batch_size: int | None = None, max_length: int | None = None,
-                 prefix_token_id: int | None = None, **unused: Any) -> None:
+                 prefix_token_id: int | None = None, allow_other_tokenizer: bool | str = False,
+                 **unused: Any) -> None:
         super().__init__()
         if unused:
-            raise ValueError(f"mmtrain model_args: unknown {', '.join(sorted(unused))} (known: ckpt, tokenizer, "
-                             "device, dtype, max_length, prefix_token_id)")
+            raise MMTrainLMError(f"mmtrain model_args: unknown {', '.join(sorted(unused))} (known: {_KNOWN_ARGS})")
         if str(dtype) not in _DTYPES:
-            raise ValueError(f"mmtrain model_args: dtype={dtype!r}, choose one of {', '.join(_DTYPES)}")
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            raise MMTrainLMError(f"mmtrain model_args: dtype={dtype!r}, choose one of {', '.join(_DTYPES)}")
+        if not Path(ckpt).exists():
+            raise MMTrainLMError(f"ckpt={ckpt}: not found (looked for {Path(ckpt).resolve()})")
+        self._device = _device(device)
         self.model, self.cfg, meta = load_model(ckpt, self._device, _DTYPES[str(dtype)])
-        run = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-        tok = open_tokenizer(tokenizer) if tokenizer else recorded_tokenizer(run)
+        tok = open_tokenizer(tokenizer) if tokenizer else recorded_tokenizer(meta)
         if tok is None:
-            raise ValueError(f"{ckpt}: its data manifest names no tokenizer; pass model_args tokenizer=PATH")
+            raise MMTrainLMError(f"{ckpt}: the checkpoint names no tokenizer; pass model_args tokenizer=PATH")
         if tok.eod_id is None:
-            raise ValueError(f"{tok.path}: the tokenizer has no end-of-text token, which lm-eval needs")
+            raise MMTrainLMError(f"{tok.path}: the tokenizer has no end-of-text token, which lm-eval needs")
+        if tokenizer:
+            _check_tokenizer(tok, meta, ckpt, _flag(allow_other_tokenizer))
         self.tok = tok
-        hf = meta.get("hf_config") if isinstance(meta.get("hf_config"), dict) else {}
-        data = run.get("data") if isinstance(run.get("data"), dict) else {}
-        self._max_length = int(max_length or hf.get("max_position_embeddings") or data.get("seq_length") or 2048)
+        self._max_length = int(max_length or default_max_length(self.cfg, meta))
         bos = getattr(tok, "bos_id", None)
         self._prefix = int(prefix_token_id) if prefix_token_id is not None else (bos if bos is not None
                                                                                  else tok.eod_id)
@@ -176,34 +223,15 @@ class MMTrainLM(TemplateLM):
         for context, gen_kwargs in [r.args for r in requests]:
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
             if kwargs.get("do_sample"):
-                raise ValueError("the mmtrain lm-eval model decodes greedily; the task asks for sampling "
+                raise MMTrainLMError("the mmtrain lm-eval model decodes greedily; the task asks for sampling "
                                  "(do_sample / temperature > 0)")
             until = handle_stop_sequences(kwargs.get("until"), eos=eos or None)
             max_new = int(kwargs["max_gen_toks"])
             if max_new >= self.max_length:
-                raise ValueError(f"max_gen_toks={max_new} does not fit max_length={self.max_length}")
+                raise MMTrainLMError(f"max_gen_toks={max_new} does not fit max_length={self.max_length}")
             prompt = self.tok_encode(context)[-(self.max_length - max_new):]
             [new] = _greedy_generate(self.model, [prompt], max_new, {self.eot_token_id})
             text = postprocess_generated_text(generation=self.tok_decode(new), stop=until, think_end_token=None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
         return out
-
-
-# by name, not by class: under ``python -m mmtrain.lm_eval`` this file runs twice (as __main__ and, when lm-eval
-# looks the name up, as mmtrain.lm_eval); both register the same target
-model_registry.register("mmtrain", target="mmtrain.lm_eval:MMTrainLM")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """lm-eval's command line with the ``mmtrain`` model registered."""
-    from lm_eval.__main__ import cli_evaluate
-
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
