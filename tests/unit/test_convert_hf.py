@@ -152,6 +152,21 @@ def test_cli_round_trip(tmp_path, capsys):
     assert all(torch.equal(t, back[n]) for n, t in read_hf_tensors(tmp_path / "hf").items() if n != "lm_head.weight")
 
 
+def test_hf_to_mmtrain_records_the_folders_tokenizer(tmp_path, capsys):
+    """What evaluate / generate / lm_eval check data and tokenizers against, and what mmtrain-to-hf exports."""
+    from mmtrain.core.tokenizer import load_tokenizer
+    from tests.unit.test_tokenizer import build_hf_bpe
+
+    _random_hf("llama", tmp_path / "hf")
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "bare")]) == 0
+    assert "no tokenizer recorded" in capsys.readouterr().out
+    build_hf_bpe(tmp_path / "hf")
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")]) == 0
+    assert f"tokenizer recorded: {tmp_path / 'hf' / 'tokenizer.json'}" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "c" / "step_00000000" / "complete.json").read_text())
+    assert meta["tokenizer"]["sha256"] == load_tokenizer(tmp_path / "hf").checksum()
+
+
 @pytest.mark.parametrize("change,key", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
     ({"rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 2.0}}, "high_freq_factor"),
