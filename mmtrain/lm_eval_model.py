@@ -23,9 +23,7 @@ import torch
 import torch.nn.functional as F
 
 try:
-    import lm_eval.models  # noqa: F401 - lm-eval's own models first: its registry fills itself only when empty
     from lm_eval.api.model import TemplateLM
-    from lm_eval.api.registry import model_registry
 except ImportError:  # the optional extra is not installed
     raise ImportError("the lm-evaluation-harness adapter needs lm-eval: pip install 'mmtrain[eval]'") from None
 
