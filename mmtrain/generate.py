@@ -33,7 +33,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (KV-cache slots)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    ap.add_argument("--allow-other-tokenizer", action="store_true",
+                    help="use a --tokenizer that is not the one the checkpoint names (refused by default)")
     return ap
+
+
+def _check_tokenizer(args: argparse.Namespace, tokenizer) -> None:
+    """A ``--tokenizer`` that is not the one the checkpoint's model was trained with (``mmtrain.core.
+    tokenizer_record``) is a ``TokenizerError``, unless ``--allow-other-tokenizer``: equal vocabulary sizes hide it."""
+    from mmtrain.convert.checkpoint_io import read_checkpoint_config
+    from mmtrain.core.manifest import ManifestError
+    from mmtrain.core.tokenizer import TokenizerError
+    from mmtrain.core.tokenizer_record import describe_record, tokenizer_mismatch
+
+    if args.allow_other_tokenizer:
+        return
+    given = tokenizer.describe()
+    try:
+        found = tokenizer_mismatch(read_checkpoint_config(args.ckpt)[1], given)
+    except ManifestError as exc:
+        raise TokenizerError(str(exc)) from None
+    if found is not None:
+        raise TokenizerError(f"--tokenizer {args.tokenizer} is {describe_record(given)}, but "
+                             f"{args.ckpt}'s model was trained with {describe_record(found[0])} (from its {found[1]}); "
+                             "pass that tokenizer, or --allow-other-tokenizer if this is intended")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     from mmtrain.utils.atomic import atomic_write_text
 
     tokenizer = load_tokenizer(args.tokenizer)  # before any process group: a bad path is one line
+    _check_tokenizer(args, tokenizer)
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     device = pick_device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]

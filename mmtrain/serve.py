@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from mmtrain.utils.cli import OneLineArgumentParser, startup_error
+from mmtrain.utils.cli import OneLineArgumentParser, checkpoint_display_name, startup_error
 
 PROG = "python -m mmtrain.serve"
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokenizer_config.json next to it; default), a built-in (chatml, llama3) or a .jinja file")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
-    ap.add_argument("--model-name", default=None, help="the name clients ask for (default: the checkpoint folder's)")
+    ap.add_argument("--model-name", default=None, help="the name clients ask for (default: its run folder's)")
     ap.add_argument("--slots", type=int, default=32, help="requests decoded together (KV-cache slots)")
     ap.add_argument("--context", type=int, default=2048, help="positions per slot: prompt + new tokens")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -55,7 +55,7 @@ def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots:
     engine = EngineThread(served.engine(slots, context, compile))
     if compile:
         engine.warmup()  # compiles (minutes) before the port opens, not on the first request
-    return build_app(engine, served.tokenizer, model_name or Path(ckpt).resolve().name, served.renderer), engine
+    return build_app(engine, served.tokenizer, model_name or checkpoint_display_name(ckpt), served.renderer), engine
 
 
 class _Served:
@@ -159,7 +159,7 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
             print(f"{PROG}: [rank {rank}] error: {exc}", file=sys.stderr, flush=True)
             return 1
         return 0
-    name = args.model_name or Path(args.ckpt).resolve().name
+    name = args.model_name or checkpoint_display_name(args.ckpt)
     server: uvicorn.Server | None = None
 
     def stop_server(message: str) -> None:  # from the engine thread: a tensor-parallel rank failed

@@ -173,8 +173,20 @@ def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cf
     model section to include in a run config). This process alone writes (no process group). Returns the step
     folder."""
     return write_chunks_checkpoint(root, _layout_chunks(full, cfg, tp, pp, pipeline_layers), tp, pp,
-                                   _run_config_dict(cfg, tp, pp, pipeline_layers), {"model": dataclasses.asdict(cfg)},
+                                   _run_config_dict(cfg, tp, pp, pipeline_layers), {"model": model_section(cfg)},
                                    step, extra_meta)
+
+
+def model_section(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``model:`` section a run includes for ``cfg``: the chosen family's shape only. A Llama-family shape
+    leaves out the ``deepseek_v3`` block (unused, it would read as part of the model); a DeepSeek-V3 shape keeps
+    ``family``, ``name`` and its block (the Llama fields must keep their defaults then)."""
+    full = dataclasses.asdict(cfg)
+    if cfg.family != "deepseek_v3":
+        full.pop("deepseek_v3")
+        return full
+    defaults = dataclasses.asdict(ModelConfig())
+    return {k: v for k, v in full.items() if k in ("family", "name", "deepseek_v3") or v != defaults[k]}
 
 
 def write_chunks_checkpoint(root: str | Path, chunks: list[Chunk], tp: int, pp: int, run_config: dict[str, Any],

@@ -11,8 +11,9 @@ that disagrees.
 Special-token strings inside text are split like plain text for SentencePiece exports (as ``mmtrain-prep``
 encoded them), and parsed as the tokenizer.json says otherwise (as its library does).
 
-Which tokenizer: the ``--tokenizer`` given, else the one the manifest of the checkpoint's first data prefix
-names (checked by its SHA-256), else none (weights only, with a note)."""
+Which tokenizer: the ``--tokenizer`` given, else the one the checkpoint names (its complete.json's record, or
+for an older checkpoint the manifest of its first data prefix; checked by its SHA-256), else none (weights only,
+with a note)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mmtrain.core.manifest import ManifestError, read_prefix_manifest
+from mmtrain.core.manifest import ManifestError
 from mmtrain.core.tokenizer import GPT2_EOD, Tokenizer, TokenizerError, load_tokenizer
+from mmtrain.core.tokenizer_record import PROBE_TEXTS, checkpoint_tokenizer_record
 
-_PROBES = ["Hello world", " leading space", "two  spaces and\ttabs", "new\nline\n\n  indented code",
-           "digits 1234567890", "Ünïcödé, ẞ, 你好, emoji 😀", "trailing ", "", "   ", "a\r\nb"]
 # transformers' bookkeeping keys that say nothing about the tokenizer
 _DROP_CONFIG_KEYS = ("is_local", "local_files_only", "name_or_path")
 
@@ -34,23 +34,17 @@ class TokenizerExportError(ValueError):
     """A tokenizer that cannot be exported faithfully; the message names the file."""
 
 
-def recorded_tokenizer(run_config: dict[str, Any]) -> Tokenizer | None:
-    """The tokenizer the manifest of the run's first ``data.prefixes`` entry names, when it is still there with
-    the recorded checksum; None when the run records no prefix or its manifest no tokenizer."""
-    data = run_config.get("data") if isinstance(run_config.get("data"), dict) else {}
-    prefixes = data.get("prefixes") if isinstance(data.get("prefixes"), list) else []
-    prefix = next((p for p in prefixes if isinstance(p, str) and not _is_number(p)), None)
-    if prefix is None:
-        return None
+def recorded_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:
+    """The tokenizer a checkpoint names (``meta``: its complete.json; ``mmtrain.core.tokenizer_record``), when it
+    is still there with the recorded checksum; None when the checkpoint names none."""
     try:
-        manifest = read_prefix_manifest(prefix) or {}
+        found = checkpoint_tokenizer_record(meta)
     except ManifestError as exc:
         raise TokenizerExportError(f"{exc} (or pass --tokenizer)") from None
-    rec = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
-    path = rec.get("path")
-    if not isinstance(path, str) or not path:
+    if found is None:
         return None
-    where = f"{prefix}.manifest.json"
+    rec, where = found
+    path = rec["path"]
     try:
         merges = rec.get("merges_path") if isinstance(rec.get("merges_path"), str) else None
         tok = load_tokenizer(path, rec.get("type") if isinstance(rec.get("type"), str) else None, merge_file=merges)
@@ -59,17 +53,9 @@ def recorded_tokenizer(run_config: dict[str, Any]) -> Tokenizer | None:
                                    "--no-tokenizer)") from None
     sha = rec.get("sha256")
     if isinstance(sha, str) and tok.checksum() != sha:
-        raise TokenizerExportError(f"{path} changed since {prefix} was prepared with it (its checksum differs from "
-                                   f"{where}); pass the tokenizer the data was made with as --tokenizer")
+        raise TokenizerExportError(f"{path} changed since the model's data was prepared with it (its checksum "
+                                   f"differs from {where}); pass the tokenizer the data was made with as --tokenizer")
     return tok
-
-
-def _is_number(text: str) -> bool:  # Megatron-style prefix lists interleave weights: "0.3 path 0.7 path"
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 def _hf_fast_tokenizer(tok: Tokenizer):
@@ -150,7 +136,7 @@ def _check_same_ids(hf_tok, tok: Tokenizer) -> None:
     path = tok.path
     space = tok.token_id("▁") if tok.type == "sentencepiece" else None
     special = set(hf_tok.all_special_ids)
-    for text in _PROBES:
+    for text in PROBE_TEXTS:
         ours, theirs = tok.encode(text), hf_tok.encode(text, add_special_tokens=False)
         if ours != theirs:
             raise TokenizerExportError(f"{path}: the exported tokenizer encodes {text!r} as {theirs[:12]}, the "

@@ -51,5 +51,6 @@ def test_user_guide_runs_from_an_empty_folder(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 61))  # stopped at 40 (step 6), resumed to 60 (step 8)
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert (work / "hf-tiny" / "config.json").is_file()
+    assert (work / "hf-tiny" / "tokenizer.json").is_file()  # the checkpoint names its data's tokenizer
     vlm = [json.loads(line) for line in (work / "runs/vlm/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in vlm] == list(range(1, 11))

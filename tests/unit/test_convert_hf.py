@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from mmtrain.config import GPTRunConfig, load_config  # noqa: E402
 from mmtrain.convert import hf_to_mmtrain, mmtrain_to_hf  # noqa: E402
 from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
 from mmtrain.convert.checkpoint_io import (load_model_weights, merge_shards, read_full_state,  # noqa: E402
@@ -143,9 +145,26 @@ def test_cli_round_trip(tmp_path, capsys):
                          "--tp", "2"]) == 0
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(tmp_path / "c"), "--out", str(tmp_path / "o")]) == 0
     assert "wrote Hugging Face folder" in capsys.readouterr().out
-    assert (tmp_path / "c" / "model.yaml").is_file()
+    model_yaml = yaml.safe_load((tmp_path / "c" / "model.yaml").read_text())["model"]
+    assert "deepseek_v3" not in model_yaml and model_yaml["family"] == "llama"  # only the family's shape
+    assert load_config(GPTRunConfig, tmp_path / "c" / "model.yaml").model == read_full_state(tmp_path / "c")[1]
     back = read_hf_tensors(tmp_path / "o")
     assert all(torch.equal(t, back[n]) for n, t in read_hf_tensors(tmp_path / "hf").items() if n != "lm_head.weight")
+
+
+def test_hf_to_mmtrain_records_the_folders_tokenizer(tmp_path, capsys):
+    """What evaluate / generate / lm_eval check data and tokenizers against, and what mmtrain-to-hf exports."""
+    from mmtrain.core.tokenizer import load_tokenizer
+    from tests.unit.test_tokenizer import build_hf_bpe
+
+    _random_hf("llama", tmp_path / "hf")
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "bare")]) == 0
+    assert "no tokenizer recorded" in capsys.readouterr().out
+    build_hf_bpe(tmp_path / "hf")
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")]) == 0
+    assert f"tokenizer recorded: {tmp_path / 'hf' / 'tokenizer.json'}" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "c" / "step_00000000" / "complete.json").read_text())
+    assert meta["tokenizer"]["sha256"] == load_tokenizer(tmp_path / "hf").checksum()
 
 
 @pytest.mark.parametrize("change,key", [
