@@ -1,4 +1,4 @@
-"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf,compare} ...``."""
+"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf,compare,rehash} ...``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import sys
 
 import torch
 
-from mmtrain.convert.checkpoint_io import ConvertError
+from mmtrain.convert.checkpoint_io import ConvertError, resolve_checkpoint_folder
 from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
 from mmtrain.convert.hf_files import HFFolderError
 from mmtrain.models.encoders_hf import EncoderHFError
 from mmtrain.convert.hf_tokenizer import TokenizerExportError
 from mmtrain.models.registry import hf_errors
+from mmtrain.utils.checkpoint_marker import reseal_checkpoint
 from mmtrain.utils.dcp_storage import CheckpointFormatError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "vocab.json); default: the one the checkpoint's data manifest names")
     to_hf.add_argument("--no-tokenizer", action="store_true",
                        help="write weights and config.json only (no tokenizer files, no generation_config.json)")
+    rehash = sub.add_parser("rehash", help="bring a checkpoint to this version's format: check its files against "
+                                           "checksums.json, hash those it lacks (a checkpoint from before "
+                                           "checksums), seal complete.json (also after editing it on purpose)")
+    rehash.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
+    rehash.add_argument("--trust-current-files", action="store_true",
+                        help="hash every file as it is now, checking nothing (a checkpoint that lost its "
+                             "checksums.json, whose files you know are intact)")
     return parser
 
 
@@ -78,6 +86,10 @@ def _run(args: argparse.Namespace) -> int:
             left = meta.get("hf_left_out") or []
             print(f"VLM parts {', '.join(meta['vlm_parts'])}; {len(left)} HF tensor(s) left out on purpose"
                   + (f" (e.g. {left[0]})" if left else ""))
+    elif args.command == "rehash":
+        report = reseal_checkpoint(resolve_checkpoint_folder(args.ckpt), args.trust_current_files)
+        print(f"sealed {report.folder}/complete.json: {len(report.checked)} file(s) matched checksums.json, "
+              f"{len(report.hashed)} hashed as they are now ({', '.join(report.hashed) or 'none'})")
     elif args.command == "compare":
         from mmtrain.convert.compare import compare
 
