@@ -367,6 +367,11 @@ def test_an_edited_complete_json_is_refused_until_sealed_again(tmp_path, capsys)
     assert convert_main(["rehash", "--ckpt", str(tmp_path / "ckpt")]) == 0
     assert "2 file(s) matched checksums.json, 0 hashed" in capsys.readouterr().out
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    path = _data_file(folder)
+    _flip_byte(path, path.stat().st_size - 100)  # re-sealing checks the recorded files first
+    assert convert_main(["rehash", "--ckpt", str(folder)]) == 2
+    assert capsys.readouterr().err.endswith(f"{path} does not match its checksum (corrupt?); re-sealing does not "
+                                            "record a damaged file as good\n")
     (folder / "checksums.json").write_text((folder / "checksums.json").read_text() + " ")  # changed: noticed
     with pytest.raises(DamagedFileError, match="checksums.json is .* bytes, .* when it was written .*complete.json"):
         read_metadata(folder)
