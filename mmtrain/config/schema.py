@@ -238,7 +238,9 @@ class CheckpointConfig:
                  "names each changed key; use_config builds this run's order and continues at the checkpoint's consumed-sample count in it (samples may "
                  "repeat or be skipped).")
     verify: bool = doc(True, "Check every checkpoint file against the XXH3 hash recorded when it was written "
-                             "(checksums.json) before reading it; a damaged file stops the run. false reads unchecked.")
+                             "(checksums.json) before reading it; a damaged or missing file stops the run. false reads "
+                             "the data files unchecked (complete.json's seal and the metadata's sizes are always "
+                             "checked).")
 
 
 LORA_TARGETS = ("qkv", "proj", "up", "down")  # the Llama block's linears (HF: q/k/v_proj, o_proj, gate/up_proj, down_proj)

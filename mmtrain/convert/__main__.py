@@ -1,4 +1,4 @@
-"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf,compare} ...``.
+"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf,compare,rehash} ...``.
 
 Torch and the converters are imported once the arguments are parsed and the input paths found: ``--help`` and a
 missing ``--hf`` / ``--ckpt`` answer at once."""
@@ -46,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "vocab.json); default: the one the checkpoint's data manifest names")
     to_hf.add_argument("--no-tokenizer", action="store_true",
                        help="write weights and config.json only (no tokenizer files, no generation_config.json)")
+    rehash = sub.add_parser("rehash", help="bring a checkpoint to this version's format: check its files against "
+                                           "checksums.json, hash those it lacks (a checkpoint from before "
+                                           "checksums), seal complete.json (also after editing it on purpose)")
+    rehash.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
+    rehash.add_argument("--trust-current-files", action="store_true",
+                        help="hash every file as it is now, checking nothing (a checkpoint that lost its "
+                             "checksums.json, whose files you know are intact)")
     return parser
 
 
@@ -93,6 +100,13 @@ def _run(args: argparse.Namespace) -> int:
             left = meta.get("hf_left_out") or []
             print(f"VLM parts {', '.join(meta['vlm_parts'])}; {len(left)} HF tensor(s) left out on purpose"
                   + (f" (e.g. {left[0]})" if left else ""))
+    elif args.command == "rehash":
+        from mmtrain.convert.checkpoint_io import resolve_checkpoint_folder
+        from mmtrain.utils.checkpoint_marker import reseal_checkpoint
+
+        report = reseal_checkpoint(resolve_checkpoint_folder(args.ckpt), args.trust_current_files)
+        print(f"sealed {report.folder}/complete.json: {len(report.checked)} file(s) matched checksums.json, "
+              f"{len(report.hashed)} hashed as they are now ({', '.join(report.hashed) or 'none'})")
     elif args.command == "compare":
         from mmtrain.convert.compare import compare
 

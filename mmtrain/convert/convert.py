@@ -14,6 +14,7 @@ from mmtrain.convert.checkpoint_io import (
     read_checkpoint_config,
     read_checkpoint_json,
     read_full_state,
+    refuse_existing_checkpoints,
     resolve_checkpoint_folder,
     write_weights_checkpoint,
 )
@@ -28,8 +29,10 @@ LORA_EXPORTS = ("merge", "adapter")
 
 def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
                   pipeline_layers: list[int] | None = None) -> Path:
-    """Convert a Hugging Face folder into a weights-only mmtrain checkpoint root ``out``; returns the step
-    folder. Tensors keep their stored dtype."""
+    """Convert a Hugging Face folder into a weights-only mmtrain checkpoint root ``out`` (new or empty: a root
+    holding checkpoints is refused); returns the step folder. Tensors keep their stored dtype. Every shape the
+    config implies is checked against the safetensors headers first (the adapters' ``state_from_hf``)."""
+    refuse_existing_checkpoints(out)
     hf_config = read_hf_config(hf_dir)
     if is_vlm_hf(hf_config):  # a CLIP/SigLIP tower, a Whisper model or a LLaVA
         return vlm_hf_to_mmtrain(hf_dir, out, tp, pp, pipeline_layers)[0]

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mmtrain.config.schema import OptimConfig
-from mmtrain.train.checkpoint import CheckpointError
+from mmtrain.train.checkpoint import CheckpointError, read_complete
 from mmtrain.train.lr import lr_at
 from mmtrain.utils.log import get_logger
 
@@ -139,7 +138,7 @@ def resolve_resume(found: Path | None, cfg, dp: int) -> LrSchedule:
     if found is None:
         return schedule
     log = get_logger("train")
-    meta = json.loads((Path(found) / "complete.json").read_text())
+    meta = read_complete(Path(found))
     if meta.get("weights_only"):
         return schedule
     saved_schedule, saved_order = _saved_records(meta)

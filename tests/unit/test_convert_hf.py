@@ -228,3 +228,44 @@ def test_mmtrain_model_without_hf_equivalent_is_refused(field, value):
 
     with pytest.raises(UnsupportedHFConfig, match=f"model.{field}"):
         hf_config_from_model_config(ModelConfig(**{field: value}))
+
+
+# ------------------------------------------------ configs that contradict their weights (issue #29 item 9)
+@pytest.mark.parametrize("change,message", [
+    ({"vocab_size": 10**12}, "config.json: vocab_size=1000000000000, but the weights hold 96: "
+                             "model.embed_tokens.weight has shape (96, 32)"),
+    ({"intermediate_size": 10**9}, "config.json: intermediate_size=1000000000, but the weights hold 48: "
+                                   "model.layers.0.mlp.gate_proj.weight has shape (48, 32)"),
+    ({"num_key_value_heads": 4}, "config.json: num_key_value_heads=4 (x head_dim 8 = 32), but the weights hold 2: "
+                                 "model.layers.0.self_attn.k_proj.weight has shape (16, 32)"),
+    ({"num_hidden_layers": 10**7}, "config.json: num_hidden_layers=10000000, but the weights hold 3 layers"),
+    ({"num_hidden_layers": -1}, "config.json: num_hidden_layers=-1 must be an integer >= 1"),
+    ({"hidden_size": "32"}, "config.json: hidden_size='32' must be an integer >= 1"),
+], ids=["vocab", "ffn", "kv_heads", "layers", "negative_layers", "string"])
+def test_a_config_that_contradicts_its_weights_is_one_line_and_writes_nothing(change, message, tmp_path, capsys):
+    _random_hf("llama", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    capsys.readouterr()
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m mmtrain.convert hf-to-mmtrain: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert not (tmp_path / "c").exists()
+
+
+def test_hf_to_mmtrain_refuses_an_out_that_holds_checkpoints(tmp_path, capsys):
+    _random_hf("llama", tmp_path / "hf")
+    run = tmp_path / "run" / "checkpoints"  # a training run's checkpoints: latest names step 40
+    (run / "step_00000040").mkdir(parents=True)
+    (run / "latest").write_text("step_00000040\n")
+    capsys.readouterr()  # drop save_pretrained's progress output
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {run}: already holds checkpoints (latest, step_00000040)" in err
+    assert (run / "latest").read_text() == "step_00000040\n" and sorted(p.name for p in run.iterdir()) == [
+        "latest", "step_00000040"]
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 0
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "empty")]) == 0

@@ -16,6 +16,7 @@ from dataprep.cli import main as prep_main  # noqa: E402
 from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
 from mmtrain.convert.hf_tokenizer import hf_tokenizer_files  # noqa: E402
 from mmtrain.core.tokenizer import load_tokenizer  # noqa: E402
+from mmtrain.utils.checkpoint_marker import reseal_checkpoint  # noqa: E402
 from tests.eval_helpers import train_sentencepiece, write_checkpoint_for  # noqa: E402
 from tests.unit.test_tokenizer import TRICKY_DOCS, build_gpt2_files, build_hf_bpe  # noqa: E402
 
@@ -80,6 +81,7 @@ def test_the_tokenizer_recorded_in_the_checkpoints_data_manifest_is_used(tmp_pat
     meta = json.loads(meta_path.read_text())
     meta["config"]["data"]["prefixes"] = [str(prefix)]
     meta_path.write_text(json.dumps(meta))
+    reseal_checkpoint(meta_path.parent)  # an edit on purpose: sealed again (rehash), else the export refuses it
     out = tmp_path / "hf"
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(ckpt), "--out", str(out)]) == 0
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
