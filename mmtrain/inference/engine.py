@@ -351,8 +351,21 @@ class DecodeEngine:
         done = []
         for s, tok in zip(seqs, tokens):
             if s.error is None:
-                try:
-                    self._take(s, tok)
+                try:  # inline, not a call per token: this loop is the decode step's host work
+                    if tok in s.params.stop_token_ids:
+                        s.finish_reason = "stop"
+                        changed = s._read < len(s.token_ids)  # text held back for an incomplete character comes out
+                    else:
+                        s.token_ids.append(tok)
+                        if len(s.token_ids) >= s.params.max_new_tokens:
+                            s.finish_reason = "length"
+                        changed = True
+                    if changed and s.decode is not None and (s.params.stop or s.on_token is not None):
+                        self._update_text(s)
+                    if s.on_token is not None:
+                        self._emit(s)
+                    if s.finished and s.decode is not None and not s.params.stop and s.on_token is None:
+                        s.text = s.decode(s.token_ids)
                 except Exception as exc:  # noqa: BLE001 - one sequence's failure must not end the others
                     s.error = f"{type(exc).__name__}: {exc}"
             if s.error is not None:
@@ -362,23 +375,6 @@ class DecodeEngine:
                 self._release(s)
                 done.append(s)
         return done
-
-    def _take(self, s: Sequence, tok: int) -> None:
-        """``tok`` for ``s``: its stops, its text, its callback."""
-        if tok in s.params.stop_token_ids:
-            s.finish_reason = "stop"
-            changed = s._read < len(s.token_ids)  # text held back for an incomplete character comes out
-        else:
-            s.token_ids.append(tok)
-            if len(s.token_ids) >= s.params.max_new_tokens:
-                s.finish_reason = "length"
-            changed = True
-        if changed and s.decode is not None and (s.params.stop or s.on_token is not None):
-            self._update_text(s)
-        if s.on_token is not None:
-            self._emit(s)
-        if s.finished and s.decode is not None and not s.params.stop and s.on_token is None:
-            s.text = s.decode(s.token_ids)
 
     @staticmethod
     def _update_text(s: Sequence) -> None:
@@ -424,7 +420,8 @@ def _decode_incrementally(s: Sequence) -> str:
 def generate(engine: DecodeEngine, prompts: Seq[list[int]], params: SamplingParams | Seq[SamplingParams],
              decode: Callable[[list[int]], str] | None = None) -> list[Sequence]:
     """Complete every prompt (token ids) with ``engine``; more prompts than slots wait for free ones. ``params``:
-    one for all or one per prompt. Returns the finished sequences in prompt order."""
+    one for all or one per prompt. Returns the finished sequences in prompt order (one that failed alone has
+    ``finish_reason`` "error" and its ``error``)."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     seqs = [Sequence(list(p), sp, decode=decode) for p, sp in zip(prompts, params)]

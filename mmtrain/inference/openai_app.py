@@ -183,6 +183,9 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
                 vocab = engine.engine.model.cfg.vocab_size
                 if any(not 0 <= t < vocab for t in req.prompt):
                     return _error(400, f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
+                if req.echo and max(req.prompt, default=0) > tokenizer.max_id:
+                    return _error(400, f"prompt: echo shows the prompt's text, and ids above {tokenizer.max_id} "
+                                       "have none in the tokenizer", "prompt")
                 ids, text = req.prompt, await asyncio.to_thread(tokenizer.decode, req.prompt) if req.echo else ""
             else:
                 ids, text = await asyncio.to_thread(api.encode_prompt, req.prompt), req.prompt

@@ -240,6 +240,7 @@ HOSTILE = [  # (body, path, status, a piece of the message)
      b'"q"]}', "/v1/completions", 400, "stop"),
     (b'{"prompt": [1, "a"]}', "/v1/completions", 400, "prompt.1: Input should be a valid integer"),
     (b'{"prompt": [' + b"1, " * 3000 + b"1]}", "/v1/completions", 400, "the prompt has 3001 tokens"),
+    (b'{"prompt": [5, 400], "echo": true}', "/v1/completions", 400, "ids above"),  # the tokenizer has no 400
     (b'{"prompt": "x", "model": "other"}', "/v1/completions", 404, "not served here"),
     (b'{"prompt": "x"}', "/v1/nowhere", 404, "no endpoint /v1/nowhere"),
 ]
