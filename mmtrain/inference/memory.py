@@ -18,9 +18,9 @@ def check_cache_fits(need: int, slots: int, max_len: int, device: torch.device) 
     than ``CACHE_SHARE`` of ``device``'s free memory (nothing is checked where the free memory is unknown)."""
     free = free_bytes(device)
     if free is not None and need > CACHE_SHARE * free:
-        raise CacheSizeError(f"a KV cache of {slots} slots x {max_len} positions needs {_gib(need)} "
-                             f"({need // (slots * max_len)} bytes a position), more than "
-                             f"{CACHE_SHARE:.0%} of the {_gib(free)} free on {device}")
+        raise CacheSizeError(f"a KV cache of {slots} slots x {max_len} positions needs {_size(need)} "
+                             f"({need // max(1, slots * max_len)} bytes a position), more than "
+                             f"{CACHE_SHARE:.0%} of the {_size(free)} free on {device}")
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -35,23 +35,28 @@ def free_bytes(device: torch.device) -> int | None:
 def _host_available() -> int | None:
     """The system's available memory (/proc/meminfo), lowered to what the memory cgroup's limit leaves (v2 or
     v1; reclaimable file pages count as free, as the kernel reclaims them before it kills)."""
-    available = None
-    meminfo = _read("/proc/meminfo")
-    for line in (meminfo or "").splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-    for folder, limit_name, usage_name, stat_key in (
+    meminfo = _fields(_read("/proc/meminfo"))
+    available = meminfo["MemAvailable:"] * 1024 if "MemAvailable:" in meminfo else None
+    for folder, limit_file, usage_file, reclaimable_key in (
             ("/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
             ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
-        limit, usage = _read_int(f"{folder}/{limit_name}"), _read_int(f"{folder}/{usage_name}")
-        if limit is None or usage is None or limit >= 1 << 60:  # "max", or v1's "no limit"
+        limit, usage = _read_int(f"{folder}/{limit_file}"), _read_int(f"{folder}/{usage_file}")
+        if limit is None or usage is None or limit >= 1 << 60:  # v2's "max", v1's "no limit" (about 2**63)
             continue
-        stat = dict(line.split()[:2] for line in (_read(f"{folder}/memory.stat") or "").splitlines()
-                    if len(line.split()) == 2)
-        reclaimable = int(stat.get(stat_key, 0)) if str(stat.get(stat_key, "0")).isdigit() else 0
+        reclaimable = _fields(_read(f"{folder}/memory.stat")).get(reclaimable_key, 0)
         left = max(0, limit - usage + reclaimable)
         available = left if available is None else min(available, left)
     return available
+
+
+def _fields(text: str | None) -> dict[str, int]:
+    """``name value ...`` lines (meminfo, memory.stat) as name -> the first number."""
+    fields = {}
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[1].isdigit():
+            fields[parts[0]] = int(parts[1])
+    return fields
 
 
 def _read(path: str) -> str | None:
@@ -67,5 +72,5 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # a sanity bound; the context length is the real one
 _TINY = torch.finfo(torch.float32).tiny  # the smallest temperature divided by (see filtered_probs)
+_SHIFT_BELOW = 1e-3  # temperatures below which the logits are shifted before dividing (fp32 could overflow)
 
 
 class SamplingError(ValueError):
@@ -70,12 +71,14 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (fp32) after temperature, top-k and top-p (the smallest set of most likely tokens whose
     mass reaches top_p; the most likely token always stays). Finite for every temperature > 0 and top_p in (0, 1]
-    the checks accept: the logits are shifted so the largest is 0 before the division (nothing overflows to
-    inf - inf), a temperature below fp32's smallest normal number divides as that number (the distribution is
-    the greedy one already), and the most likely token is never filtered out (a top_p below fp32's resolution
-    keeps it alone)."""
+    the checks accept: below ``_SHIFT_BELOW`` the logits are shifted so the largest is 0 before the division
+    (nothing overflows to inf - inf; softmax shifts them anyway, so larger temperatures skip the pass), a
+    temperature below fp32's smallest normal number divides as that number (the distribution is the greedy one
+    already), and the most likely token is never filtered out (a top_p below fp32's resolution keeps it alone)."""
     logits = logits_V.float()
-    logits = (logits - logits.max()) / max(params.temperature, _TINY)
+    if params.temperature < _SHIFT_BELOW:
+        logits = logits - logits.max()
+    logits = logits / max(params.temperature, _TINY)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -72,7 +72,8 @@ def test_a_cache_over_the_free_memory_is_refused_before_it_is_allocated(monkeypa
     per_position = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x kv heads x head dim x fp32
     monkeypatch.setattr(memory, "free_bytes", lambda device: 100 * per_position)
     DecodeEngine(model, 2, 45)  # 90 positions: within 90% of the free memory
-    with pytest.raises(CacheSizeError, match=r"2 slots x 46 positions needs 0.0 GiB \(512 bytes a position\)"):
+    with pytest.raises(CacheSizeError, match=r"2 slots x 46 positions needs 47104 bytes \(512 bytes a position\), "
+                                             r"more than 90% of the 51200 bytes free"):
         DecodeEngine(model, 2, 46)
     code = generate_main(["--ckpt", str(tiny_checkpoint(tmp_path / "ckpt", tiny_config())), "--tokenizer",
                           str(tiny_tokenizer(tmp_path / "tok")), "--prompt", "Hello", "--max-new-tokens", "200",
