@@ -87,7 +87,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def refused(request: Request, exc: HTTPException):
         if exc.status_code == 404:
             return error_response(404, f"no endpoint {request.url.path}: this server has POST /v1/completions, "
-                                       "POST /v1/chat/completions, GET /v1/models and GET /health")
+                                       "POST /v1/chat/completions (when the tokenizer has a chat template), "
+                                       "GET /v1/models and GET /health")
         if exc.status_code == 405:
             return error_response(405, f"{request.method} is not allowed on {request.url.path}",
                                   headers=exc.headers)
