@@ -1,7 +1,8 @@
 """Command line: ``python -m mmtrain.generate --ckpt CKPT --tokenizer TOK --prompt "..."``: complete prompts with
 a checkpoint's model (KV-cache decoding, ``mmtrain.inference``), on CPU or GPU, under torchrun tensor-parallel
-(every rank holds a TP shard; rank 0 prints). Exit codes: 0 done, 2 a bad argument, file or checkpoint (one line
-on stderr)."""
+(every rank holds a TP shard; rank 0 prints). Exit codes: 0 done, 1 a prompt failed (its row says why; the others
+are complete), 2 a bad argument, file or checkpoint, or a KV cache larger than the device's free memory (one line
+on stderr, before the cache is allocated)."""
 
 from __future__ import annotations
 
@@ -69,16 +70,29 @@ def main(argv: list[str] | None = None) -> int:
     from mmtrain.core.tokenizer import TokenizerError
     from mmtrain.inference.decoder import UnsupportedModelError
     from mmtrain.inference.engine import ContextLengthError
+    from mmtrain.inference.memory import CacheSizeError
     from mmtrain.inference.prompts import PromptError
     from mmtrain.inference.sampling import SamplingError
     from mmtrain.utils.dcp_storage import CheckpointFormatError
 
     try:
+        _sampling(args, 0, ()).check()  # before anything is loaded or allocated
         return _run(args)
+    except CacheSizeError as exc:
+        print(f"{PROG}: error: {exc}: lower --max-new-tokens or --batch-size", file=sys.stderr)
+        return 2
     except (ConvertError, TokenizerError, UnsupportedModelError, ContextLengthError, PromptError,
             SamplingError, CheckpointFormatError, FileNotFoundError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _sampling(args: argparse.Namespace, i: int, stops: tuple[int, ...]):
+    """Prompt ``i``'s sampling parameters."""
+    from mmtrain.inference.sampling import SamplingParams
+
+    return SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stops,
+                          tuple(args.stop))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -88,7 +102,6 @@ def _run(args: argparse.Namespace) -> int:
     from mmtrain.inference.engine import DecodeEngine, generate
     from mmtrain.inference.loading import DTYPES, load_checkpoint_model
     from mmtrain.inference.prompts import PromptError, completion_row, read_prompts_file
-    from mmtrain.inference.sampling import SamplingParams
     from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed
     from mmtrain.utils.atomic import atomic_write_text
 
@@ -108,8 +121,7 @@ def _run(args: argparse.Namespace) -> int:
             raise PromptError(f"prompt {too_big[0]} has token ids >= the model's vocab_size {vocab}: "
                              "is --tokenizer the one the model was trained with?")
         stops = () if args.no_eod_stop or tokenizer.eod_id is None else (tokenizer.eod_id,)
-        params = [SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i,
-                                 stops, tuple(args.stop)) for i in range(len(prompts))]
+        params = [_sampling(args, i, stops) for i in range(len(prompts))]
         longest = max(len(p) for p in ids) + args.max_new_tokens
         engine = DecodeEngine(model, min(args.batch_size, len(prompts)), longest, compile=args.compile)
         with torch.no_grad():
@@ -121,9 +133,12 @@ def _run(args: argparse.Namespace) -> int:
         if args.output:
             atomic_write_text(args.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         for r in rows:
-            print(json.dumps({"prompt": r["prompt"], "completion": r["completion"],
-                              "finish_reason": r["finish_reason"]}, ensure_ascii=False))
-    return 0
+            shown = {k: r[k] for k in ("prompt", "completion", "finish_reason", "error") if k in r}
+            print(json.dumps(shown, ensure_ascii=False))
+        for i, s in enumerate(seqs):
+            if s.error is not None:
+                print(f"{PROG}: error: prompt {i} failed: {s.error}", file=sys.stderr)
+    return 1 if any(s.error is not None for s in seqs) else 0
 
 
 if __name__ == "__main__":
