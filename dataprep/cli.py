@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from dataprep.errors import PrepError
+from mmtrain.core.chat_tokens import ChatTemplateError
 from mmtrain.core.tokenizer import TokenizerError
 
 # name -> (module, one-line help)
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
-    except (PrepError, TokenizerError) as exc:
+    except (PrepError, TokenizerError, ChatTemplateError) as exc:
         print(f"mmtrain-prep {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

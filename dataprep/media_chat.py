@@ -2,9 +2,10 @@
 one image slot per image and the loss mask on the assistant tokens (the text SFT rules of `mmtrain-prep sft`).
 
 The row's messages carry ``IMAGE_PLACEHOLDER`` where each image goes (`media_manifest` put it there). The
-conversation is rendered with the chat template exactly as text SFT renders it (`chat_template`: the
-tokenizer's own Jinja, ``chatml`` or ``llama3``), the assistant character spans come with it, and the text
-between placeholders is tokenized piece by piece with character offsets; each placeholder becomes one slot
+conversation is rendered with the chat template exactly as text SFT renders it (``mmtrain.core.chat_template``:
+the tokenizer's own Jinja, ``chatml`` or ``llama3``; message text is text, never control tokens, except the
+placeholders), the assistant character spans come with it (assistant messages of weight 0 carry no loss), and
+the text between placeholders is tokenized piece by piece with character offsets; each placeholder becomes one slot
 ``IMAGE_SLOT`` (-1) in the token list. Tokenizing the pieces apart is what a tokenizer does around an added
 special token (``transformers`` splits the text there too), so with the placeholder registered as a special
 token the ids equal ``apply_chat_template``'s with that token's id at the slots (the tests check it). The
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dataprep.chat_template import BUILTIN_SPECIAL_TOKENS, ChatRenderer, ChatTemplate, RenderError, load_chat_template
-from dataprep.errors import PrepError
 from dataprep.media_manifest import IMAGE_PLACEHOLDER, MediaRow
 from dataprep.sft_encode import loss_mask_from_spans
+from mmtrain.core.chat_template import ChatRenderer, ChatTemplate, check_template_tokens, load_chat_template
+from mmtrain.core.chat_tokens import ContentGuard, RenderError, encode_chats
 from mmtrain.core.tokenizer import load_tokenizer
 
 IMAGE_SLOT = -1  # an image's place in a chat sample's stored tokens
@@ -51,12 +52,10 @@ class ChatRowEncoder:
         self.tokenizer = load_tokenizer(options.tokenizer)
         self.tokenizer.encode_batch_with_offsets(["check"])  # a tokenizer without offsets fails here, with its fix
         self.template: ChatTemplate = load_chat_template(options.template, options.tokenizer)
-        missing = [t for t in BUILTIN_SPECIAL_TOKENS.get(options.template, ()) if self.tokenizer.token_id(t) is None]
-        if missing:
-            raise PrepError(f"--chat-template {options.template}: tokenizer {options.tokenizer} lacks the template's "
-                            f"special token(s) {', '.join(missing)}; use the tokenizer's own template or one whose "
-                            "tokens it has")
-        self.renderer = ChatRenderer(self.template)
+        check_template_tokens(self.template, self.tokenizer, options.tokenizer)
+        # the placeholders are ours (a text part holding one is refused), the rest of a message is text
+        self.guard = ContentGuard(self.tokenizer.control_tokens(), keep=(IMAGE_PLACEHOLDER,))
+        self.renderer = ChatRenderer(self.template, self.guard)
         self.tokenizer_sha256 = self.tokenizer.checksum()
 
     def describe(self) -> dict:
@@ -67,8 +66,8 @@ class ChatRowEncoder:
     def encode(self, row: MediaRow) -> dict:
         """``{"tokens": [...], "loss_mask": [...], "tokenizer_sha256": ...}`` (equal lengths; ``IMAGE_SLOT`` with
         mask 0 per image, in order; the loader checks the run's tokenizer against the hash), or ChatRowError."""
-        messages = [dict(m) for m in row.conversation]
-        trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        messages = [{"role": m["role"], "content": m["content"]} for m in row.conversation]
+        trained = [i for i, m in enumerate(row.conversation) if m["role"] == "assistant" and m.get("weight", 1) != 0]
         try:
             text, spans = self.renderer.render(messages, trained)
         except RenderError as exc:
@@ -78,7 +77,7 @@ class ChatRowEncoder:
             raise ChatRowError("template_error", f"the chat template rendered {len(pieces) - 1} {IMAGE_PLACEHOLDER!r} "
                                f"placeholder(s) for {len(row.images)} image(s); it must keep each message's text")
         try:
-            encoded = self.tokenizer.encode_batch_with_offsets(pieces)
+            encoded = encode_chats(self.tokenizer, pieces, self.guard)
         except Exception as exc:  # noqa: BLE001 - one refused record is a reject, not the end of the run
             raise ChatRowError("tokenizer_error", f"tokenizer refused the record: {type(exc).__name__}: {exc}"[:300]) \
                 from None

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from dataprep.sft_records import message_weight
+
 IMAGE_EXTS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "gif": "GIF", "bmp": "BMP",
               "tif": "TIFF", "tiff": "TIFF"}
 AUDIO_EXTS = {"wav", "flac", "ogg", "oga", "opus", "mp3", "m4a"}
@@ -313,10 +315,14 @@ def _chat_record(obj: dict, base: Path, source: str, line: int, record: str, all
         if count and role != "user":
             raise _RowError("bad_field", f"{where}: an image in a {role} message; images go in user turns (the "
                             "model reads them, it does not write them)")
-        messages.append({"role": role, "content": text})
+        problem = message_weight(turn, role, where)
+        if problem is not None:
+            raise _RowError("bad_field", problem)
+        # weight 0 (OpenAI's fine-tuning format): the message is context, never trained (media_chat)
+        messages.append({"role": role, "content": text, **({"weight": 0} if turn.get("weight") == 0 else {})})
         rel_paths += paths
-    if not any(m["role"] == "assistant" for m in messages):
-        raise _RowError("no_text", f"{key!r} has no assistant message to train on")
+    if not any(m["role"] == "assistant" and m.get("weight", 1) != 0 for m in messages):
+        raise _RowError("no_text", f"{key!r} has no assistant message to train on (weight 0 ones are not trained)")
     if key == "conversations":
         listed = obj.get("image", obj.get("images"))
         listed = [] if listed in (None, "") else [listed] if isinstance(listed, str) else listed

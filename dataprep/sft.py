@@ -16,13 +16,13 @@ import time
 
 import numpy as np
 
-from dataprep.chat_template import BUILTIN_SPECIAL_TOKENS, BUILTIN_TEMPLATES, load_chat_template
 from dataprep.errors import PrepError
 from dataprep.sft_encode import MASK_DTYPE, ChatBlockEncoder, ChatEncodeOptions, mask_key, output_keys
 from dataprep.text import (_check_writable, available_cpus, describe_inputs, input_fields, run_fields,
                            write_indexed_outputs)
 from dataprep.text_input import find_inputs
 from dataprep.text_output import output_paths, print_summary, write_manifest
+from mmtrain.core.chat_template import BUILTIN_TEMPLATES, check_template_tokens, load_chat_template
 from mmtrain.core.indexed import token_dtype_for
 from mmtrain.core.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default="tokenizer", metavar="NAME",
                    help=f"'tokenizer' (its own Jinja template, default), a built-in ({', '.join(BUILTIN_TEMPLATES)}), "
                         "a .jinja file, or 'none' (prompt+completion records as plain text)")
+    p.add_argument("--parse-special-in-content", action="store_true",
+                   help="let message text hold the tokenizer's control tokens (a message's '<|im_start|>' becomes "
+                        "that token, i.e. template structure); default: message text is plain text")
     p.add_argument("--preference", action="store_true",
                    help="preference pairs (prompt, chosen, rejected) for DPO instead of SFT conversations")
     p.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
@@ -62,14 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of rejecting it")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar (default: only on a terminal)")
-
-
-def _check_template_tokens(name: str, tokenizer, source: str) -> None:
-    missing = [t for t in BUILTIN_SPECIAL_TOKENS.get(name, ()) if tokenizer.token_id(t) is None]
-    if missing:
-        raise PrepError(f"--chat-template {name}: tokenizer {source} lacks the template's special token(s) "
-                        f"{', '.join(missing)}; use the tokenizer's own template (--chat-template tokenizer) or "
-                        "one whose tokens it has")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,14 +89,16 @@ def run(args: argparse.Namespace) -> int:
         raise PrepError(f"--append-eod: tokenizer {args.tokenizer} defines no end-of-sequence token; "
                         "name one with --eod-token")
     template = None if args.chat_template == "none" else load_chat_template(args.chat_template, args.tokenizer)
-    _check_template_tokens(args.chat_template, tokenizer, args.tokenizer)
+    if template is not None:
+        check_template_tokens(template, tokenizer, args.tokenizer)
     dtype = token_dtype_for(tokenizer.max_id)
     cpus = available_cpus()
     workers = cpus if args.workers is None else args.workers
     threads = args.threads_per_worker or max(1, cpus // max(workers, 1))
     options = ChatEncodeOptions(str(args.tokenizer), tokenizer.type, template, args.preference, args.loss_on,
                                 args.max_length, args.append_eod, tokenizer.eod_id, dtype.name, threads,
-                                str(tokenizer.merges_path) if tokenizer.type == "gpt2-bpe" else None)
+                                str(tokenizer.merges_path) if tokenizer.type == "gpt2-bpe" else None,
+                                args.parse_special_in_content)
     outputs_spec = {k: (p, np.dtype(MASK_DTYPE) if k.endswith("loss_mask") else dtype) for k, p in prefixes.items()}
     state, writers, rejects_file = write_indexed_outputs(args, prefix, files, outputs_spec, options, workers,
                                                          tokenizer, ChatBlockEncoder, "prep sft")
@@ -120,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         "chat_template": template.describe() if template is not None else None,
         "kind": "preference" if args.preference else "sft",
         "loss_on": args.loss_on,
+        "parse_special_in_content": args.parse_special_in_content,
         "max_length": args.max_length,
         "append_eod": args.append_eod,
         "eod_id": tokenizer.eod_id,
@@ -134,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
                    f"{loss_tokens[k]:,} loss tokens in {prefixes[mask_key(k)]})" for k in token_keys]
                   + [f"{prefix}.manifest.json"], rejects_file,
                   inputs=describe_inputs(files, skipped))
+    for line in state.warning_lines("mmtrain-prep sft"):
+        print(line, file=sys.stderr)
     return 0
 
 

@@ -1,10 +1,11 @@
 """Worker side of `mmtrain-prep sft`: one block of JSONL lines -> token arrays, loss masks, rejects, counts.
 
 Per record: parse (``sft_records``), render with the chat template and find the trained assistant messages'
-character spans (``chat_template``); then the whole block is tokenized in one batch call with character
-offsets, and a token carries the loss when its characters overlap a span -- the rule ``transformers`` applies
-to ``return_assistant_tokens_mask``, on the same text and tokenizer. Tokens of a record and its mask have the
-same length and land in parallel outputs (``tokens`` + ``loss_mask``; for preference data
+character spans (``mmtrain.core.chat_template``); then the whole block is tokenized in one batch call with
+character offsets (``mmtrain.core.chat_tokens``: message text never becomes control tokens unless
+``--parse-special-in-content``), and a token carries the loss when its characters overlap a span -- the rule
+``transformers`` applies to ``return_assistant_tokens_mask``, on the same text and tokenizer. Tokens of a record
+and its mask have the same length and land in parallel outputs (``tokens`` + ``loss_mask``; for preference data
 ``chosen``/``rejected`` and their masks), so document ``i`` of each output belongs to record ``i``.
 """
 
@@ -16,13 +17,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataprep.chat_template import ChatRenderer, ChatTemplate, RenderError
 from dataprep.sft_records import Conversation, RecordError, preference_pair, sft_conversation
 from dataprep.text_encode import EncodedBlock, Reject, excerpt
 from dataprep.text_input import Block, split_lines
+from mmtrain.core.chat_template import ChatRenderer, ChatTemplate
+from mmtrain.core.chat_tokens import ContentGuard, RenderError, encode_chats, private_char
 from mmtrain.core.tokenizer import Tokenizer, load_tokenizer
 
 MASK_DTYPE = "uint8"
+IDENTICAL_PAIR = ("chosen and rejected are the same tokens: a zero-gradient pair, DPO learns nothing from it "
+                  "(it is written; fix or drop the record)")
 
 
 def output_keys(preference: bool) -> tuple[str, ...]:
@@ -48,6 +52,7 @@ class ChatEncodeOptions:
     dtype: str
     threads: int = 1
     merge_file: str | None = None
+    parse_special_in_content: bool = False  # message text may hold control tokens (off: it is plain text)
 
 
 @dataclass
@@ -79,7 +84,8 @@ class ChatBlockEncoder:
         self.tokenizer = tokenizer or load_tokenizer(options.tokenizer, options.tokenizer_type,
                                                      merge_file=options.merge_file)
         self.tokenizer.set_threads(options.threads)
-        self.renderer = ChatRenderer(options.template) if options.template is not None else None
+        self.guard = None if options.parse_special_in_content else ContentGuard(self.tokenizer.control_tokens())
+        self.renderer = ChatRenderer(options.template, self.guard) if options.template is not None else None
         self.dtype = np.dtype(options.dtype)
         self.keys = output_keys(options.preference)
 
@@ -89,7 +95,14 @@ class ChatBlockEncoder:
                 raise RecordError("needs_template", "--chat-template none takes only prompt/completion strings; "
                                                     "conversations need a chat template")
             prompt, completion = conv.messages[0]["content"], conv.messages[1]["content"]
-            return prompt + completion, [(len(prompt), len(prompt) + len(completion))]
+            text = prompt + completion
+            if self.guard is not None:  # plain text too: a prompt's '<|im_start|>' is not that token
+                bad = private_char(text)
+                if bad is not None:
+                    raise RecordError("template_error", f"the record holds the Unicode noncharacter "
+                                                        f"U+{ord(bad):04X}; remove it")
+                text = self.guard.guard(prompt) + self.guard.guard(completion)
+            return text, [(len(prompt), len(prompt) + len(completion))]
         try:
             return self.renderer.render(conv.messages, conv.trained)
         except RenderError as exc:
@@ -122,12 +135,12 @@ class ChatBlockEncoder:
 
     def _tokenize(self, texts: list[str]) -> list:
         try:
-            return self.tokenizer.encode_batch_with_offsets(texts)
+            return encode_chats(self.tokenizer, texts, self.guard)
         except Exception:  # noqa: BLE001 - one by one below, so only the refused record is rejected
             out = []
             for t in texts:
                 try:
-                    out.append(self.tokenizer.encode_batch_with_offsets([t])[0])
+                    out.append(encode_chats(self.tokenizer, [t], self.guard)[0])
                 except Exception as exc:  # noqa: BLE001
                     out.append(RecordError("tokenizer_error", f"tokenizer refused the record: "
                                                               f"{type(exc).__name__}: {exc}"[:300]))
@@ -157,6 +170,9 @@ class ChatBlockEncoder:
             except RecordError as exc:
                 out.rejects.append(Reject(block.first_line + where[j], str(exc), excerpt(lines[where[j]]), exc.code))
                 continue
+            if per_record == 2 and all(np.array_equal(a, b) for a, b in zip(*arrays)):
+                out.warnings.append(Reject(block.first_line + where[j], IDENTICAL_PAIR, excerpt(lines[where[j]]),
+                                           "identical_pair"))
             token_keys = self.keys[:per_record]
             for key, (tokens, mask) in zip(token_keys, arrays):
                 ids[key].append(tokens)

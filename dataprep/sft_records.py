@@ -11,11 +11,13 @@ Accepted shapes (detected per record, so one file may mix them):
   conversations, whose shared leading messages are the prompt.
 
 A :class:`Conversation` carries the messages and which assistant messages are trained (carry the loss): every
-assistant message for SFT; for preference data only those of the chosen/rejected answer, never the prompt's.
+assistant message for SFT; for preference data only those of the chosen/rejected answer, never the prompt's. An
+assistant message with ``"weight": 0`` (OpenAI's fine-tuning format; ``1`` is the default) is never trained.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 ROLES = ("system", "user", "assistant")
@@ -42,8 +44,21 @@ def _kind(value) -> str:
             bool: "a boolean", type(None): "null"}.get(type(value), type(value).__name__)
 
 
+def message_weight(m: dict, role: str, where: str) -> str | None:
+    """What is wrong with message ``m``'s ``weight`` (None: nothing; absent is 1). Shared with the media chat rows."""
+    if "weight" not in m:
+        return None
+    weight = m["weight"]
+    if isinstance(weight, bool) or weight not in (0, 1):
+        return f"{where}.weight is {json.dumps(weight)[:40]}; weight is 0 (no loss on this message) or 1"
+    if role != "assistant":
+        return f"{where}.weight is set on a {role} message; only assistant messages carry a weight"
+    return None
+
+
 def _messages(value, key: str) -> list[dict]:
-    """A message list in OpenAI or ShareGPT shape -> [{"role", "content"}]."""
+    """A message list in OpenAI or ShareGPT shape -> [{"role", "content"}], plus ``"weight": 0`` on an assistant
+    message that must not be trained (``_conversation`` takes it off)."""
     if not isinstance(value, list):
         raise RecordError("bad_messages", f"key {key!r} holds {_kind(value)}, not a list of messages")
     if not value:
@@ -68,7 +83,10 @@ def _messages(value, key: str) -> list[dict]:
         if not isinstance(content, str):
             hint = "; images and audio go through mmtrain-prep media" if isinstance(content, list) else ""
             raise RecordError("not_a_string", f"{where}.{content_key} holds {_kind(content)}, not a string{hint}")
-        out.append({"role": role, "content": content})
+        problem = message_weight(m, role, where)
+        if problem is not None:
+            raise RecordError("bad_weight", problem)
+        out.append({"role": role, "content": content, **({"weight": 0} if m.get("weight") == 0 else {})})
     return out
 
 
@@ -79,13 +97,18 @@ def _string_or_messages(obj: dict, key: str, role: str) -> list[dict]:
     return _messages(value, key)
 
 
-def _assistant_indices(messages: list[dict], start: int = 0) -> list[int]:
-    return [i for i in range(start, len(messages)) if messages[i]["role"] == "assistant"]
+def _conversation(messages: list[dict], start: int = 0, prompt_completion: bool = False) -> Conversation:
+    """The conversation training the assistant messages from ``start`` on, except those of weight 0."""
+    trained = [i for i in range(start, len(messages))
+               if messages[i]["role"] == "assistant" and messages[i].get("weight", 1) != 0]
+    return Conversation([{"role": m["role"], "content": m["content"]} for m in messages], trained,
+                        prompt_completion)
 
 
 def _require_trained(conv: Conversation, key: str) -> Conversation:
     if not conv.trained:
-        raise RecordError("no_assistant_turn", f"{key} has no assistant message to train on")
+        raise RecordError("no_assistant_turn", f"{key} has no assistant message to train on (weight 0 ones "
+                                               "are not trained)")
     return conv
 
 
@@ -93,11 +116,9 @@ def sft_conversation(obj) -> Conversation:
     if not isinstance(obj, dict):
         raise RecordError("not_an_object", f"the line is {_kind(obj)}, not a JSON object")
     if "messages" in obj:
-        messages = _messages(obj["messages"], "messages")
-        return _require_trained(Conversation(messages, _assistant_indices(messages)), "'messages'")
+        return _require_trained(_conversation(_messages(obj["messages"], "messages")), "'messages'")
     if "conversations" in obj:
-        messages = _messages(obj["conversations"], "conversations")
-        return _require_trained(Conversation(messages, _assistant_indices(messages)), "'conversations'")
+        return _require_trained(_conversation(_messages(obj["conversations"], "conversations")), "'conversations'")
     if "prompt" in obj and "completion" in obj:
         for key in ("prompt", "completion"):
             if not isinstance(obj[key], str):
@@ -123,9 +144,8 @@ def preference_pair(obj) -> tuple[Conversation, Conversation]:
         pair = []
         for key in ("chosen", "rejected"):
             answer = _string_or_messages(obj, key, "assistant")
-            messages = prompt + answer
-            pair.append(_require_trained(Conversation(messages, _assistant_indices(messages, len(prompt)),
-                                                      isinstance(obj["prompt"], str) and len(answer) == 1),
+            pair.append(_require_trained(_conversation(prompt + answer, len(prompt),
+                                                       isinstance(obj["prompt"], str) and len(answer) == 1),
                                          f"{key!r}"))
         return pair[0], pair[1]
     chosen, rejected = _messages(obj["chosen"], "chosen"), _messages(obj["rejected"], "rejected")
@@ -135,6 +155,5 @@ def preference_pair(obj) -> tuple[Conversation, Conversation]:
     if shared == 0:
         raise RecordError("no_shared_prompt", "'chosen' and 'rejected' share no leading message (the prompt); "
                                               "give the prompt as 'prompt'")
-    return (_require_trained(Conversation(chosen, _assistant_indices(chosen, shared)), "'chosen' after the prompt"),
-            _require_trained(Conversation(rejected, _assistant_indices(rejected, shared)),
-                             "'rejected' after the prompt"))
+    return (_require_trained(_conversation(chosen, shared), "'chosen' after the prompt"),
+            _require_trained(_conversation(rejected, shared), "'rejected' after the prompt"))

@@ -92,10 +92,12 @@ class _Run:
         self.read = self.written = self.empty = self.rejected = self.blank = 0
         self.tokens = self.text_bytes = 0
         self.blocks = 0
+        self.warnings: collections.Counter = collections.Counter()  # code -> written records warned about
+        self.first_warning: dict[str, str] = {}  # code -> "FILE:LINE: reason" of its first record
         self.start = time.monotonic()
 
     def _reject(self, file_index: int, line: int, reason: str, excerpt: str, code: str,
-                row_group: int | None = None) -> None:
+                row_group: int | None = None, rows: int = 1) -> None:
         entry = self.files[file_index]
         path = str(entry.path)
         if entry.kind == "jsonl":
@@ -106,18 +108,21 @@ class _Run:
         if self.args.strict:
             raise PrepError(f"{named}: {reason} (--strict stops at the first bad record; "
                             "drop --strict to collect them in PREFIX.rejects.jsonl)")
-        self.rejects.add(path, where, reason, excerpt, code)
-        self.rejected += 1
+        self.rejects.add(path, where, reason, excerpt, code, rows)
+        self.rejected += rows
 
     def consume(self, item: EncodedBlock | Truncated) -> None:
         if isinstance(item, Truncated):
-            self.read += 1
-            self.files[item.file_index].records += 1
-            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial), "truncated_file",
-                         item.row_group)
+            self.read += item.rows
+            self.files[item.file_index].records += item.rows
+            self._reject(item.file_index, item.line, item.reason, excerpt(item.partial), item.code,
+                         item.row_group, item.rows)
             return
         for r in item.rejects:
             self._reject(item.file_index, r.line, r.reason, r.excerpt, r.code, item.row_group)
+        for w in item.warnings:
+            self.warnings[w.code] += 1
+            self.first_warning.setdefault(w.code, f"{self.files[item.file_index].path}:{w.line}: {w.reason}")
         for key, writer in self.writers.items():
             writer.add(item.tokens[key], item.lengths[key])
         self.read += item.records
@@ -133,6 +138,11 @@ class _Run:
         s = max(time.monotonic() - self.start, 1e-9)
         return (f"{human_rate(self.read, s, ' docs')}, {human_rate(self.text_bytes, s, 'B')}, "
                 f"{human_rate(self.tokens, s, ' tok')}")
+
+    def warning_lines(self, title: str) -> list[str]:
+        """One line per warning code: how many written records, and the first one."""
+        return [f"{title}: warning: {n:,} {code} record(s), e.g. {self.first_warning[code]}"
+                for code, n in sorted(self.warnings.items())]
 
     def counts(self) -> dict:
         return {"read": self.read, "written": self.written, "empty": self.empty, "rejected": self.rejected,
@@ -310,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_fields(state: _Run, rejects_file, workers: int, threads: int, elapsed: float) -> dict:
     """The manifest fields every prep run of indexed outputs records about itself (`text` and `sft`)."""
-    return {"rejects_by_code": dict(sorted(state.rejects.codes.items())), "tokens": state.tokens,
+    return {"rejects_by_code": dict(sorted(state.rejects.codes.items())),
+            "warnings_by_code": dict(sorted(state.warnings.items())), "tokens": state.tokens,
             "bytes": state.text_bytes, "rejects_file": rejects_file.name if rejects_file else None,
             "workers": workers, "threads_per_worker": threads, "elapsed_s": round(elapsed, 3)}
 

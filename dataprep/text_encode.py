@@ -60,6 +60,7 @@ class EncodedBlock:
     blank: int = 0
     empty: int = 0
     rejects: list[Reject] = field(default_factory=list)
+    warnings: list[Reject] = field(default_factory=list)  # written records worth a look (sft: identical_pair)
     tokens: dict[str, np.ndarray] = field(default_factory=dict)
     lengths: dict[str, np.ndarray] = field(default_factory=dict)
 

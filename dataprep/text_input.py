@@ -50,13 +50,16 @@ class Block:
 @dataclass
 class Truncated:
     """The file could not be read past ``line`` (a table: 0-based ``line`` = row, in ``row_group``); ``partial``
-    holds the bytes of the cut line, if any."""
+    holds the bytes of the cut line, if any. ``rows``: the records this stands for -- 1 where reading stopped
+    (how many more the file held is unknown), a corrupt Parquet row group's lost rows where reading went on."""
 
     file_index: int
     line: int
     reason: str
     partial: bytes = field(default=b"")
     row_group: int | None = None
+    rows: int = 1
+    code: str = "truncated_file"  # the rejects log's code
 
 
 def _is_input(name: str) -> bool:
@@ -272,9 +275,10 @@ def _table_blocks(index: int, entry: InputFile, keys, block_bytes: int, on_progr
             reported = done
 
     for item in table_blocks(entry.path, entry.kind, index, keys, block_bytes, on_rows):
-        if isinstance(item, TableFailure):
-            yield Truncated(index, item.row, item.reason, b"", item.row_group)
-            break
+        if isinstance(item, TableFailure):  # after a final one (rows None) table_blocks yields nothing more
+            yield (Truncated(index, item.row, item.reason, b"", item.row_group) if item.rows is None else
+                   Truncated(index, item.row, item.reason, b"", item.row_group, item.rows, "corrupt_row_group"))
+            continue
         entry.bytes_read += item.text_bytes
         yield item
     entry.sha256 = _sha256_of(entry.path)  # a second read: Parquet is read by row group, not front to back

@@ -85,12 +85,17 @@ class RejectLog:
         self.count = 0
         self.codes: collections.Counter = collections.Counter()
 
-    def add(self, file: str, line: int | dict, reason: str, excerpt: str, code: str = "bad_record") -> None:
-        """``line``: a JSONL line number, or the location fields of a table row ({"row_group": 2, "row": 7})."""
+    def add(self, file: str, line: int | dict, reason: str, excerpt: str, code: str = "bad_record",
+            rows: int = 1) -> None:
+        """``line``: a JSONL line number, or the location fields of a table row ({"row_group": 2, "row": 7}).
+        ``rows`` > 1: one record for that many consecutive rows from there (a corrupt Parquet row group's),
+        written with a ``rows`` field and counted as that many rejects."""
         where = line if isinstance(line, dict) else {"line": line}
+        if rows != 1:
+            where = {**where, "rows": rows}
         self._f.write(jsonl_line({"file": file, **where, "code": code, "reason": reason, "excerpt": excerpt}))
-        self.count += 1
-        self.codes[code] += 1
+        self.count += rows
+        self.codes[code] += rows
 
     def summary(self) -> str:
         """'120 rejected (missing_key: 100, not_a_string: 20)'."""

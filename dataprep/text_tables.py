@@ -162,11 +162,14 @@ def _grouped(batches: Iterator, keys, block_bytes: int) -> Iterator[list]:
 
 @dataclass
 class TableFailure:
-    """The file could not be read from ``row`` on (cut short, corrupt, not a Parquet/Arrow file)."""
+    """Rows from ``row`` on that could not be read. ``rows`` is None when the file could not be read from there on
+    (cut short, corrupt, not a Parquet/Arrow file: reading stops); else the number of rows lost -- the rest of a
+    corrupt Parquet row group, whose count the footer gives -- and reading goes on with the next row group."""
 
     row: int
     row_group: int | None
     reason: str
+    rows: int | None = None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -190,6 +193,7 @@ def _parquet_blocks(path: Path, index: int, keys, block_bytes: int, on_rows) -> 
         rg = meta.row_group(g)
         if rg.num_rows == 0:
             continue
+        group_start = row
         size = sum(rg.column(c).total_uncompressed_size for c in range(rg.num_columns)
                    if rg.column(c).path_in_schema.split(".")[0] in present)
         per_row = max(size / rg.num_rows, 1.0)
@@ -209,9 +213,14 @@ def _parquet_blocks(path: Path, index: int, keys, block_bytes: int, on_rows) -> 
                     row += n
                     on_rows(row)
         except errors as exc:
-            yield TableFailure(row, g, f"file cut short or corrupt ({_first_line(exc)}); nothing from row "
-                                       f"group {g}, row {row} on could be read")
-            return
+            # Row groups are independent and the footer (read above) gives each one's row count: count the rest
+            # of this one as lost and go on with the next, so the file's rows are all accounted for.
+            lost = max(group_start + rg.num_rows - row, 1)
+            yield TableFailure(row, g, f"row group {g} is corrupt ({_first_line(exc)}): its rows {row} to "
+                                       f"{row + lost - 1} ({lost:,}) could not be read; reading went on with the "
+                                       "next row group", rows=lost)
+            row += lost
+            on_rows(row)
 
 
 def _arrow_blocks(path: Path, index: int, keys, block_bytes: int, on_rows) -> Iterator[TableBlock | TableFailure]:
@@ -270,7 +279,8 @@ def preload() -> None:
 
 def table_blocks(path: Path, kind: str, index: int, keys, block_bytes: int,
                  on_rows=lambda rows: None) -> Iterator[TableBlock | TableFailure]:
-    """Blocks of one Parquet or Arrow file in row order, then at most one TableFailure (reading stops there).
+    """Blocks of one Parquet or Arrow file in row order, with a TableFailure for each corrupt Parquet row group
+    (``rows`` lost, reading goes on) and at most one final TableFailure (``rows`` None: reading stops there).
     ``on_rows(rows_done)`` follows the progress through the file."""
     preload()
     blocks = _parquet_blocks if kind == "parquet" else _arrow_blocks

@@ -25,12 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from dataprep.chat_template import BUILTIN_SPECIAL_TOKENS, BUILTIN_TEMPLATES, compile_template
 from dataprep.errors import PrepError
 from dataprep.text_encode import EncodedBlock, parse_records
 from dataprep.text_input import Truncated, expand_inputs, split_lines, stream_inputs
 from dataprep.text_tables import TableBlock, describe_row, table_texts
 from dataprep.text_output import write_manifest
+from mmtrain.core.chat_template import BUILTIN_SPECIAL_TOKENS, BUILTIN_TEMPLATES, compile_template
 from mmtrain.core.tokenizer import file_sha256
 from mmtrain.utils.atomic import atomic_write_text, fsync_dir
 
@@ -83,7 +83,7 @@ def _sample(args) -> tuple[list[str], dict, list, list[str]]:
 
     for item in stream_inputs(files, keys):
         if isinstance(item, Truncated):
-            counts["bad"] += 1
+            counts["bad"] += item.rows
             examples.append(f"{where(item.file_index, item.line, item.row_group)}: {item.reason}")
             continue
         if isinstance(item, TableBlock):

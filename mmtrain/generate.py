@@ -1,7 +1,8 @@
 """Command line: ``python -m mmtrain.generate --ckpt CKPT --tokenizer TOK --prompt "..."``: complete prompts with
 a checkpoint's model (KV-cache decoding, ``mmtrain.inference``), on CPU or GPU, under torchrun tensor-parallel
-(every rank holds a TP shard; rank 0 prints). Exit codes: 0 done, 2 a bad argument, file or checkpoint (one line
-on stderr)."""
+(every rank holds a TP shard; rank 0 prints). Exit codes: 0 done, 1 a prompt failed (its row says why; the others
+are complete), 2 a bad argument, file or checkpoint, or a KV cache larger than the device's free memory (one line
+on stderr, before the cache is allocated)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (KV-cache slots)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    ap.add_argument("--allow-other-tokenizer", action="store_true",
+                    help="use a --tokenizer that is not the one the checkpoint names (refused by default)")
     return ap
+
+
+def _check_tokenizer(args: argparse.Namespace, tokenizer) -> None:
+    """A ``--tokenizer`` that is not the one the checkpoint's model was trained with (``mmtrain.core.
+    tokenizer_record``) is a ``TokenizerError``, unless ``--allow-other-tokenizer``: equal vocabulary sizes hide it."""
+    from mmtrain.convert.checkpoint_io import read_checkpoint_config
+    from mmtrain.core.manifest import ManifestError
+    from mmtrain.core.tokenizer import TokenizerError
+    from mmtrain.core.tokenizer_record import describe_record, tokenizer_mismatch
+
+    if args.allow_other_tokenizer:
+        return
+    given = tokenizer.describe()
+    try:
+        found = tokenizer_mismatch(read_checkpoint_config(args.ckpt)[1], given)
+    except ManifestError as exc:
+        raise TokenizerError(str(exc)) from None
+    if found is not None:
+        raise TokenizerError(f"--tokenizer {args.tokenizer} is {describe_record(given)}, but "
+                             f"{args.ckpt}'s model was trained with {describe_record(found[0])} (from its {found[1]}); "
+                             "pass that tokenizer, or --allow-other-tokenizer if this is intended")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,16 +70,29 @@ def main(argv: list[str] | None = None) -> int:
     from mmtrain.core.tokenizer import TokenizerError
     from mmtrain.inference.decoder import UnsupportedModelError
     from mmtrain.inference.engine import ContextLengthError
+    from mmtrain.inference.memory import CacheSizeError
     from mmtrain.inference.prompts import PromptError
     from mmtrain.inference.sampling import SamplingError
     from mmtrain.utils.dcp_storage import CheckpointFormatError
 
     try:
+        _sampling(args, 0, ()).check()  # before anything is loaded or allocated
         return _run(args)
+    except CacheSizeError as exc:
+        print(f"{PROG}: error: {exc}: lower --max-new-tokens or --batch-size", file=sys.stderr)
+        return 2
     except (ConvertError, TokenizerError, UnsupportedModelError, ContextLengthError, PromptError,
             SamplingError, CheckpointFormatError, FileNotFoundError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _sampling(args: argparse.Namespace, i: int, stops: tuple[int, ...]):
+    """Prompt ``i``'s sampling parameters."""
+    from mmtrain.inference.sampling import SamplingParams
+
+    return SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i, stops,
+                          tuple(args.stop))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -65,11 +102,11 @@ def _run(args: argparse.Namespace) -> int:
     from mmtrain.inference.engine import DecodeEngine, generate
     from mmtrain.inference.loading import DTYPES, load_checkpoint_model
     from mmtrain.inference.prompts import PromptError, completion_row, read_prompts_file
-    from mmtrain.inference.sampling import SamplingParams
     from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed
     from mmtrain.utils.atomic import atomic_write_text
 
     tokenizer = load_tokenizer(args.tokenizer)  # before any process group: a bad path is one line
+    _check_tokenizer(args, tokenizer)
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     device = pick_device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -84,8 +121,7 @@ def _run(args: argparse.Namespace) -> int:
             raise PromptError(f"prompt {too_big[0]} has token ids >= the model's vocab_size {vocab}: "
                              "is --tokenizer the one the model was trained with?")
         stops = () if args.no_eod_stop or tokenizer.eod_id is None else (tokenizer.eod_id,)
-        params = [SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed + i,
-                                 stops, tuple(args.stop)) for i in range(len(prompts))]
+        params = [_sampling(args, i, stops) for i in range(len(prompts))]
         longest = max(len(p) for p in ids) + args.max_new_tokens
         engine = DecodeEngine(model, min(args.batch_size, len(prompts)), longest, compile=args.compile)
         with torch.no_grad():
@@ -97,9 +133,12 @@ def _run(args: argparse.Namespace) -> int:
         if args.output:
             atomic_write_text(args.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         for r in rows:
-            print(json.dumps({"prompt": r["prompt"], "completion": r["completion"],
-                              "finish_reason": r["finish_reason"]}, ensure_ascii=False))
-    return 0
+            shown = {k: r[k] for k in ("prompt", "completion", "finish_reason", "error") if k in r}
+            print(json.dumps(shown, ensure_ascii=False))
+        for i, s in enumerate(seqs):
+            if s.error is not None:
+                print(f"{PROG}: error: prompt {i} failed: {s.error}", file=sys.stderr)
+    return 1 if any(s.error is not None for s in seqs) else 0
 
 
 if __name__ == "__main__":

@@ -3,30 +3,37 @@ OpenAI-compatible HTTP server (FastAPI + uvicorn, ``mmtrain.inference.openai_app
 with continuous batching in ``--slots`` KV-cache slots of ``--context`` positions; under ``torchrun
 --nproc_per_node N`` the model is tensor-parallel over the N ranks (rank 0 serves, ``inference.step_broadcast``).
 Needs ``pip install 'mmtrain[serve]'``. Exit codes: 0 stopped (SIGINT / SIGTERM to rank 0), 1 a rank failed or
-stopped answering, 2 a bad argument, tokenizer or checkpoint (one line on stderr)."""
+stopped answering, 2 a bad argument, a port in use (found before the model loads), a tokenizer or checkpoint, or a
+KV cache larger than the device's free memory (one line on stderr)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from pathlib import Path
 
-from mmtrain.utils.cli import OneLineArgumentParser, startup_error
+from mmtrain.utils.cli import OneLineArgumentParser, checkpoint_display_name, startup_error
 
 PROG = "python -m mmtrain.serve"
+MAX_REQUEST_BYTES = 4 << 20  # --max-request-bytes' default (4 MiB): well over a 128k-token prompt's body
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineArgumentParser(prog=PROG, description="Serve an mmtrain checkpoint over an OpenAI-compatible HTTP API.")
     ap.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
-    ap.add_argument("--tokenizer", required=True, help="the model's tokenizer (its chat template, if any, is read "
-                                                       "from tokenizer_config.json next to it)")
+    ap.add_argument("--tokenizer", required=True, help="the model's tokenizer (tokenizer.json or its folder, "
+                                                       "SentencePiece .model, GPT-2 vocab.json)")
+    ap.add_argument("--chat-template", default="tokenizer", metavar="NAME",
+                    help="chat template of /v1/chat/completions: 'tokenizer' (its own: chat_template.jinja or "
+                         "tokenizer_config.json next to it; default), a built-in (chatml, llama3) or a .jinja file")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
-    ap.add_argument("--model-name", default=None, help="the name clients ask for (default: the checkpoint folder's)")
+    ap.add_argument("--model-name", default=None, help="the name clients ask for (default: its run folder's)")
     ap.add_argument("--slots", type=int, default=32, help="requests decoded together (KV-cache slots)")
-    ap.add_argument("--context", type=int, default=2048, help="positions per slot: prompt + new tokens")
+    ap.add_argument("--context", type=int, default=2048, help="positions per slot: prompt + new tokens (the KV "
+                                                               "cache, --slots x --context, must fit the device)")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                    help="largest request body accepted; a larger one gets a 413 before it is read (default 4 MiB)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None, help="default bf16 on GPU, fp32 on CPU")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
@@ -36,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots: int = 32, context: int = 2048,
-                     device: str = "auto", dtype: str | None = None, compile: bool = False):
+                     device: str = "auto", dtype: str | None = None, compile: bool = False,
+                     chat_template: str = "tokenizer", max_request_bytes: int = MAX_REQUEST_BYTES):
     """(FastAPI app, its EngineThread): the model of ``ckpt`` in one process, ready to serve."""
     from mmtrain.inference.openai_app import build_app
     from mmtrain.inference.server_engine import EngineThread
@@ -45,13 +53,14 @@ def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots:
     dev = pick_device(device)
     init_distributed(device=dev)
     try:
-        served = _load_served(ckpt, tokenizer_path, 1, dev, dtype)
+        served = _load_served(ckpt, tokenizer_path, 1, dev, dtype, chat_template)
     finally:
         shutdown_distributed()  # one process: the model holds no process group
     engine = EngineThread(served.engine(slots, context, compile))
     if compile:
         engine.warmup()  # compiles (minutes) before the port opens, not on the first request
-    return build_app(engine, served.tokenizer, model_name or Path(ckpt).resolve().name, served.renderer), engine
+    return build_app(engine, served.tokenizer, model_name or checkpoint_display_name(ckpt), served.renderer,
+                     max_request_bytes), engine
 
 
 class _Served:
@@ -66,18 +75,16 @@ class _Served:
         return DecodeEngine(self.model, slots, context, compile=compile, peers=peers)
 
 
-def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None) -> _Served:
-    """The tokenizer, its chat template and this rank's TP shard of ``ckpt``'s model (a process group of ``tp``
-    ranks is up). Raises the one-line errors ``main`` prints."""
+def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None, chat_template: str = "tokenizer") -> _Served:
+    """The tokenizer, the chat template's prompts and this rank's TP shard of ``ckpt``'s model (a process group of
+    ``tp`` ranks is up). Raises the one-line errors ``main`` prints."""
     from mmtrain.core.tokenizer import load_tokenizer
-    from mmtrain.inference.chat import ChatRenderer, load_chat_template
     from mmtrain.inference.loading import DTYPES, load_checkpoint_model
     from mmtrain.inference.prompts import PromptError
     from mmtrain.parallel import ParallelDims
 
     tokenizer = load_tokenizer(tokenizer_path)
-    template = load_chat_template(tokenizer_path)
-    renderer = ChatRenderer(template, _special_tokens(tokenizer)) if template else None
+    renderer = chat_prompts(tokenizer, tokenizer_path, chat_template)
     model, cfg = load_checkpoint_model(ckpt, ParallelDims(tp, tp=tp).build(), dev,
                                        DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")])
     if tokenizer.max_id >= cfg.shape().vocab_size:  # the family's shape (model.deepseek_v3 for DeepSeek-V3)
@@ -86,16 +93,25 @@ def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None) -> _Serv
     return _Served(tokenizer, renderer, model)
 
 
-def _special_tokens(tokenizer) -> dict[str, str]:
-    """bos_token / eos_token strings a chat template may use."""
-    eos = tokenizer.decode([tokenizer.eod_id]) if tokenizer.eod_id is not None else ""
-    return {"eos_token": eos, "bos_token": ""}
+def chat_prompts(tokenizer, tokenizer_path, name: str):
+    """The ``ChatPrompts`` of ``--chat-template NAME`` (`mmtrain-prep sft`'s renderer and bos/eos strings), or None
+    when NAME is ``tokenizer`` and it has no template (chat requests then get a 400 saying how to give one)."""
+    from mmtrain.core.chat_template import ChatPrompts, NoChatTemplateError, check_template_tokens, load_chat_template
+
+    try:
+        template = load_chat_template(name, tokenizer_path)
+    except NoChatTemplateError:
+        return None
+    check_template_tokens(template, tokenizer, str(tokenizer_path))
+    return ChatPrompts(template, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.slots < 1 or args.context < 2 or not 0 <= args.port < 65536 or not args.peer_timeout > 0:
-        build_parser().error("--slots must be >= 1, --context >= 2, --port in 0..65535, --peer-timeout > 0")
+    if (args.slots < 1 or args.context < 2 or not 0 <= args.port < 65536 or not args.peer_timeout > 0
+            or args.max_request_bytes < 1):
+        build_parser().error("--slots must be >= 1, --context >= 2, --port in 0..65535, --peer-timeout > 0, "
+                             "--max-request-bytes >= 1")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -121,8 +137,9 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
 
     from mmtrain.convert.checkpoint_io import ConvertError
     from mmtrain.core.tokenizer import TokenizerError
-    from mmtrain.inference.chat import ChatTemplateError
+    from mmtrain.core.chat_tokens import ChatTemplateError
     from mmtrain.inference.decoder import UnsupportedModelError
+    from mmtrain.inference.memory import CacheSizeError
     from mmtrain.inference.openai_app import build_app
     from mmtrain.inference.prompts import PromptError
     from mmtrain.inference.server_engine import EngineThread
@@ -132,37 +149,8 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
     from mmtrain.utils.log import get_logger, setup_logging
 
     setup_logging(rank)
-    try:
-        served = _load_served(args.ckpt, args.tokenizer, world, dev, args.dtype)
-    except (ConvertError, TokenizerError, UnsupportedModelError, ChatTemplateError, PromptError,
-            CheckpointFormatError, FileNotFoundError) as exc:
-        return startup_error(f"{PROG}: error: {exc}", rank, local_rank=rank)  # TP on one node: rank 0 prints
-    if world == 1:
-        shutdown_distributed()  # one process: the model holds no process group
-    channel = StepChannel(ParallelDims(world, tp=world).build(), args.peer_timeout) if world > 1 else None
-    if rank != 0:
-        # Ctrl-C reaches every process of the terminal's group: the server rank decides when the followers stop
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        engine = served.engine(args.slots, args.context, args.compile)
-        try:
-            follow(engine, channel)
-        except PeerLostError as exc:
-            print(f"{PROG}: [rank {rank}] error: {exc}", file=sys.stderr, flush=True)
-            return 1
-        return 0
-    name = args.model_name or Path(args.ckpt).resolve().name
-    server: uvicorn.Server | None = None
-
-    def stop_server(message: str) -> None:  # from the engine thread: a tensor-parallel rank failed
-        if server is not None:
-            server.should_exit = True
-    engine = EngineThread(served.engine(args.slots, args.context, args.compile,
-                                        StepLeader(channel) if channel is not None else None), on_fatal=stop_server)
-    stop_signals: list[int] = []
-    try:
-        if args.compile:
-            engine.warmup()  # compiles (minutes) before the port opens, not on the first request
-        app = build_app(engine, served.tokenizer, name, served.renderer)
+    listener = None
+    if rank == 0:  # the port first: one in use is reported at once, not after the model has loaded
         try:
             listener = _listen(args.host, args.port)
         except OSError as exc:
@@ -170,6 +158,45 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
             print(f"{PROG}: error: cannot listen on {args.host}:{args.port}: {reason}; pick another --port "
                   f"(--port 0: any free one) or --host", file=sys.stderr, flush=True)
             return 2
+    try:
+        served = _load_served(args.ckpt, args.tokenizer, world, dev, args.dtype, args.chat_template)
+    except (ConvertError, TokenizerError, UnsupportedModelError, ChatTemplateError, PromptError,
+            CheckpointFormatError, FileNotFoundError) as exc:
+        if listener is not None:
+            listener.close()
+        return startup_error(f"{PROG}: error: {exc}", rank, local_rank=rank)  # TP on one node: rank 0 prints
+    if world == 1:
+        shutdown_distributed()  # one process: the model holds no process group
+    channel = StepChannel(ParallelDims(world, tp=world).build(), args.peer_timeout) if world > 1 else None
+    try:
+        decode_engine = served.engine(args.slots, args.context, args.compile,
+                                      StepLeader(channel) if channel is not None and rank == 0 else None)
+    except CacheSizeError as exc:  # every rank finds it (the same shard sizes): rank 0 prints
+        if listener is not None:
+            listener.close()
+        return startup_error(f"{PROG}: error: {exc}: lower --context or --slots", rank, local_rank=rank)
+    if rank != 0:
+        # Ctrl-C reaches every process of the terminal's group: the server rank decides when the followers stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        engine = decode_engine
+        try:
+            follow(engine, channel)
+        except PeerLostError as exc:
+            print(f"{PROG}: [rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+    name = args.model_name or checkpoint_display_name(args.ckpt)
+    server: uvicorn.Server | None = None
+
+    def stop_server(message: str) -> None:  # from the engine thread: a tensor-parallel rank failed
+        if server is not None:
+            server.should_exit = True
+    engine = EngineThread(decode_engine, on_fatal=stop_server)
+    stop_signals: list[int] = []
+    try:
+        if args.compile:
+            engine.warmup()  # compiles (minutes) before the server answers, not on the first request
+        app = build_app(engine, served.tokenizer, name, served.renderer, args.max_request_bytes)
         port = listener.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
         # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again for the handler it
@@ -182,6 +209,7 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
         server.run(sockets=[listener])
     finally:
         engine.close()
+        listener.close()
     if engine.failure is not None:
         print(f"{PROG}: error: {engine.failure}", file=sys.stderr, flush=True)
         return 1

@@ -119,6 +119,32 @@ def load_result(payload: bytes) -> Any:
                             f"and lists/tuples/dicts of them ({why[0] if why else type(exc).__name__})") from None
 
 
+def _capture_output():
+    """Point this rank's stdout and stderr (the file descriptors: C++ and child writes too) at a temporary file.
+    A rank's logs and progress bars would otherwise reach the terminal around pytest's report, which captures
+    only its own process; the file's tail goes into the report of a rank that fails."""
+    import sys
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    output = tempfile.TemporaryFile()
+    os.dup2(output.fileno(), 1)
+    os.dup2(output.fileno(), 2)
+    return output
+
+
+def _output_tail(output, limit: int = 4000) -> str:
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    output.seek(0, os.SEEK_END)
+    output.seek(max(0, output.tell() - limit))
+    text = output.read().decode("utf-8", "replace").strip()
+    return f"\n--- the rank's output (last {limit} bytes)\n{text}" if text else ""
+
+
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, backend: str, results: Any,
             env: dict[str, str], pg_timeout_s: float) -> None:
     import torch
@@ -126,6 +152,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, ba
 
     os.environ.clear()  # a forkserver child starts with the server's environment; use the caller's, as spawn did
     os.environ.update(env)
+    output = _capture_output()
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)  # N ranks on a 2-core machine: oversubscription makes gloo tests crawl
@@ -143,7 +170,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, ba
         load_result(buffer.getvalue())  # fails here, in the rank, on a value the parent would refuse
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc() + _output_tail(output)))
     finally:
         if dist.is_initialized():
             try:

@@ -75,3 +75,19 @@ def tiny_tokenizer(folder: Path, chat_template: bool = True) -> Path:
         config["chat_template"] = CHAT_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder / "tokenizer.json"
+
+
+def metaspace_tokenizer(folder: Path) -> Path:
+    """A SentencePiece-style tokenizer.json (< 512 ids, eos </s>, no byte fallback): a word's leading space is a
+    '▁', and decoding drops the one of its first token, so a completion decoded alone loses its leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(TEXT, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return folder / "tokenizer.json"

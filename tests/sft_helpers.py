@@ -150,3 +150,18 @@ def build_vlm_chat_input(folder: Path, copies: int = 1) -> tuple[Path, Path]:
     manifest = folder / "in" / "chat.jsonl"
     manifest.write_text("".join(json.dumps({**r, "id": f"chat-{i}"}) + "\n" for i, r in enumerate(records)))
     return tok_dir, manifest
+
+
+def ids_with_plain_contents(hf, messages: list[dict], template: str | None = None, **kw) -> list[int]:
+    """transformers' ids (``hf``: its tokenizer) of what ``template`` (None: its own) writes around the messages'
+    contents, and the contents as plain text (``split_special_tokens``): what 'message text is text' gives."""
+    marks = [f"\u2063{i}\u2063" for i in range(len(messages))]
+    extra = {} if template is None else {"chat_template": template}
+    rendered = hf.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)], tokenize=False,
+                                      **extra, **kw)
+    ids = []
+    for mark, m in zip(marks, messages):
+        before, rendered = rendered.split(mark)
+        ids += hf(before, add_special_tokens=False)["input_ids"]
+        ids += hf(m["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + hf(rendered, add_special_tokens=False)["input_ids"]

@@ -104,13 +104,23 @@ def _unknown_key_error(key: str, root_cls: type, source: str) -> ConfigError:
     if key in moved:
         return ConfigError(f"unknown config key '{key}' in {source}: {moved[key]}")
     valid = _all_keys(root_cls)
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    if not close:  # compare on the last component too: `optim.learning_rate` vs `optim.lr`
+    close = _abbreviated_sibling(key, valid) or difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not close:  # compare on the last component too: `model.n_groups` vs `model.deepseek_v3.n_group`
         leaf = key.rsplit(".", 1)[-1]
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in valid}
         close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return ConfigError(f"unknown config key '{key}' in {source}{hint}")
+
+
+def _abbreviated_sibling(key: str, valid: list[str]) -> list[str]:
+    """[the key of the same section that abbreviates ``key``'s name by the initials of its trailing words]:
+    ``optim.learning_rate`` -> ``optim.lr``, ``optim.min_learning_rate`` -> ``optim.min_lr`` (spelling
+    similarity would pick ``optim.min_lr`` for the first: more letters in common than ``lr``)."""
+    section, _, leaf = key.rpartition(".")
+    words = [w for w in leaf.split("_") if w]
+    forms = {"_".join([*words[:i], "".join(w[0] for w in words[i:])]) for i in range(len(words) - 1)}
+    return [k for k in valid if k.rpartition(".")[0] == section and k.rpartition(".")[2] in forms][:1]
 
 
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
@@ -142,7 +152,10 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         raise bad(" or ".join(getattr(a, "__name__", str(a)) for a in args))
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise bad("a list")
+            example = value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else "a, b"
+            raise ConfigError(f"config key '{key}' in {source}: expected a list, got {value!r} "
+                              f"({type(value).__name__}); write it in brackets: {key}=[{example}] on the command "
+                              f"line, {key.rsplit('.', 1)[-1]}: [{example}] in a YAML file (several: [a, b])")
         return [_coerce(v, args[0] if args else Any, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):

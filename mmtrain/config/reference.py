@@ -8,6 +8,7 @@ A test compares the committed file with this output, so the reference can never 
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 
 from mmtrain.config.ranges import range_text
@@ -22,6 +23,8 @@ def _type_name(tp) -> str:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
     if origin is dict:
         return "dict[" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
+    if origin in (typing.Union, types.UnionType):  # ``float | None``: a bare "|" would split the table's cell
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 

@@ -138,7 +138,8 @@ class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
     lr: float = doc(3e-4, "Peak learning rate.", gt=0)
-    min_lr: float = doc(3e-5, "Learning rate at the end of the decay.", ge=0)
+    min_lr: float | None = doc(None, "Learning rate at the end of the decay; null (default): optim.lr / 10, so "
+                                     "setting only optim.lr keeps the two consistent.", ge=0)
     weight_decay: float = doc(0.1, "Decoupled weight decay; never applied to norms, biases or embeddings' rows of ones.", ge=0)
     beta1: float = doc(0.9, "AdamW beta1.", ge=0, lt=1)
     beta2: float = doc(0.95, "AdamW beta2.", ge=0, lt=1)
@@ -149,6 +150,10 @@ class OptimConfig:
     schedule: Literal["cosine", "wsd", "constant"] = doc("cosine", "Learning-rate schedule after warmup.")
     warmup_steps: int = doc(10, "Linear warmup steps from 0 to `lr`.", ge=0)
     decay_fraction: float = doc(0.2, "WSD only: fraction of the steps spent in the final decay.", ge=0, le=1)
+
+    def final_lr(self) -> float:
+        """The learning rate the decay ends at: ``min_lr``, or a tenth of ``lr`` when it is not set."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
 
 
 @dataclass
@@ -233,7 +238,9 @@ class CheckpointConfig:
                  "names each changed key; use_config builds this run's order and continues at the checkpoint's consumed-sample count in it (samples may "
                  "repeat or be skipped).")
     verify: bool = doc(True, "Check every checkpoint file against the XXH3 hash recorded when it was written "
-                             "(checksums.json) before reading it; a damaged file stops the run. false reads unchecked.")
+                             "(checksums.json) before reading it; a damaged or missing file stops the run. false reads "
+                             "the data files unchecked (complete.json's seal and the metadata's sizes are always "
+                             "checked).")
 
 
 LORA_TARGETS = ("qkv", "proj", "up", "down")  # the Llama block's linears (HF: q/k/v_proj, o_proj, gate/up_proj, down_proj)
@@ -274,7 +281,9 @@ class DpoConfig:
     """Direct preference optimization (train.objective: dpo)."""
 
     beta: float = doc(0.1, "Strength of the pull towards the reference model (the rewards' scale).", gt=0)
-    loss: Literal["sigmoid", "ipo"] = doc("sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1/(2 beta))^2.")
+    loss: Literal["sigmoid", "ipo"] = doc("sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1/(2 beta))^2 "
+                                                     "with each answer's log-ratio divided by its loss tokens "
+                                                     "(TRL's IPO).")
     reference: str = doc("", "Weights-only checkpoint of the frozen reference model; empty: the run's initial "
                              "weights (the weights-only checkpoint.load, else the seeded init).")
     reference_logps: Literal["model", "precomputed"] = doc(

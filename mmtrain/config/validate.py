@@ -43,7 +43,7 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     """The cross-field checks of a language model's run; its model's keys are named under ``model_key``
     (a VLM run checks ``VLMRunConfig.language_run()`` with ``model.language``). Ranges are the caller's."""
     m, p, t, d, o, mk = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.optim, model_key
-    if o.min_lr > o.lr:
+    if o.min_lr is not None and o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
     if t.exit_at_step > t.steps:
         raise ConfigError(f"train.exit_at_step ({t.exit_at_step}) is past train.steps ({t.steps}); the run would "

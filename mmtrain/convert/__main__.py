@@ -1,22 +1,16 @@
-"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf,compare} ...``."""
+"""Command line: ``python -m mmtrain.convert {hf-to-mmtrain,mmtrain-to-hf,compare,rehash} ...``.
+
+Torch and the converters are imported once the arguments are parsed and the input paths found: ``--help`` and a
+missing ``--hf`` / ``--ckpt`` answer at once."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
-import torch
-
-from mmtrain.convert.checkpoint_io import ConvertError
-from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
-from mmtrain.convert.hf_files import HFFolderError
-from mmtrain.models.encoders_hf import EncoderHFError
-from mmtrain.convert.hf_tokenizer import TokenizerExportError
-from mmtrain.models.registry import hf_errors
-from mmtrain.utils.dcp_storage import CheckpointFormatError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "vocab.json); default: the one the checkpoint's data manifest names")
     to_hf.add_argument("--no-tokenizer", action="store_true",
                        help="write weights and config.json only (no tokenizer files, no generation_config.json)")
+    rehash = sub.add_parser("rehash", help="bring a checkpoint to this version's format: check its files against "
+                                           "checksums.json, hash those it lacks (a checkpoint from before "
+                                           "checksums), seal complete.json (also after editing it on purpose)")
+    rehash.add_argument("--ckpt", required=True, help="checkpoint step folder, or a checkpoints root with `latest`")
+    rehash.add_argument("--trust-current-files", action="store_true",
+                        help="hash every file as it is now, checking nothing (a checkpoint that lost its "
+                             "checksums.json, whose files you know are intact)")
     return parser
 
 
@@ -59,6 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (compare: equal within --tol), 1 compare found a larger difference, 2 a bad input
     (one line on stderr naming the file: missing, damaged, unsupported)."""
     args = build_parser().parse_args(argv)
+    for key in ("hf", "ckpt"):
+        path = getattr(args, key, None)
+        if path is not None and not Path(path).exists():
+            print(f"python -m mmtrain.convert {args.command}: error: --{key} {path}: not found (looked for "
+                  f"{Path(path).resolve()})", file=sys.stderr)
+            return 2
+    from mmtrain.convert.checkpoint_io import ConvertError  # torch from here on
+    from mmtrain.convert.hf_files import HFFolderError
+    from mmtrain.convert.hf_tokenizer import TokenizerExportError
+    from mmtrain.models.encoders_hf import EncoderHFError
+    from mmtrain.models.registry import hf_errors
+    from mmtrain.utils.dcp_storage import CheckpointFormatError
+
     try:
         return _run(args)
     except (ConvertError, EncoderHFError, *hf_errors(), HFFolderError, TokenizerExportError, CheckpointFormatError,
@@ -68,16 +82,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from mmtrain.convert.convert import hf_to_mmtrain, mmtrain_to_hf
+
     if args.command == "hf-to-mmtrain":
         folder = hf_to_mmtrain(args.hf, args.out, args.tp, args.pp, args.pipeline_layers)
         meta = json.loads((folder / "complete.json").read_text())
         layout = meta["layout"]  # a tower alone is written for pp=1 (it lives on the first stage)
         print(f"wrote weights-only checkpoint {folder} (tp={layout['tp']}, pp={layout['pp']}); model config in "
               f"{folder.parent / 'model.yaml'}")
+        if not meta.get("vlm_parts"):
+            tok = meta.get("tokenizer")
+            print(f"tokenizer recorded: {tok['path']}" if tok else "no tokenizer recorded (the HF folder has no "
+                  "tokenizer.json that loads)")
         if meta.get("vlm_parts"):
             left = meta.get("hf_left_out") or []
             print(f"VLM parts {', '.join(meta['vlm_parts'])}; {len(left)} HF tensor(s) left out on purpose"
                   + (f" (e.g. {left[0]})" if left else ""))
+    elif args.command == "rehash":
+        from mmtrain.convert.checkpoint_io import resolve_checkpoint_folder
+        from mmtrain.utils.checkpoint_marker import reseal_checkpoint
+
+        report = reseal_checkpoint(resolve_checkpoint_folder(args.ckpt), args.trust_current_files)
+        print(f"sealed {report.folder}/complete.json: {len(report.checked)} file(s) matched checksums.json, "
+              f"{len(report.hashed)} hashed as they are now ({', '.join(report.hashed) or 'none'})")
     elif args.command == "compare":
         from mmtrain.convert.compare import compare
 
@@ -86,7 +115,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{'OK' if ok else 'DIFFERENT'}: largest max |diff| {worst:.3e} {'<' if ok else '>='} {args.tol:g}")
         return 0 if ok else 1
     else:
-        folder = mmtrain_to_hf(args.ckpt, args.out, DTYPES.get(args.dtype) if args.dtype else None, args.lora,
+        dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+        folder = mmtrain_to_hf(args.ckpt, args.out, dtype, args.lora,
                                tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer)
         if (folder / "tokenizer_config.json").is_file():
             print(f"wrote Hugging Face folder {folder} (weights, tokenizer, generation_config.json)")

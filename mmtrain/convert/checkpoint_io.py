@@ -6,15 +6,15 @@ out as the ranks of a TP x PP run would (the same boxes, from ``_stage_state`` b
 device and ``mmtrain.parallel.global_chunks``): a checkpoint written here is what such a run would have saved,
 minus optimizer, loader and RNG state. Such a *weights-only* checkpoint says so with ``"weights_only": true``
 in ``complete.json``; ``load_model_weights`` starts a run from it (or from any training checkpoint) at any
-layout. ``split_full_state``/``merge_shards`` cut and join per-rank state dicts (tests and tools).
+layout. ``split_full_state``/``merge_shards`` cut and join per-rank state dicts (tests and tools). Every read
+goes through the checks a resume makes: ``complete.json``'s seal, ``checksums.json`` where the checkpoint was
+written with one, each file's checksum, the metadata's sizes against the files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,8 @@ from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import tp_partition, tp_shard_of
 from mmtrain.utils.atomic import atomic_write_text
 from mmtrain.utils.dcp_io import Chunk, load_chunks, save_chunks, saved_tensors
-from mmtrain.utils.dcp_storage import CheckpointFormatError, DamagedFileError, read_checksums
+from mmtrain.utils.checkpoint_marker import COMPLETE_NAME, checksums_for, read_marker, write_marker
+from mmtrain.utils.dcp_storage import CheckpointFormatError, DamagedFileError
 
 
 
@@ -173,8 +174,20 @@ def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cf
     model section to include in a run config). This process alone writes (no process group). Returns the step
     folder."""
     return write_chunks_checkpoint(root, _layout_chunks(full, cfg, tp, pp, pipeline_layers), tp, pp,
-                                   _run_config_dict(cfg, tp, pp, pipeline_layers), {"model": dataclasses.asdict(cfg)},
+                                   _run_config_dict(cfg, tp, pp, pipeline_layers), {"model": model_section(cfg)},
                                    step, extra_meta)
+
+
+def model_section(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``model:`` section a run includes for ``cfg``: the chosen family's shape only. A Llama-family shape
+    leaves out the ``deepseek_v3`` block (unused, it would read as part of the model); a DeepSeek-V3 shape keeps
+    ``family``, ``name`` and its block (the Llama fields must keep their defaults then)."""
+    full = dataclasses.asdict(cfg)
+    if cfg.family != "deepseek_v3":
+        full.pop("deepseek_v3")
+        return full
+    defaults = dataclasses.asdict(ModelConfig())
+    return {k: v for k, v in full.items() if k in ("family", "name", "deepseek_v3") or v != defaults[k]}
 
 
 def write_chunks_checkpoint(root: str | Path, chunks: list[Chunk], tp: int, pp: int, run_config: dict[str, Any],
@@ -188,7 +201,7 @@ def write_chunks_checkpoint(root: str | Path, chunks: list[Chunk], tp: int, pp: 
     meta = {"step": step, "layout": _layout_dict(tp, pp), "weights_only": True, "format": "torch.distributed.checkpoint",
             "mmtrain_version": mmtrain.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "config": run_config, **(extra_meta or {})}
-    atomic_write_text(folder / "complete.json", json.dumps(meta, indent=1))
+    write_marker(folder, meta)
     atomic_write_text(root / "model.yaml", "# Model shape of the converted checkpoint; include it in a run config.\n"
                       + yaml.safe_dump(model_yaml, sort_keys=False))
     atomic_write_text(root / "latest", folder.name + "\n")
@@ -207,21 +220,37 @@ def resolve_checkpoint_folder(path: str | Path) -> Path:
     raise ConvertError(f"{path}: not a complete mmtrain checkpoint (no complete.json, no latest naming one)")
 
 
-def read_checkpoint_json(folder: Path) -> dict[str, Any]:
-    """complete.json of a checkpoint step folder (a ``ConvertError`` when it is damaged)."""
+def refuse_existing_checkpoints(out: str | Path) -> None:
+    """A conversion writes a new checkpoints root: ``out`` must not hold checkpoints (or a model.yaml) already,
+    whose ``latest`` it would move to its weights-only step 0 (``ConvertError`` naming what is there)."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConvertError(f"--out {out}: exists and is not a folder")
+    found = sorted(p.name for p in out.iterdir() if p.name in ("latest", COMPLETE_NAME, "model.yaml")
+                   or p.name.startswith("step_"))
+    if found:
+        raise ConvertError(f"--out {out}: already holds checkpoints ({', '.join(found[:3])}"
+                           f"{' ...' if len(found) > 3 else ''}); a conversion writes a new checkpoints root and "
+                           "would move its latest: choose a new or empty folder")
+
+
+def read_checkpoint_json(folder: Path, option: str = "--ckpt") -> dict[str, Any]:
+    """complete.json of a checkpoint step folder, its seal checked (a ``ConvertError`` naming the file when it
+    is damaged or changed, and the checkpoint to use instead, set through ``option``)."""
     try:
-        return json.loads((folder / "complete.json").read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConvertError(f"{folder}/complete.json: not valid JSON ({exc}); the file is damaged") from None
+        return read_marker(folder)
+    except DamagedFileError as exc:
+        raise ConvertError(exc.with_earlier_checkpoint(option)) from None
+    except CheckpointFormatError as exc:
+        raise ConvertError(str(exc)) from None
 
 
-def _read_checkpoint_meta(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[int]]:
+def _read_checkpoint_meta(folder: Path, option: str = "--ckpt") -> tuple[dict[str, Any], ModelConfig, list[int]]:
     """(complete.json, its ModelConfig, its parallel.pipeline_layers)."""
-    try:
-        meta = json.loads((folder / "complete.json").read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConvertError(f"{folder}/complete.json: not valid JSON ({exc}); the file is damaged") from None
-    run = meta.get("config") if isinstance(meta, dict) else None
+    meta = read_checkpoint_json(folder, option)
+    run = meta.get("config")
     run = run if isinstance(run, dict) else {}
     if "model" not in run:
         raise ConvertError(f"{folder}/complete.json records no model config; cannot interpret its tensors")
@@ -241,9 +270,7 @@ def _checked_read(folder: Path, option: str, verify: bool, read):
     """``read()`` (which reads the checkpoint in ``folder``) with its problems as one-line ``ConvertError``s; a
     damaged file's names the checkpoint to use instead, through ``option``."""
     try:
-        if verify and read_checksums(folder) is None:
-            warnings.warn(f"{folder} has no checksums.json (written before checkpoints had checksums): reading it "
-                          "without checking its files", stacklevel=3)
+        checksums_for(folder, verify)  # checksums.json as complete.json requires it (a warning without one)
         return read()
     except DamagedFileError as exc:
         raise ConvertError(exc.with_earlier_checkpoint(option)) from None
@@ -284,7 +311,7 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     they keep their initial values (a LoRA run starting from base weights; DoRA magnitudes are set to the row
     norms of the weights read, as the model's init sets them)."""
     folder = resolve_checkpoint_folder(path)
-    meta, cfg, _ = _read_checkpoint_meta(folder)
+    meta, cfg, _ = _read_checkpoint_meta(folder, "checkpoint.load")
     if run_model_cfg is not None:
         ours, theirs = _architecture(run_model_cfg), _architecture(cfg)
         differ = [f"model.{k}: run {ours.get(k)!r}, checkpoint {theirs.get(k)!r}"

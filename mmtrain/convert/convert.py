@@ -14,12 +14,14 @@ from mmtrain.convert.checkpoint_io import (
     read_checkpoint_config,
     read_checkpoint_json,
     read_full_state,
+    refuse_existing_checkpoints,
     resolve_checkpoint_folder,
     write_weights_checkpoint,
 )
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder, write_peft_adapter
 from mmtrain.convert.hf_tokenizer import hf_tokenizer_files, open_tokenizer, recorded_tokenizer
 from mmtrain.convert.vlm_convert import is_vlm_checkpoint, is_vlm_hf, vlm_hf_to_mmtrain, vlm_mmtrain_to_hf
+from mmtrain.core.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from mmtrain.models.registry import family_for_hf, model_family
 
 LORA_EXPORTS = ("merge", "adapter")
@@ -27,8 +29,10 @@ LORA_EXPORTS = ("merge", "adapter")
 
 def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
                   pipeline_layers: list[int] | None = None) -> Path:
-    """Convert a Hugging Face folder into a weights-only mmtrain checkpoint root ``out``; returns the step
-    folder. Tensors keep their stored dtype."""
+    """Convert a Hugging Face folder into a weights-only mmtrain checkpoint root ``out`` (new or empty: a root
+    holding checkpoints is refused); returns the step folder. Tensors keep their stored dtype. Every shape the
+    config implies is checked against the safetensors headers first (the adapters' ``state_from_hf``)."""
+    refuse_existing_checkpoints(out)
     hf_config = read_hf_config(hf_dir)
     if is_vlm_hf(hf_config):  # a CLIP/SigLIP tower, a Whisper model or a LLaVA
         return vlm_hf_to_mmtrain(hf_dir, out, tp, pp, pipeline_layers)[0]
@@ -40,8 +44,22 @@ def hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
         raise adapter.errors()[0](f"{Path(hf_dir) / 'config.json'}: no {exc.args[0]!r} (not a complete "
                                   f"{'/'.join(adapter.model_types)} config)") from None
     full = adapter.state_from_hf(hf_tensors, cfg)
-    return write_weights_checkpoint(out, full, cfg, tp, pp, pipeline_layers,
-                                    extra_meta={"hf_config": hf_config, "converted_from": str(hf_dir)})
+    extra = {"hf_config": hf_config, "converted_from": str(hf_dir)}
+    tok = _hf_folder_tokenizer(Path(hf_dir))
+    if tok is not None:  # what evaluate / generate / lm_eval check a tokenizer or data against
+        extra["tokenizer"] = tok.describe()
+    return write_weights_checkpoint(out, full, cfg, tp, pp, pipeline_layers, extra_meta=extra)
+
+
+def _hf_folder_tokenizer(hf_dir: Path) -> Tokenizer | None:
+    """The HF folder's own tokenizer (its tokenizer.json), or None when it has none that loads: the weights
+    convert without it, and the checkpoint then names no tokenizer (``--tokenizer`` is needed downstream)."""
+    if not (hf_dir / "tokenizer.json").is_file():
+        return None
+    try:
+        return load_tokenizer(hf_dir.resolve())
+    except TokenizerError:
+        return None
 
 
 def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None, lora: str = "merge",
@@ -51,8 +69,8 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
     A LoRA run's checkpoint: ``lora="merge"`` writes the merged model, ``"adapter"`` only the adapters as a
     ``peft`` folder (adapter_config.json + adapter_model.safetensors) for the HF export of the base. A VLM
     checkpoint is written as ``LlavaForConditionalGeneration`` (or its single tower). The tokenizer files and
-    ``generation_config.json`` come from ``tokenizer`` (a path), else from the tokenizer the checkpoint's data
-    manifest names (``mmtrain.convert.hf_tokenizer``); ``with_tokenizer=False``: weights and config only."""
+    ``generation_config.json`` come from ``tokenizer`` (a path), else from the tokenizer the checkpoint names
+    (``mmtrain.convert.hf_tokenizer``); ``with_tokenizer=False``: weights and config only."""
     if lora not in LORA_EXPORTS:
         raise ConvertError(f"--lora {lora}: choose {' or '.join(LORA_EXPORTS)}")
     if is_vlm_checkpoint(read_checkpoint_json(resolve_checkpoint_folder(ckpt))):
@@ -60,7 +78,7 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
     tok = None
     if with_tokenizer and lora != "adapter":  # checked before the tensors are read: a bad tokenizer fails fast
         tok = open_tokenizer(tokenizer) if tokenizer is not None else recorded_tokenizer(
-            read_checkpoint_config(ckpt)[1].get("config") or {})
+            read_checkpoint_config(ckpt)[1])
     extra: dict[str, bytes] = {}
     if tok is not None:
         files, generation = hf_tokenizer_files(tok)

@@ -2,15 +2,18 @@
 ``generation_config.json``, so ``transformers.pipeline("text-generation", model=DIR)`` needs nothing else.
 
 Any tokenizer ``mmtrain-prep`` reads becomes a fast (``tokenizers``) tokenizer: a ``tokenizer.json`` as it is, a
-GPT-2 ``vocab.json`` + ``merges.txt`` through transformers' byte-level BPE, a SentencePiece ``.model`` through
-transformers' own SentencePiece conversion (its normalizer, byte fallback and pieces read from the model). The
+GPT-2 ``vocab.json`` + ``merges.txt`` as the byte-level BPE mmtrain builds from them, a SentencePiece ``.model``
+through transformers' own SentencePiece conversion (its normalizer, byte fallback and pieces read from the
+model) with a decoder that follows SentencePiece's rule for leading spaces (``_sentencepiece_decoder``). The
 converted tokenizer must encode a set of probe texts exactly as the original does (the ids the model was
-trained on), else the export stops with a one-line error instead of writing a tokenizer that disagrees.
+trained on) and decode them alike, else the export stops with a one-line error instead of writing a tokenizer
+that disagrees.
 Special-token strings inside text are split like plain text for SentencePiece exports (as ``mmtrain-prep``
 encoded them), and parsed as the tokenizer.json says otherwise (as its library does).
 
-Which tokenizer: the ``--tokenizer`` given, else the one the manifest of the checkpoint's first data prefix
-names (checked by its SHA-256), else none (weights only, with a note).
+Which tokenizer: the ``--tokenizer`` given, else the one the checkpoint names (its complete.json's record, or
+for an older checkpoint the manifest of its first data prefix; checked by its SHA-256), else none (weights only,
+with a note).
 
 What the tokenizer's folder says about chat goes along: the chat template (``chat_template.jinja``, or
 ``chat_template`` in its ``tokenizer_config.json``; of named templates the ``default``) and the special tokens that config lists
@@ -24,11 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mmtrain.core.manifest import ManifestError, read_prefix_manifest
-from mmtrain.core.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from mmtrain.core.manifest import ManifestError
+from mmtrain.core.tokenizer import GPT2_EOD, Tokenizer, TokenizerError, load_tokenizer
+from mmtrain.core.tokenizer_record import PROBE_TEXTS, checkpoint_tokenizer_record
 
-_PROBES = ["Hello world", " leading space", "two  spaces and\ttabs", "new\nline\n\n  indented code",
-           "digits 1234567890", "Ünïcödé, ẞ, 你好, emoji 😀", "trailing ", "", "   ", "a\r\nb"]
 # transformers' bookkeeping keys that say nothing about the tokenizer
 _DROP_CONFIG_KEYS = ("is_local", "local_files_only", "name_or_path")
 
@@ -37,23 +39,17 @@ class TokenizerExportError(ValueError):
     """A tokenizer that cannot be exported faithfully; the message names the file."""
 
 
-def recorded_tokenizer(run_config: dict[str, Any]) -> Tokenizer | None:
-    """The tokenizer the manifest of the run's first ``data.prefixes`` entry names, when it is still there with
-    the recorded checksum; None when the run records no prefix or its manifest no tokenizer."""
-    data = run_config.get("data") if isinstance(run_config.get("data"), dict) else {}
-    prefixes = data.get("prefixes") if isinstance(data.get("prefixes"), list) else []
-    prefix = next((p for p in prefixes if isinstance(p, str) and not _is_number(p)), None)
-    if prefix is None:
-        return None
+def recorded_tokenizer(meta: dict[str, Any]) -> Tokenizer | None:
+    """The tokenizer a checkpoint names (``meta``: its complete.json; ``mmtrain.core.tokenizer_record``), when it
+    is still there with the recorded checksum; None when the checkpoint names none."""
     try:
-        manifest = read_prefix_manifest(prefix) or {}
+        found = checkpoint_tokenizer_record(meta)
     except ManifestError as exc:
         raise TokenizerExportError(f"{exc} (or pass --tokenizer)") from None
-    rec = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
-    path = rec.get("path")
-    if not isinstance(path, str) or not path:
+    if found is None:
         return None
-    where = f"{prefix}.manifest.json"
+    rec, where = found
+    path = rec["path"]
     try:
         merges = rec.get("merges_path") if isinstance(rec.get("merges_path"), str) else None
         tok = load_tokenizer(path, rec.get("type") if isinstance(rec.get("type"), str) else None, merge_file=merges)
@@ -62,17 +58,9 @@ def recorded_tokenizer(run_config: dict[str, Any]) -> Tokenizer | None:
                                    "--no-tokenizer)") from None
     sha = rec.get("sha256")
     if isinstance(sha, str) and tok.checksum() != sha:
-        raise TokenizerExportError(f"{path} changed since {prefix} was prepared with it (its checksum differs from "
-                                   f"{where}); pass the tokenizer the data was made with as --tokenizer")
+        raise TokenizerExportError(f"{path} changed since the model's data was prepared with it (its checksum "
+                                   f"differs from {where}); pass the tokenizer the data was made with as --tokenizer")
     return tok
-
-
-def _is_number(text: str) -> bool:  # Megatron-style prefix lists interleave weights: "0.3 path 0.7 path"
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 def _hf_fast_tokenizer(tok: Tokenizer):
@@ -95,11 +83,56 @@ def _hf_fast_tokenizer(tok: Tokenizer):
                 raise TokenizerExportError(f"{path}: transformers cannot convert this SentencePiece model "
                                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
                                            ) from None
-    if tok.type == "gpt2-bpe":
-        vocab = Path(tok.path)
-        merges = Path(getattr(tok, "merges_path", None) or vocab.with_name("merges.txt"))
-        return transformers.GPT2TokenizerFast(vocab_file=str(vocab), merges_file=str(merges), split_special_tokens=True)
+    if tok.type == "gpt2-bpe":  # the tokenizers object mmtrain encodes with (transformers 5 reads no vocab files)
+        ends = {} if tok.eod_id is None else {"bos_token": GPT2_EOD, "eos_token": GPT2_EOD}
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend, split_special_tokens=True, **ends)
     return transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok.path))
+
+
+# SentencePiece decoding as tokenizers decoders: the '▁' that opens a piece becomes this mark (a Unicode
+# noncharacter, for internal use) so that only a piece's own leading '▁' can be dropped at the start of the text
+_MARKS = [chr(c) for c in range(0xFDD0, 0xFDF0)]
+_ALL = 2**31 - 1  # Strip's count: every mark at the start of the text
+
+
+def _sentencepiece_decoder(tok: Tokenizer):
+    """A tokenizers decoder that decodes ids as SentencePiece does (``docs/convert-hf.md`` lists the exceptions).
+
+    SentencePiece turns '▁' into a space and, when it adds a dummy prefix or collapses whitespace, drops the
+    '▁' that opens the first piece (collapsing: of every piece while the text is still empty, so leading '▁'
+    pieces vanish). Byte-fallback pieces are text of their own: a space byte or a '▁' character from bytes is
+    never dropped or replaced. (transformers' conversion strips one space from the start of the whole text
+    instead: wrong after a standalone '▁' piece when whitespace is collapsed, and for a leading space byte.)"""
+    from tokenizers import Regex, decoders
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as exc:  # it needs protobuf, as transformers' conversion does
+        raise TokenizerExportError(f"{tok.path}: reading the SentencePiece model's settings needs protobuf "
+                                   f"({exc}); pip install protobuf, or export with --no-tokenizer") from None
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(tok.path).read_bytes())
+    if proto.denormalizer_spec.precompiled_charsmap:
+        raise TokenizerExportError(f"{tok.path}: this SentencePiece model rewrites decoded text with a "
+                                   "denormalization rule, which a tokenizer.json decoder cannot apply; export with "
+                                   "--no-tokenizer and ship the .model")
+    spec = proto.normalizer_spec
+    spaces = decoders.Replace("▁", " ")
+    if not (spec.add_dummy_prefix or spec.remove_extra_whitespaces):  # nothing is dropped
+        return decoders.Sequence([spaces, decoders.ByteFallback(), decoders.Fuse()])
+    pieces = [p.piece for p in proto.pieces]
+    mark = next((m for m in _MARKS if not any(m in p for p in pieces)), None)
+    if mark is None:
+        raise TokenizerExportError(f"{tok.path}: its pieces hold every character U+FDD0..U+FDEF, one of which the "
+                                   "exported decoder needs as a mark; export with --no-tokenizer")
+    opening = decoders.Replace(Regex("\\A▁"), mark)  # per token, before the byte pieces become text
+    if not spec.remove_extra_whitespaces:
+        # the first piece's only: Metaspace drops the mark in the first token and makes it a space elsewhere
+        return decoders.Sequence([opening, spaces, decoders.Metaspace(replacement=mark, prepend_scheme="first",
+                                                                       split=False),
+                                  decoders.ByteFallback(), decoders.Fuse()])
+    # every piece's while the text is empty: the marks at the start of the whole text
+    return decoders.Sequence([opening, spaces, decoders.ByteFallback(), decoders.Fuse(),
+                              decoders.Strip(content=mark, left=_ALL, right=0), decoders.Replace(mark, " ")])
 
 
 def _folder_chat_files(tok: Tokenizer) -> tuple[Any, list[str]]:
@@ -152,15 +185,28 @@ def _carry_chat_files(hf_tok, tok: Tokenizer) -> list[str]:
     return special
 
 
-def _check_same_ids(hf_tok, tok: Tokenizer, special: list[str] = ()) -> None:
+def _check_same_ids(hf_tok, tok: Tokenizer, chat_tokens: list[str] = ()) -> None:
+    """The probes (and the folder's special tokens in text) encode to the same ids, and those ids (and each probe's
+    ids after a standalone '▁') decode to the same text."""
     path = tok.path
-    probes = [*_PROBES, *special, "".join(f"{t}x {t}\n" for t in special)] if special else _PROBES
+    space = tok.token_id("▁") if tok.type == "sentencepiece" else None
+    special = set(hf_tok.all_special_ids)
+    probes = [*PROBE_TEXTS, *chat_tokens, "".join(f"{t}x {t}\n" for t in chat_tokens)] if chat_tokens else PROBE_TEXTS
     for text in probes:
         ours, theirs = tok.encode(text), hf_tok.encode(text, add_special_tokens=False)
         if ours != theirs:
             raise TokenizerExportError(f"{path}: the exported tokenizer encodes {text!r} as {theirs[:12]}, the "
                                        f"original as {ours[:12]}; this tokenizer cannot be exported faithfully "
                                        "(export with --no-tokenizer and ship it yourself)")
+        for ids in (ours, [space] + ours) if space is not None else (ours,):
+            # shown, special tokens (an <unk>) are names in transformers, not SentencePiece's text
+            for skip in (True,) if special & set(ids) else (False, True):
+                mine, exported = tok.decode(ids, skip_special_tokens=skip), hf_tok.decode(ids,
+                                                                                         skip_special_tokens=skip)
+                if mine != exported:
+                    raise TokenizerExportError(f"{path}: the exported tokenizer decodes {ids[:12]} as {exported!r}, "
+                                               f"the original as {mine!r}; this tokenizer cannot be exported "
+                                               "faithfully (export with --no-tokenizer and ship it yourself)")
 
 
 def open_tokenizer(path: str | Path) -> Tokenizer:
@@ -174,6 +220,8 @@ def open_tokenizer(path: str | Path) -> Tokenizer:
 def hf_tokenizer_files(tok: Tokenizer) -> tuple[dict[str, bytes], dict[str, Any]]:
     """(file name -> bytes of the HF tokenizer files, generation_config.json's content) for ``tok``."""
     hf_tok = _hf_fast_tokenizer(tok)
+    if tok.type == "sentencepiece":
+        hf_tok.backend_tokenizer.decoder = _sentencepiece_decoder(tok)
     eos = tok.eod_id
     if eos is not None and hf_tok.eos_token_id != eos:  # the end-of-document id the data was prepared with
         hf_tok.eos_token = hf_tok.convert_ids_to_tokens(eos)
@@ -185,6 +233,7 @@ def hf_tokenizer_files(tok: Tokenizer) -> tuple[dict[str, bytes], dict[str, Any]
     for key in _DROP_CONFIG_KEYS:
         config.pop(key, None)
     config["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 4 and 5 both know this name
+    config["clean_up_tokenization_spaces"] = False  # decode as mmtrain does ("a ." stays "a .")
     files["tokenizer_config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
     generation = {"do_sample": False}
     if hf_tok.bos_token_id is not None:

@@ -22,6 +22,7 @@ from mmtrain.convert.checkpoint_io import (
     layout_chunks,
     read_checkpoint_json,
     read_model_tensors,
+    refuse_existing_checkpoints,
     resolve_checkpoint_folder,
     write_chunks_checkpoint,
 )
@@ -91,7 +92,8 @@ def _stages_and_spec(cfg: VLMModelConfig, parts: list[str], pp: int, pipeline_la
 def vlm_hf_to_mmtrain(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
                       pipeline_layers: list[int] | None = None) -> tuple[Path, list[str], list[str]]:
     """Convert a tower / Whisper / LLaVA folder into a weights-only checkpoint root ``out``: (step folder, parts
-    held, HF tensors left out on purpose)."""
+    held, HF tensors left out on purpose). ``out`` must not hold checkpoints already."""
+    refuse_existing_checkpoints(out)
     hf_config = read_hf_config(hf_dir)
     hf_tensors = read_hf_tensors(hf_dir)
     cfg, full, parts, skipped = vlm_from_hf(hf_config, hf_tensors)

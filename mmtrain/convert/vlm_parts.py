@@ -33,7 +33,7 @@ from mmtrain.convert.lazy_tensors import materialize
 from mmtrain.convert.vlm_convert import is_vlm_checkpoint, read_vlm_checkpoint, vlm_from_hf
 from mmtrain.model.vlm import VLMModel
 from mmtrain.models import encoders_hf, llava_hf
-from mmtrain.models.registry import LLAMA_ARCHITECTURE_FIELDS, family_for_hf
+from mmtrain.models.registry import LLAMA_ARCHITECTURE_FIELDS, family_for_hf, hf_errors
 from mmtrain.parallel.tensor import tp_shard_of
 
 # the fields of each part that change what its weights compute (a source must agree on every one)
@@ -51,7 +51,15 @@ def _part_cfg(cfg: VLMModelConfig, part: str):
 
 def read_part(source: str | Path, part: str) -> tuple[Any, dict[str, torch.Tensor], list[str]]:
     """(the source's config of ``part``, its tensors under ``part.``-less VLM names, HF tensors left out on
-    purpose) from a Hugging Face folder or an mmtrain checkpoint."""
+    purpose) from a Hugging Face folder or an mmtrain checkpoint. An HF config that the adapters refuse (or
+    that contradicts its weights) is a ``ConvertError`` naming the source."""
+    try:
+        return _read_part(source, part)
+    except (encoders_hf.EncoderHFError, *hf_errors()) as exc:
+        raise ConvertError(f"init.{part}={source}: {exc}") from None
+
+
+def _read_part(source: str | Path, part: str) -> tuple[Any, dict[str, torch.Tensor], list[str]]:
     folder = Path(source)
     if (folder / "config.json").is_file():
         hf_config = read_hf_config(folder)

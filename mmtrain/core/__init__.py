@@ -1,5 +1,6 @@
 """What the prep stage (``dataprep``) and the data loaders (``mmtrain.data``) share: the ``.bin/.idx`` token
-format (``mmtrain.core.indexed``) and the tokenizer interface (``mmtrain.core.tokenizer``).
+format (``mmtrain.core.indexed``) and the tokenizer interface (``mmtrain.core.tokenizer``); and what the prep
+stage and the server share: chat templates (``mmtrain.core.chat_template``, ``mmtrain.core.chat_tokens``).
 
 Both sides import this package and never each other. It imports nothing of mmtrain but ``mmtrain.utils``
 (tests/unit/test_import_layering.py checks), and no torch.

@@ -78,6 +78,11 @@ class Tokenizer(ABC):
     def set_threads(self, threads: int) -> None:
         """Threads the library may use inside one ``encode_batch`` call."""
 
+    def control_tokens(self) -> dict[str, int]:
+        """Strings that are one control token of their own (``<|im_start|>``, ``</s>``): the tokens a chat template
+        writes and message text must not (``mmtrain.core.chat_tokens``). Plain text never yields them."""
+        return {}
+
     def checksum(self) -> str:
         return file_sha256(self.path)
 
@@ -103,6 +108,7 @@ class SentencePieceTokenizer(Tokenizer):
         bos = self._sp.bos_id()
         self.bos_id = bos if bos >= 0 else None  # what evaluation harnesses put before a text with no context
         self._threads = 1
+        self._control: dict[str, int] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -114,6 +120,13 @@ class SentencePieceTokenizer(Tokenizer):
 
     def set_threads(self, threads: int) -> None:
         self._threads = max(1, int(threads))
+
+    def control_tokens(self) -> dict[str, int]:
+        # SentencePiece never reads control pieces (<s>, </s>) out of text; a chat template's are split out
+        if self._control is None:
+            self._control = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())
+                             if self._sp.is_control(i)}
+        return self._control
 
     def token_id(self, token: str) -> int | None:
         piece_id = self._sp.piece_to_id(token)
@@ -150,6 +163,8 @@ class HuggingFaceTokenizer(Tokenizer):
         self._vocab = self._tk.get_vocab(with_added_tokens=True)
         self.eod_id = self._find_eos(folder)
         self._encode = getattr(self._tk, "encode_batch_fast", self._tk.encode_batch)
+        self._control = {t.content: i for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
+        self._plain: dict[bool, object] = {}  # plain-text twins of the tokenizer, built when first needed
 
     def _find_eos(self, folder: Path) -> int | None:
         config = folder / "tokenizer_config.json"
@@ -191,8 +206,33 @@ class HuggingFaceTokenizer(Tokenizer):
     def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         return [(e.ids, e.offsets) for e in self._tk.encode_batch(list(texts), add_special_tokens=self._add_special)]
 
+    def control_tokens(self) -> dict[str, int]:
+        return self._control  # the special added tokens (transformers' special tokens)
+
+    def encode_plain_batch_with_offsets(self, texts: Sequence[str], continuation: bool = False
+                                        ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """``encode_batch_with_offsets`` with the control tokens read as text. ``continuation``: the texts
+        follow a control token, where a tokenizer that prefixes a space only at the start of the whole input
+        (Metaspace ``prepend_scheme: first``) adds none."""
+        if continuation not in self._plain:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            spec = json.loads(self._tk.to_str())
+            if continuation:
+                _prepend_never(spec.get("pre_tokenizer"))
+            plain = HFTokenizer.from_str(json.dumps(spec))
+            plain.encode_special_tokens = True
+            self._plain[continuation] = plain
+        encoded = self._plain[continuation].encode_batch(list(texts), add_special_tokens=False)
+        return [(e.ids, e.offsets) for e in encoded]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` that encodes and decodes (what an HF export copies)."""
+        return self._tk
 
     def checksum(self) -> str:
         return file_sha256(self.path)
@@ -229,7 +269,13 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         self._add_special = False
         self._vocab = self._tk.get_vocab(with_added_tokens=True)
         self.eod_id = self._vocab.get(GPT2_EOD)
+        self._control, self._plain = {}, {}  # no added tokens: <|endoftext|> in text is text
         self._encode = getattr(self._tk, "encode_batch_fast", self._tk.encode_batch)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        if skip_special_tokens and self.eod_id is not None:  # the end of document is GPT-2's special token
+            ids = [i for i in ids if int(i) != self.eod_id]
+        return super().decode(ids)
 
     def checksum(self) -> str:
         h = hashlib.sha256()
@@ -239,6 +285,19 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
 
     def describe(self) -> dict:
         return {**super().describe(), "merges_path": str(self.merges_path)}
+
+
+def _prepend_never(spec) -> None:
+    """Metaspace pre-tokenizers inside ``spec`` (a tokenizer.json pre_tokenizer, possibly a Sequence) that add
+    their prefix space at the start of the input only: made to add none."""
+    if isinstance(spec, dict):
+        if spec.get("type") == "Metaspace" and spec.get("prepend_scheme") == "first":
+            spec["prepend_scheme"] = "never"
+        for value in spec.values():
+            _prepend_never(value)
+    elif isinstance(spec, list):
+        for value in spec:
+            _prepend_never(value)
 
 
 def gpt2_merges_for(vocab: Path) -> Path | None:

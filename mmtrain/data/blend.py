@@ -18,7 +18,7 @@ import numpy as np
 from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data import gpt_indices
 from mmtrain.data.blend_spec import (BlendEntry, BlendSpec, BlendSpecError, blend_from_prefixes, check_text_datasets,
-                                     load_blend_spec)
+                                     load_blend_spec, manifest_tokenizer)
 from mmtrain.data.gpt_dataset import (GPTSamples, SPLITS, SplitError, default_cache_dir, samples_needed,
                                       split_document_ranges)
 from mmtrain.data.index_cache import IndexCache
@@ -101,6 +101,17 @@ def _split_datasets(cfg, split: str):
                                  "the blend")
     tokens = [int(ds.lengths[b:end].sum(dtype=np.int64)) for ds, (b, end) in zip(indexed, ranges)]
     return entries, infos, indexed, ranges, tokens
+
+
+def data_tokenizer(cfg) -> dict | None:
+    """The tokenizer record (``type``, ``path``, ``sha256``, ...: ``mmtrain.core.tokenizer_record``) that the
+    manifests of the run's text datasets name, over every split (building the samples checks that they agree);
+    None for mock data or datasets whose manifests name none. A checkpoint stores it in complete.json."""
+    if cfg.data.mock:
+        return None
+    spec = _blend_spec_from_config(cfg)
+    every_split = spec.datasets if spec.per_split is None else [e for es in spec.per_split.values() for e in es]
+    return manifest_tokenizer(every_split)
 
 
 def split_samples_per_pass(cfg, split: str) -> int:

@@ -270,6 +270,16 @@ def check_text_datasets(entries: list[BlendEntry], vocab_size: int, log) -> list
     return infos
 
 
+def manifest_tokenizer(entries: list[BlendEntry]) -> dict | None:
+    """The tokenizer record the first of ``entries``' manifests that names one holds (None: none does)."""
+    for e in entries:
+        if e.type != "energon":
+            tok = _describe_text_dataset(e).tokenizer
+            if tok is not None:
+                return tok
+    return None
+
+
 def _tokenizer_id(tok: dict):
     return tok.get("sha256") or (tok.get("type"), tok.get("path"))
 

@@ -17,6 +17,7 @@ import numpy as np
 from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data.blend_spec import BlendSpecError, blend_from_prefixes, check_text_datasets
 from mmtrain.data.gpt_dataset import samples_needed, split_document_ranges
+from mmtrain.data.prepared_names import preference_prefixes
 from mmtrain.data.reference_logps import read_reference_logps
 from mmtrain.data.sft_dataset import SFTSamples
 from mmtrain.utils.log import get_logger
@@ -31,10 +32,11 @@ class PreferencePairs:
     def __init__(self, prefix: str, seq_length: int, seed: int, num_samples: int,
                  documents: tuple[int, int] | None = None, pad_id: int = 0, with_index: bool = False) -> None:
         self.prefix, self.with_index = prefix, with_index
-        self.chosen = SFTSamples(f"{prefix}_chosen", seq_length, seed, num_samples, documents, False, pad_id)
-        self.rejected = SFTSamples(f"{prefix}_rejected", seq_length, seed, num_samples, documents, False, pad_id)
-        if len(IndexedDataset(f"{prefix}_chosen")) != len(IndexedDataset(f"{prefix}_rejected")):
-            raise BlendSpecError(f"data.prefixes: {prefix}_chosen and {prefix}_rejected hold different numbers of "
+        chosen, rejected = preference_prefixes(prefix)
+        self.chosen = SFTSamples(chosen, seq_length, seed, num_samples, documents, False, pad_id)
+        self.rejected = SFTSamples(rejected, seq_length, seed, num_samples, documents, False, pad_id)
+        if len(IndexedDataset(chosen)) != len(IndexedDataset(rejected)):
+            raise BlendSpecError(f"data.prefixes: {chosen} and {rejected} hold different numbers of "
                                  "pairs; run mmtrain-prep verify on it and re-run the prep")
         self.truncated = max(self.chosen.truncated, self.rejected.truncated)
 
@@ -67,9 +69,9 @@ def build_preference_pairs_from_config(cfg, split: str, dp_size: int) -> Prefere
     if manifest.get("kind") != "preference":
         raise BlendSpecError(f"data.prefixes: {prefix} is not preference data (made by {manifest.get('command')}, "
                              f"kind {manifest.get('kind')}); prepare it with mmtrain-prep sft --preference")
-    check_text_datasets(blend_from_prefixes([f"{prefix}_chosen", f"{prefix}_rejected"], []).datasets,
+    check_text_datasets(blend_from_prefixes(list(preference_prefixes(prefix)), []).datasets,
                         cfg.model.shape().vocab_size, log)
-    count = len(IndexedDataset(f"{prefix}_chosen"))
+    count = len(IndexedDataset(preference_prefixes(prefix)[0]))
     begin, end = split_document_ranges(d.split, count)[split]
     if end <= begin:
         raise BlendSpecError(f"data.prefixes: {prefix} has no pairs in the {split} split ({count} in all, split "

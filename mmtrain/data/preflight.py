@@ -8,7 +8,9 @@ from pathlib import Path
 
 import yaml
 
+from mmtrain.core.indexed import bin_path, idx_path
 from mmtrain.data.blend_spec import BlendSpecError, blend_from_prefixes, load_blend_spec
+from mmtrain.data.prepared_names import loss_mask_prefix, preference_datasets
 
 
 def _missing(key: str, value: str, what: str) -> BlendSpecError:
@@ -16,8 +18,29 @@ def _missing(key: str, value: str, what: str) -> BlendSpecError:
                           "relative to the folder the run starts in")
 
 
+def _missing_files(names: list[str]) -> list[str]:
+    return [str(p.resolve()) for name in names for p in (idx_path(name), bin_path(name)) if not p.is_file()]
+
+
+def _check_preference_prefix(prefixes: list[str]) -> None:
+    """The one prefix of data.type=preference: the chosen / rejected tokens and masks `--preference` writes."""
+    if len(prefixes) != 1:
+        raise BlendSpecError(f"data.prefixes: data.type=preference reads one prepared prefix (the --output-prefix of "
+                             f"mmtrain-prep sft --preference), got {len(prefixes)}")
+    prefix = prefixes[0]
+    missing = _missing_files(preference_datasets(prefix))
+    if missing:
+        hint = (f"; {prefix}.bin is there: was it prepared without --preference?" if bin_path(prefix).is_file()
+                else "")
+        raise BlendSpecError(f"data.prefixes[0]={prefix}: preference pairs not found (missing {', '.join(missing)})"
+                             f"{hint}; give the --output-prefix of mmtrain-prep sft --preference (it writes "
+                             f"{prefix}_chosen* and {prefix}_rejected*), relative to the folder the run starts in")
+
+
 def check_gpt_data_paths(cfg) -> None:
-    """``data.blend`` (a blend spec file) or ``data.prefixes`` (each PREFIX.bin and PREFIX.idx) exist."""
+    """``data.blend`` (a blend spec file) or ``data.prefixes`` exist: each PREFIX.bin and PREFIX.idx, with
+    ``data.type=sft`` also PREFIX_loss_mask, with ``data.type=preference`` the chosen / rejected datasets and
+    their masks."""
     d = cfg.data
     if d.mock:
         return
@@ -25,8 +48,16 @@ def check_gpt_data_paths(cfg) -> None:
         if not Path(d.blend).is_file():
             raise _missing("data.blend", d.blend, "blend spec")
         load_blend_spec(d.blend)  # every entry's files, relative to the spec
+    elif d.type == "preference":
+        _check_preference_prefix(list(d.prefixes))
     else:
-        blend_from_prefixes(d.prefixes, d.weights)  # each prefix's .bin and .idx, relative to the working folder
+        spec = blend_from_prefixes(d.prefixes, d.weights)  # each prefix's .bin and .idx, relative to the working folder
+        for e in spec.datasets if d.type == "sft" else ():
+            missing = _missing_files([loss_mask_prefix(e.path)])
+            if missing:
+                raise BlendSpecError(f"{e.where}: {e.path} has no loss mask (missing {', '.join(missing)}); "
+                                     "data.type=sft reads the output of mmtrain-prep sft, which writes "
+                                     "PREFIX_loss_mask beside PREFIX")
 
 
 def check_vlm_data_paths(cfg) -> None:

@@ -28,16 +28,12 @@ from mmtrain.data import gpt_indices
 from mmtrain.data.blend_spec import BlendSpecError, blend_from_prefixes, check_text_datasets
 from mmtrain.data.documents import GPTMicroBatch
 from mmtrain.data.gpt_dataset import SPLITS, samples_needed, split_document_ranges
+from mmtrain.data.prepared_names import loss_mask_prefix
 from mmtrain.utils.log import get_logger
 
 log = get_logger("mmtrain.data")
 
 ROWS = ("tokens", "loss_mask", "document", "position")
-
-
-def loss_mask_prefix(prefix: str | os.PathLike) -> str:
-    """Where `mmtrain-prep sft` puts the loss mask of ``PREFIX``."""
-    return f"{os.fspath(prefix)}_loss_mask"
 
 
 def _sft_manifest(prefix: str) -> dict:

@@ -49,10 +49,27 @@ def kv_cache_for(model: nn.Module, slots: int, max_len: int, dtype: torch.dtype,
     a latent attention's latent width, the same on every rank)."""
     if _latent(model):
         return latent_cache_for(model, slots, max_len, dtype, device)
+    kv_heads, head_dim = _kv_heads_and_dim(model)
+    return StaticKVCache(len(model.layers), slots, kv_heads, max_len, head_dim, dtype, device)
+
+
+def kv_cache_bytes(model: nn.Module, slots: int, max_len: int, dtype: torch.dtype) -> int:
+    """The bytes ``kv_cache_for`` allocates for these sizes (computed, nothing allocated)."""
+    if _latent(model):
+        cfg = next(iter(model.layers.values())).attn.cfg
+        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    else:
+        kv_heads, head_dim = _kv_heads_and_dim(model)
+        per_layer = 2 * kv_heads * head_dim  # keys and values
+    return len(model.layers) * per_layer * slots * max_len * dtype.itemsize
+
+
+def _kv_heads_and_dim(model: nn.Module) -> tuple[int, int]:
+    """This rank's key/value heads (from its qkv projection's local width) and the head dim."""
     layer = next(iter(model.layers.values())).attn
     total = layer.q_size + 2 * layer.kv_size
     kv_local = layer.qkv.weight.shape[0] * layer.kv_size // total
-    return StaticKVCache(len(model.layers), slots, kv_local // layer.head_dim, max_len, layer.head_dim, dtype, device)
+    return kv_local // layer.head_dim, layer.head_dim
 
 
 def _cached_attention(attn: nn.Module, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -8,7 +8,9 @@ sequence that finishes frees its slot for the next one, so new work joins the ru
 offline use: a list of prompts in, their completions out.
 
 Every row sees only its own cache row and draws from its own generator, so under greedy decoding each row's
-tokens are those of its batch-of-one run.
+tokens are those of its batch-of-one run. A failure of one sequence's own work (its prefill, its draw, its text)
+ends that sequence alone with ``finish_reason`` "error" and ``error`` saying why; only a failed decode step (the
+batch's one model call) raises.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mmtrain.inference.decoder import UnsupportedModelError, check_decodable, decoder_forward, kv_cache_for
+from mmtrain.inference.decoder import (UnsupportedModelError, check_decodable, decoder_forward, kv_cache_bytes,
+                                       kv_cache_for)
+from mmtrain.inference.detokenize import CompletionText
+from mmtrain.inference.memory import check_cache_fits
 from mmtrain.inference.sampling import SamplingParams, argmax_rows, find_stop, make_generator, next_tokens
 from mmtrain.inference.step_broadcast import StepLeader
 
@@ -33,7 +38,9 @@ class ContextLengthError(ValueError):
 class Sequence:
     """One prompt being completed. ``prompt_embeds`` (S, D), when given, replace the prompt's token embeddings
     (a VLM prompt with its media spliced in). ``on_token(seq, new_text, finished)`` is called after each token
-    from the engine's thread (streaming); ``decode`` turns ids into text (needed for stop strings and streaming)."""
+    from the engine's thread (streaming); ``decode`` turns ids into text (needed for stop strings and streaming).
+    ``text`` is what decoding prompt + completion adds to the prompt's text (``detokenize.CompletionText``): a
+    word keeps its leading space, and the prompt's text + ``text`` is the decode of both."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -42,21 +49,24 @@ class Sequence:
     decode: Callable[[list[int]], str] | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" (a stop token or string), "length", or "cancelled"
+    finish_reason: str | None = None  # "stop" (a stop token or string), "length", "cancelled" or "error"
+    error: str | None = None  # why it ended with "error" (this sequence alone: the others go on)
     cancelled: bool = False  # set from any thread (a client went away): the engine drops it at its next step
     slot: int = -1
     generator: torch.Generator | None = None
     _emitted: int = 0  # characters of ``text`` already handed to on_token
-    # incremental detokenization: the text of token_ids[:_read], and where the window decoded with the new
-    # tokens starts (one token back, so a tokenizer that drops a word's leading space at the start of a decode
-    # sees the word in context)
-    _decoded: str = ""
-    _prefix: int = 0
-    _read: int = 0
+    _detok: CompletionText | None = field(default=None, repr=False)  # the text, decoded a few tokens at a time
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_text_end(self) -> int:
+        """How many prompt tokens have their text before ``text``: all of them, or fewer when the prompt's ids end
+        inside a character that the completion completes (``text`` then begins with that character). So
+        ``decode(prompt_ids[:prompt_text_end]) + text`` is the decode of prompt + completion (an echo)."""
+        return len(self.prompt_ids) if self._detok is None else self._detok.prompt_end
 
 
 # inductor options of the compiled decode step (CUDA graphs are added on a GPU): "reduce-overhead" is
@@ -76,7 +86,8 @@ class DecodeEngine:
     all-greedy batches one step ahead (default: on a GPU, where the host's work then overlaps the device's).
     ``compile_mode``: one of ``COMPILE_MODES`` (how inductor builds the compiled step; all capture CUDA graphs).
     ``peers``: on the server rank of a tensor-parallel group, the ``StepLeader`` that sends each model call's
-    inputs to the other ranks first (they run ``step_broadcast.follow`` with an engine built like this one)."""
+    inputs to the other ranks first (they run ``step_broadcast.follow`` with an engine built like this one).
+    Raises ``CacheSizeError`` before allocating a cache larger than the device's free memory allows."""
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, compile: bool = False,
                  overlap: bool | None = None, peers: StepLeader | None = None,
@@ -85,6 +96,7 @@ class DecodeEngine:
         self.model = model.eval()
         weight = model.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
+        check_cache_fits(kv_cache_bytes(model, slots, max_len, self.dtype), slots, max_len, self.device)
         self.cache = kv_cache_for(model, slots, max_len, self.dtype, self.device)
         self.slots, self.max_len = slots, max_len
         self.active: dict[int, Sequence] = {}
@@ -169,8 +181,10 @@ class DecodeEngine:
             if running:
                 logits = self._run_decode()
                 by_slot = [self.active.get(i) for i in range(self.slots)]
-                chosen, tokens = next_tokens(logits, [s and s.params for s in by_slot],
-                                             [s and s.generator for s in by_slot])
+                chosen, tokens, failed = next_tokens(logits, [s and s.params for s in by_slot],
+                                                     [s and s.generator for s in by_slot])
+                for slot, why in failed.items():
+                    by_slot[slot].error = why
                 self._last.copy_(chosen[:, None])  # free slots decode garbage tokens, harmlessly
                 self._positions += self._running
                 finished += self._accept(running, [tokens[s.slot] for s in running])
@@ -178,7 +192,7 @@ class DecodeEngine:
             self._inflight = None  # every row it decoded has finished: nothing to read
         joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self._free)))]
         if joining:
-            finished += self._prefill(joining)
+            finished += self._prefill_apart_on_failure(joining)
         return finished
 
     @property
@@ -250,6 +264,10 @@ class DecodeEngine:
             self._release(s)
         kept = [s for s in self.waiting if not s.cancelled]
         if len(kept) != len(self.waiting):
+            for s in self.waiting:
+                if s.cancelled:
+                    s.finish_reason = "cancelled"
+                    dropped.append(s)
             self.waiting = deque(kept)
         return dropped
 
@@ -268,6 +286,28 @@ class DecodeEngine:
             self._release(s)
         self.waiting.clear()
         return dropped
+
+    def _prefill_apart_on_failure(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One batched prefill of ``seqs``; when it fails, each alone, so that only a sequence whose own prefill
+        fails ends (with an error). Not under tensor parallelism: the other ranks have run the failed call."""
+        try:
+            return self._prefill(seqs)
+        except Exception as exc:  # noqa: BLE001 - a failed prefill of one prompt must not end the other prompts
+            if self._peers is not None:
+                raise  # fatal for the server, which ends them with the running ones (they hold their slots)
+            for s in seqs:
+                if self.active.get(s.slot) is s:
+                    self._release(s)
+            if len(seqs) == 1:
+                return self._end_with_error(seqs[0], f"prefill failed: {type(exc).__name__}: {exc}")
+        return [s for one in seqs for s in self._prefill_apart_on_failure([one])]
+
+    def _end_with_error(self, s: Sequence, why: str) -> list[Sequence]:
+        """End ``s`` (holding no slot) with an error: its callback hears of it; returns [s]."""
+        s.error, s.finish_reason = why, "error"
+        if s.on_token is not None:
+            s.on_token(s, "", True)
+        return [s]
 
     def _prefill(self, seqs: list[Sequence]) -> list[Sequence]:
         for s in seqs:
@@ -297,7 +337,9 @@ class DecodeEngine:
             logits = self.prefill_forward(tokens, slots, last)
         self._positions[slots, 0] = last + 1
         self._running[slots, 0] = 1
-        chosen, tokens = next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        chosen, tokens, failed = next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for b, why in failed.items():
+            seqs[b].error = why
         self._last[slots, 0] = chosen
         return self._accept(seqs, tokens)
 
@@ -309,31 +351,38 @@ class DecodeEngine:
                                last_index_B=last_B, kv_len=S)
 
     def _accept(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
-        """Append each sequence's new token, apply its stops, free the slots of those that finished."""
+        """Append each sequence's new token, apply its stops, free the slots of those that finished. A sequence
+        whose draw failed (``error`` set) or whose text handling raises ends with an error, alone."""
         done = []
         for s, tok in zip(seqs, tokens):
-            if tok in s.params.stop_token_ids:
-                s.finish_reason = "stop"
-                changed = s._read < len(s.token_ids)  # text held back for an incomplete character comes out
-            else:
-                s.token_ids.append(tok)
-                if len(s.token_ids) >= s.params.max_new_tokens:
-                    s.finish_reason = "length"
-                changed = True
-            if changed and s.decode is not None and (s.params.stop or s.on_token is not None):
-                self._update_text(s)
-            if s.on_token is not None:
-                self._emit(s)
-            if s.finished:
-                if s.decode is not None and not s.params.stop and s.on_token is None:
-                    s.text = s.decode(s.token_ids)
+            if s.error is None:
+                try:  # inline, not a call per token: this loop is the decode step's host work
+                    if tok in s.params.stop_token_ids:
+                        s.finish_reason = "stop"  # text held back for an incomplete character comes out below
+                    else:
+                        s.token_ids.append(tok)
+                        if len(s.token_ids) >= s.params.max_new_tokens:
+                            s.finish_reason = "length"
+                    # without stop strings or streaming the text is decoded once, at the end
+                    if s.decode is not None and (s.params.stop or s.on_token is not None or s.finished):
+                        self._update_text(s)
+                    if s.on_token is not None:
+                        self._emit(s)
+                except Exception as exc:  # noqa: BLE001 - one sequence's failure must not end the others
+                    s.error = f"{type(exc).__name__}: {exc}"
+            if s.error is not None:
+                self._release(s)
+                done += self._end_with_error(s, s.error)
+            elif s.finished:
                 self._release(s)
                 done.append(s)
         return done
 
     @staticmethod
     def _update_text(s: Sequence) -> None:
-        text = _decode_incrementally(s)
+        if s._detok is None:
+            s._detok = CompletionText(s.prompt_ids, s.decode)
+        text = s._detok.update(s.token_ids, s.finished)
         if s.params.stop:
             # a stop string can only begin where it could overlap the newly added text
             start = max(0, len(s.text) - max(len(x) for x in s.params.stop))
@@ -357,25 +406,11 @@ class DecodeEngine:
             s.on_token(s, new, s.finished)
 
 
-def _decode_incrementally(s: Sequence) -> str:
-    """The text of all of ``s.token_ids`` so far, decoding only a window of the last few tokens per call (a
-    full decode per token would cost O(length) a token, O(length^2) a sequence). Text of tokens that end in an
-    incomplete UTF-8 character waits for the next token, unless the sequence has finished."""
-    ids = s.token_ids
-    before = s.decode(ids[s._prefix:s._read])
-    window = s.decode(ids[s._prefix:])
-    if len(window) > len(before) and (s.finished or not window.endswith("\ufffd")):
-        s._decoded += window[len(before):]
-        s._prefix, s._read = s._read, len(ids)
-    elif s.finished:
-        s._decoded += window[len(before):]
-    return s._decoded
-
-
 def generate(engine: DecodeEngine, prompts: Seq[list[int]], params: SamplingParams | Seq[SamplingParams],
              decode: Callable[[list[int]], str] | None = None) -> list[Sequence]:
     """Complete every prompt (token ids) with ``engine``; more prompts than slots wait for free ones. ``params``:
-    one for all or one per prompt. Returns the finished sequences in prompt order."""
+    one for all or one per prompt. Returns the finished sequences in prompt order (one that failed alone has
+    ``finish_reason`` "error" and its ``error``)."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     seqs = [Sequence(list(p), sp, decode=decode) for p, sp in zip(prompts, params)]

@@ -41,6 +41,9 @@ def read_prompts_file(path: str | Path) -> list[str]:
 
 
 def completion_row(prompt: str, seq) -> dict:
-    """One completions row (the ``--output`` JSONL)."""
-    return {"prompt": prompt, "completion": seq.text, "tokens": len(seq.token_ids),
-            "finish_reason": seq.finish_reason, "token_ids": seq.token_ids}
+    """One completions row (the ``--output`` JSONL); a prompt that failed has ``error`` too."""
+    row = {"prompt": prompt, "completion": seq.text, "tokens": len(seq.token_ids),
+           "finish_reason": seq.finish_reason, "token_ids": seq.token_ids}
+    if seq.error is not None:
+        row["error"] = seq.error
+    return row

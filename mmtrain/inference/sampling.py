@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # a sanity bound; the context length is the real one
+_TINY = torch.finfo(torch.float32).tiny  # the smallest temperature divided by (see filtered_probs)
+_SHIFT_BELOW = 1e-3  # temperatures below which the logits are shifted before dividing (fp32 could overflow)
 
 
 class SamplingError(ValueError):
@@ -68,8 +70,15 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (fp32) after temperature, top-k and top-p (the smallest set of most likely tokens whose
-    mass reaches top_p; the most likely token always stays)."""
-    logits = logits_V.float() / params.temperature
+    mass reaches top_p; the most likely token always stays). Finite for every temperature > 0 and top_p in (0, 1]
+    the checks accept: below ``_SHIFT_BELOW`` the logits are shifted so the largest is 0 before the division
+    (nothing overflows to inf - inf; softmax shifts them anyway, so larger temperatures skip the pass), a
+    temperature below fp32's smallest normal number divides as that number (the distribution is the greedy one
+    already), and the most likely token is never filtered out (a top_p below fp32's resolution keeps it alone)."""
+    logits = logits_V.float()
+    if params.temperature < _SHIFT_BELOW:
+        logits = logits - logits.max()
+    logits = logits / max(params.temperature, _TINY)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -78,6 +87,7 @@ def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tens
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
         drop = before >= params.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum()
@@ -98,17 +108,23 @@ def argmax_rows(logits_BV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
 
 
 def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams | None],
-                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list[int]]:
+                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list[int], dict[int, str]]:
     """One token per row, as a device tensor (B,) and a host list: the argmax for greedy rows (and rows whose
     params are None: free slots), a draw from the row's generator otherwise. One device op and one read-back
-    for an all-greedy batch."""
+    for an all-greedy batch. A row whose draw fails (its logits hold NaN or inf) keeps the argmax and is named
+    in the third result, row -> why: the caller ends that row alone."""
     chosen = argmax_rows(logits_BV)
-    drawn = {b: int(torch.multinomial(filtered_probs(logits_BV[b].cpu(), p), 1, generator=g))
-             for b, (p, g) in enumerate(zip(params, generators)) if p is not None and not p.greedy}
+    drawn, failed = {}, {}
+    for b, (p, g) in enumerate(zip(params, generators)):
+        if p is not None and not p.greedy:
+            try:
+                drawn[b] = int(torch.multinomial(filtered_probs(logits_BV[b].cpu(), p), 1, generator=g))
+            except Exception as exc:  # noqa: BLE001 - one row's failure must not end the batch
+                failed[b] = f"sampling failed: {exc}"
     if drawn:
         rows = torch.tensor(list(drawn), device=chosen.device)
         chosen = chosen.index_put((rows,), torch.tensor(list(drawn.values()), device=chosen.device))
-    return chosen, chosen.tolist()
+    return chosen, chosen.tolist(), failed
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

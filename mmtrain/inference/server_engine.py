@@ -4,8 +4,9 @@ together (continuous batching) while the HTTP event loop never runs model code.
 
 Requests arrive through a thread-safe queue; tokens go back through each request's ``on_token`` callback, which
 the HTTP side points at ``deliver``: the step's tokens reach their asyncio queues in one ``call_soon_threadsafe``
-per event loop and step. A step that fails ends the
-requests it held with an error and the thread keeps serving — in one process. Under tensor parallelism (an engine
+per event loop and step. A request whose own work fails (its prefill, its
+draw, its text: ``DecodeEngine``) ends alone with an error; a decode step that fails ends the requests it held with
+an error; either way the thread keeps serving — in one process. Under tensor parallelism (an engine
 with peers, ``step_broadcast``) the other ranks may be inside that step's collectives, so a failed step, or a peer
 that stops answering, is fatal: every request ends with an error, new ones are refused (``EngineStopped``), the
 ``on_fatal`` callback stops the HTTP server. While idle the thread sends the peers a heartbeat; when it stops it
@@ -117,8 +118,10 @@ class EngineThread:
                     if not self.engine.busy:
                         self.engine.heartbeat()
                         continue
-                    self.engine.step()
+                    ended = self.engine.step()
                     self.steps += 1
+                    if ended:
+                        _log_ends(log, ended)
                 except Exception as exc:  # noqa: BLE001 - the server must keep serving; the requests get the error
                     what = f"{type(exc).__name__}: {exc}"
                     if self.engine.tensor_parallel:
@@ -154,6 +157,16 @@ class EngineThread:
         self._flush()
         if self.on_fatal is not None:
             self.on_fatal(message)
+
+
+def _log_ends(log, ended: list[Sequence]) -> None:
+    """One line for each request that failed alone or whose client went away (the others finished as asked)."""
+    for s in ended:
+        if s.finish_reason == "error":
+            log.error(f"a request ended with an error ({s.error}); the other requests go on")
+        elif s.finish_reason == "cancelled":
+            log.info(f"a client went away after {len(s.token_ids)} of {s.params.max_new_tokens} new tokens; "
+                     "its slot is free")
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -9,7 +9,9 @@ projections become the fused ``qkv`` ([q | k | v] rows); Whisper's key projectio
 bias here (a key bias adds the same amount to every score of a query: softmax ignores it, so it stays zero).
 
 Every name the tower holds is mapped or refused: an unmapped HF tensor is an error (``EncoderHFError``), except
-the parts the import leaves out on purpose (``EXPECTED_UNUSED``), which are reported by the caller.
+the parts the import leaves out on purpose (``EXPECTED_UNUSED``), which are reported by the caller. Before any
+tensor is mapped, the config's layer count and every shape it implies are checked against the tensors' shapes
+(``mmtrain.models.hf_shapes``), naming the config key.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from mmtrain.config.vlm_schema import AudioConfig, VisionConfig
+from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, fixed, indices
 
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 AUDIO_TYPES = ("whisper",)
@@ -41,6 +44,12 @@ def _get(hf: dict[str, Any], key: str, where: str) -> Any:
     return hf[key]
 
 
+def _get_int(hf: dict[str, Any], key: str, where: str) -> int:
+    """``hf[key]``, a positive integer (``EncoderHFError`` naming the key otherwise)."""
+    _get(hf, key, where)
+    return config_int(hf, key, EncoderHFError)
+
+
 # ------------------------------------------------------------------------------------------------ vision
 def vision_config_from_hf(hf: dict[str, Any], feature_layer: int | None = None,
                           drop_first_token: bool = False) -> VisionConfig:
@@ -56,10 +65,10 @@ def vision_config_from_hf(hf: dict[str, Any], feature_layer: int | None = None,
         raise EncoderHFError(f"{kind}: num_channels={hf['num_channels']}; the ViT takes RGB images (3)")
     clip = kind == "clip_vision_model"
     return VisionConfig(
-        image_size=_get(hf, "image_size", kind), patch_size=_get(hf, "patch_size", kind),
-        hidden_size=_get(hf, "hidden_size", kind), num_layers=_get(hf, "num_hidden_layers", kind),
-        num_attention_heads=_get(hf, "num_attention_heads", kind),
-        ffn_hidden_size=_get(hf, "intermediate_size", kind), norm="layernorm",
+        image_size=_get_int(hf, "image_size", kind), patch_size=_get_int(hf, "patch_size", kind),
+        hidden_size=_get_int(hf, "hidden_size", kind), num_layers=_get_int(hf, "num_hidden_layers", kind),
+        num_attention_heads=_get_int(hf, "num_attention_heads", kind),
+        ffn_hidden_size=_get_int(hf, "intermediate_size", kind), norm="layernorm",
         norm_eps=float(hf.get("layer_norm_eps", 1e-5 if clip else 1e-6)), activation=_VISION_ACT[act],
         add_bias=True, patch_bias=not clip, class_token=clip, pre_norm=clip, post_norm=True,
         position_embedding="learned", temporal_embedding=False,
@@ -156,10 +165,41 @@ def _block_to_hf(full: dict[str, torch.Tensor], ours: str, hf: str, width: int, 
     return out
 
 
-def vision_state_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: VisionConfig) -> tuple[dict, list[str]]:
+def _block_shapes(hf: str, d: Size, ffn: Size, norms: tuple[str, str], mlp: str) -> Shapes:
+    """The shapes of one pre-norm block's HF tensors (``_block_from_hf``'s names)."""
+    att = hf + "self_attn."
+    out: Shapes = {f"{hf}{n}.{w}": (d,) for n in norms for w in ("weight", "bias")}
+    for p in ("q", "k", "v", "out"):
+        out.update({f"{att}{p}_proj.weight": (d, d), f"{att}{p}_proj.bias": (d,)})
+    out.update({f"{hf}{mlp}fc1.weight": (ffn, d), f"{hf}{mlp}fc1.bias": (ffn,), f"{hf}{mlp}fc2.weight": (d, ffn),
+                f"{hf}{mlp}fc2.bias": (d,)})
+    return out
+
+
+def check_vision_weights(tensors: dict[str, torch.Tensor], cfg: VisionConfig, config_prefix: str = "") -> None:
+    """A tower's layer count and every shape its config implies against its tensors (names without the
+    ``vision_model.`` prefix); ``EncoderHFError`` naming the config key (under ``config_prefix``)."""
+    check_count("num_hidden_layers", cfg.num_layers, indices(tensors, r"encoder\.layers\.(\d+)\."),
+                "layers (encoder.layers.<i>)", EncoderHFError, config_prefix)
+    d, patch = Size("hidden_size", cfg.hidden_size), Size("patch_size", cfg.patch_size)
+    positions = Size(f"(image_size/patch_size)^2{' + 1' if cfg.class_token else ''}", cfg.num_positions)
+    out: Shapes = {"embeddings.patch_embedding.weight": (d, fixed(3), patch, patch),
+                   "embeddings.patch_embedding.bias": (d,), "embeddings.position_embedding.weight": (positions, d),
+                   "embeddings.class_embedding": (d,)}
+    out.update({f"{n}.{w}": (d,) for n in ("pre_layrnorm", "post_layernorm") for w in ("weight", "bias")})
+    for i in range(cfg.num_layers):
+        out.update(_block_shapes(f"encoder.layers.{i}.", d, Size("intermediate_size", cfg.ffn_hidden_size),
+                                 ("layer_norm1", "layer_norm2"), "mlp."))
+    check_shapes(out, tensors, EncoderHFError, config_prefix)
+
+
+def vision_state_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: VisionConfig,
+                         config_prefix: str = "") -> tuple[dict, list[str]]:
     """(full ViT tensors, HF names left out on purpose) from a CLIP/SigLIP tower's tensors (with or without
-    the ``vision_model.`` prefix). Raises ``EncoderHFError`` on a missing or unmapped tensor."""
+    the ``vision_model.`` prefix), after ``check_vision_weights``. Raises ``EncoderHFError`` on a missing or
+    unmapped tensor."""
     tensors, outside = _strip(hf_tensors, _VISION_PREFIXES, "vision tower")
+    check_vision_weights(tensors, cfg, config_prefix)
     take = _Taker(tensors, "vision tower")
     out = {"patch_embed.weight": take("embeddings.patch_embedding.weight"),
            "pos_embed": take("embeddings.position_embedding.weight"),
@@ -205,12 +245,12 @@ def audio_config_from_hf(hf: dict[str, Any], num_tokens: int = 8) -> AudioConfig
     act = hf.get("activation_function", "gelu")
     if act not in _AUDIO_ACT:
         raise EncoderHFError(f"whisper: activation_function={act!r} is not supported (supported: gelu)")
-    return AudioConfig(enabled=True, n_mels=_get(hf, "num_mel_bins", "whisper"),
-                       hidden_size=_get(hf, "d_model", "whisper"),
-                       num_layers=_get(hf, "encoder_layers", "whisper"),
-                       num_attention_heads=_get(hf, "encoder_attention_heads", "whisper"),
-                       ffn_hidden_size=_get(hf, "encoder_ffn_dim", "whisper"),
-                       max_frames=_get(hf, "max_source_positions", "whisper"), num_tokens=num_tokens,
+    return AudioConfig(enabled=True, n_mels=_get_int(hf, "num_mel_bins", "whisper"),
+                       hidden_size=_get_int(hf, "d_model", "whisper"),
+                       num_layers=_get_int(hf, "encoder_layers", "whisper"),
+                       num_attention_heads=_get_int(hf, "encoder_attention_heads", "whisper"),
+                       ffn_hidden_size=_get_int(hf, "encoder_ffn_dim", "whisper"),
+                       max_frames=_get_int(hf, "max_source_positions", "whisper"), num_tokens=num_tokens,
                        norm_eps=1e-5, activation="gelu_erf", position_embedding="learned")
 
 
@@ -232,6 +272,17 @@ def audio_state_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: AudioConfig) -
     if cfg.position_embedding != "learned":
         raise EncoderHFError("a Whisper import needs model.audio.position_embedding=learned")
     tensors, outside = _strip(hf_tensors, _AUDIO_PREFIXES, "whisper")  # outside: the decoder, left out
+    check_count("encoder_layers", cfg.num_layers, indices(tensors, r"layers\.(\d+)\."), "encoder layers",
+                EncoderHFError)
+    d, three = Size("d_model", cfg.hidden_size), fixed(3)
+    shapes: Shapes = {"conv1.weight": (d, Size("num_mel_bins", cfg.n_mels), three), "conv1.bias": (d,),
+                      "conv2.weight": (d, d, three), "conv2.bias": (d,),
+                      "embed_positions.weight": (Size("max_source_positions", cfg.max_frames), d),
+                      "layer_norm.weight": (d,), "layer_norm.bias": (d,)}
+    for i in range(cfg.num_layers):
+        shapes.update(_block_shapes(f"layers.{i}.", d, Size("encoder_ffn_dim", cfg.ffn_hidden_size),
+                                    ("self_attn_layer_norm", "final_layer_norm"), ""))
+    check_shapes(shapes, tensors, EncoderHFError)
     take = _Taker(tensors, "whisper encoder")
     out = {f"conv{i}.{w}": take(f"conv{i}.{w}") for i in (1, 2) for w in ("weight", "bias")}
     out["pos_embed"] = take("embed_positions.weight")

@@ -21,6 +21,7 @@ import torch
 from mmtrain.config.vlm_schema import ProjectorConfig, VLMModelConfig
 from mmtrain.models import encoders_hf
 from mmtrain.models.encoders_hf import EncoderHFError
+from mmtrain.models.hf_shapes import Size, check_shapes
 from mmtrain.models.llama import hf_adapter as llama_hf
 
 LLAVA_TYPES = ("llava",)
@@ -115,8 +116,14 @@ def split_llava_tensors(hf_tensors: dict[str, torch.Tensor]) -> dict[str, dict[s
 def vlm_state_from_llava(hf_tensors: dict[str, torch.Tensor], cfg: VLMModelConfig) -> tuple[dict, list[str]]:
     """(full VLM tensors, HF names left out on purpose: a SigLIP pooling head) from LLaVA tensors."""
     parts = split_llava_tensors(hf_tensors)
-    vision, skipped = encoders_hf.vision_state_from_hf(parts["vision"], cfg.vision)
+    vision, skipped = encoders_hf.vision_state_from_hf(parts["vision"], cfg.vision, "vision_config.")
     proj = dict(parts["projector"])
+    text, seen = Size("text_config.hidden_size", cfg.language.hidden_size), Size("vision_config.hidden_size",
+                                                                                 cfg.vision.hidden_size)
+    mm = "multi_modal_projector."
+    check_shapes({mm + "linear_1.weight": (text, seen), mm + "linear_1.bias": (text,),
+                  mm + "linear_2.weight": (text, text), mm + "linear_2.bias": (text,)},
+                 {mm + k: v for k, v in proj.items()}, EncoderHFError)
     out = {f"vision.{k}": v for k, v in vision.items()}
     for i in (1, 2):
         for w in ("weight", "bias"):
@@ -127,7 +134,7 @@ def vlm_state_from_llava(hf_tensors: dict[str, torch.Tensor], cfg: VLMModelConfi
     if proj:
         raise EncoderHFError(f"llava: projector tensors not mapped to mmtrain: {sorted(proj)[:6]}")
     try:
-        language = llama_hf.mmtrain_state_from_hf(parts["language"], cfg.language)
+        language = llama_hf.mmtrain_state_from_hf(parts["language"], cfg.language, "text_config.")
     except (KeyError, ValueError) as exc:
         raise EncoderHFError(f"llava language model: {exc}") from None
     out.update({f"language.{k}": v for k, v in language.items()})

@@ -6,14 +6,17 @@ Folder layout under ``<run_dir>/checkpoints/``::
     step_00000100/rank_00000.json ...         per rank: step, layout, data loaders' states, AdamW step count
     step_00000100/checksums.json              XXH3 hash of every file above, written after .metadata (``utils/dcp_storage.py``)
     step_00000100/complete.json               written by rank 0 after every rank finished: the checkpoint counts only
-                                              then; the run config, its schedule and data-order records
+                                              then; the run config, its schedule and data-order records, the
+                                              format version, the hash of checksums.json and its own seal
+                                              (``utils/checkpoint_marker.py``)
     latest                                    name of the newest complete checkpoint, replaced atomically, last
 
 A crash during a save never damages an earlier checkpoint: nothing counts before ``complete.json``, and
 ``latest`` moves only after it. Loading reads tensors with ``torch.load(weights_only=True)`` (DCP) and DCP's
 metadata through an unpickler that accepts only DCP's metadata classes; everything else is JSON. Every file
-is checked against ``checksums.json`` before it is read (``checkpoint.verify``); a missing or damaged file stops
-the run with one line naming it and the previous complete checkpoint. At another
+is checked against ``checksums.json`` before it is read (``checkpoint.verify``), and ``complete.json`` against its
+seal; a missing or damaged file (``checksums.json`` included) stops the run with one line naming it and the
+previous complete checkpoint. At another
 layout, each rank reads the boxes of the global tensors it now holds (weights, fp32 masters, AdamW moments);
 the loader resumes from the global sample count; RNG streams are per rank and restart only at the same layout.
 With ``checkpoint.async_save`` the step waits only for a copy of this rank's tensors to (pinned) host memory;
@@ -37,12 +40,12 @@ from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.train.checkpoint_state import load_state, save_chunks_of
 from mmtrain.utils.atomic import atomic_write_text
 from mmtrain.utils.dcp_io import Chunk, async_save_chunks, save_chunks
+from mmtrain.utils.checkpoint_marker import checksums_for, read_marker, write_marker
 from mmtrain.utils.dcp_storage import (
     CheckpointFormatError,
     ChecksummingFileSystemWriter,
     DamagedFileError,
     check_file,
-    read_checksums,
 )
 from mmtrain.utils.file_checksums import entry_of_bytes
 from mmtrain.utils.log import get_logger
@@ -82,10 +85,10 @@ def _finalize(root: Path, folder: Path, step: int, layout: dict, keep_last: int,
               records: dict | None = None) -> None:
     """Rank 0, once every rank's data is written: the marker, then ``latest``, then retention. ``records``:
     more entries of the marker (the schedule and data-order inputs: ``mmtrain.train.resume_inputs``)."""
-    atomic_write_text(folder / "complete.json", json.dumps({
+    write_marker(folder, {
         "step": step, "layout": layout, "format": "torch.distributed.checkpoint",
         "mmtrain_version": mmtrain.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "config": config or {}, **(records or {})}, indent=1))
+        "config": config or {}, **(records or {})})
     atomic_write_text(Path(root) / "latest", folder.name + "\n")
     if keep_last > 0:
         done = sorted(p for p in Path(root).glob("step_*") if (p / "complete.json").exists())
@@ -230,22 +233,29 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def read_complete(folder: Path) -> dict:
+    """The checkpoint's ``complete.json``, its seal checked (``mmtrain.utils.checkpoint_marker.read_marker``);
+    a ``CheckpointError`` of one line naming the file (and the checkpoint to use instead) otherwise."""
+    try:
+        return read_marker(Path(folder))
+    except DamagedFileError as exc:
+        raise CheckpointError(exc.with_earlier_checkpoint()) from None
+    except CheckpointFormatError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def is_weights_only(folder: Path) -> bool:
     """A converted (e.g. Hugging Face) checkpoint: weights at any layout, no optimizer/loader/RNG state."""
-    return bool(_read_json(Path(folder) / "complete.json").get("weights_only", False))
+    return bool(read_complete(folder).get("weights_only", False))
 
 
 def _checksums_of(folder: Path, verify: bool) -> dict | None:
-    if not verify:
-        return None
     try:
-        checksums = read_checksums(folder)
+        return checksums_for(folder, verify)
+    except DamagedFileError as exc:  # checksums.json missing or changed
+        raise CheckpointError(exc.with_earlier_checkpoint()) from None
     except CheckpointFormatError as exc:
         raise CheckpointError(f"{exc}; set checkpoint.verify=false to load it unchecked") from None
-    if checksums is None:
-        get_logger("checkpoint").warning(f"{folder} has no checksums.json (written before checkpoints had "
-                                         "checksums): loading it without checking its files")
-    return checksums
 
 
 def find_checkpoint(load: str, run_dir: str) -> Path | None:
@@ -272,8 +282,8 @@ def load_checkpoint(folder: Path, mesh: ParallelMesh, model: torch.nn.Module, op
     ``checksums.json`` (``checkpoint.verify``). Any problem with the checkpoint is a ``CheckpointError`` of one line
     naming the file."""
     folder = Path(folder)
+    meta = read_complete(folder)
     checksums = _checksums_of(folder, verify)
-    meta = _read_json(folder / "complete.json")
     same = meta.get("layout") == _layout(mesh)
     rank_file = folder / f"rank_{mesh.rank if same else _rank_file_for(meta.get('layout') or {}, mesh):05d}.json"
     try:

@@ -38,6 +38,7 @@ from mmtrain.parallel.global_chunks import (
     shard_of,
     stored_name,
 )
+from mmtrain.utils.checkpoint_marker import checksums_for
 from mmtrain.utils.dcp_io import Chunk, load_chunks, saved_tensors
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -152,6 +153,7 @@ def load_model_weights_only(folder: Path, mesh: ParallelMesh | None, model: torc
     """Fill only the weights of ``model`` (this rank's shard; ``mesh=None``: one process, the whole model) from
     ``folder``, a checkpoint of any layout: e.g. a VLM's stage 2 starting from stage 1, or the demo's caption."""
     shard = shard_of(mesh) if mesh is not None else Shard()
+    checksums_for(folder, verify)  # checksums.json as complete.json requires it (a warning without one)
     saved = saved_tensors(folder, verify)
     chunks, missing = model_load_chunks(model.state_dict(), model.sharding_spec(), shard, saved)
     if missing:

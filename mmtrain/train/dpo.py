@@ -2,9 +2,11 @@
 rejected one relative to a frozen reference model (Rafailov et al. 2023; IPO: Azar et al. 2023).
 
 Per pair, with sequence log-probabilities ``log p(answer | prompt)`` summed over the answer's loss-mask tokens,
-``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))``; the sigmoid loss is ``-log sigmoid(beta * h)``,
-IPO's ``(h - 1 / (2 beta))^2``. The implicit rewards ``beta * (log pi - log ref)`` of both answers, their margin
-and how often the chosen one wins are logged. A micro-batch of B pairs runs as one batch of 2B sequences
+``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))``; the sigmoid loss is ``-log sigmoid(beta * h)``.
+IPO's is ``(h - 1 / (2 beta))^2`` with each answer's log-probabilities (policy and reference) divided by its
+number of loss tokens first, as TRL's ``loss_type="ipo"`` does (the IPO authors' length-averaged log-likelihood).
+The implicit rewards ``beta * (log pi - log ref)`` of both answers (length-averaged under IPO, as TRL logs them),
+their margin and how often the chosen one wins are logged. A micro-batch of B pairs runs as one batch of 2B sequences
 (chosen then rejected) through the same pipeline schedule, once forward-only through the reference (no
 gradients) and once through the policy; the loss sum is divided by the global pair count like a token loss.
 The reference is built like the policy (same layout) without LoRA adapters and loaded with the run's initial
@@ -26,11 +28,19 @@ from mmtrain.train.checkpoint import is_weights_only
 
 
 def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-               ref_rejected: torch.Tensor, beta: float, kind: str = "sigmoid"
+               ref_rejected: torch.Tensor, beta: float, kind: str = "sigmoid",
+               chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-pair losses, chosen rewards, rejected rewards) from per-pair sequence log-probs."""
+    """(per-pair losses, chosen rewards, rejected rewards) from per-pair sequence log-probs (sums over each
+    answer's loss tokens). ``ipo`` needs ``chosen_tokens`` / ``rejected_tokens``, each answer's loss-token count:
+    its log-ratio is divided by it (TRL's IPO; an answer cut down to no loss token counts as one)."""
     chosen = policy_chosen - ref_chosen
     rejected = policy_rejected - ref_rejected
+    if kind == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("dpo.loss=ipo needs each answer's loss-token count")
+        chosen = chosen / chosen_tokens.clamp(min=1).to(chosen.dtype)
+        rejected = rejected / rejected_tokens.clamp(min=1).to(rejected.dtype)
     h = chosen - rejected
     if kind == "sigmoid":
         losses = -F.logsigmoid(beta * h)
@@ -74,25 +84,28 @@ def run_dpo_micro_batches(stage, reference, micro_batches: list[torch.Tensor], m
     d = cfg.dpo
 
     def run(module, i, received):
+        """(output, None) off the last stage; there (token losses, sequence log-probs, loss tokens per sequence)."""
         inputs, labels, positions, doc_ids, mask = pair_inputs(micro_batches[i].to(device, non_blocking=True))
         out = module(inputs if module.pre_process else received, labels if module.post_process else None,
                      positions, doc_ids)
-        return out, (sequence_logps(out, mask) if module.post_process else None)
+        return out, ((sequence_logps(out, mask), mask.sum(dim=-1)) if module.post_process else None)
 
     def reference_step(i, received, module=reference):
         with torch.no_grad():
-            out, logps = run(module, i, received)
-        if logps is not None:
-            ref_logps[i] = logps
+            out, last = run(module, i, received)
+        if last is not None:
+            ref_logps[i] = last[0]
         return out
 
     def policy_step(i, received, module=stage):
-        out, logps = run(module, i, received)
-        if logps is None:
+        out, last = run(module, i, received)
+        if last is None:
             return out
+        logps, tokens = last
         n = logps.shape[0] // 2
         ref = ref_logps[i]
-        losses, chosen, rejected = dpo_losses(logps[:n], logps[n:], ref[:n], ref[n:], d.beta, d.loss)
+        losses, chosen, rejected = dpo_losses(logps[:n], logps[n:], ref[:n], ref[n:], d.beta, d.loss,
+                                              tokens[:n], tokens[n:])
         total = losses.sum()
         stats[0] += total.detach().double()
         stats[1] += n

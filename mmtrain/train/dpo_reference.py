@@ -16,6 +16,7 @@ import torch
 
 from mmtrain.core.indexed import IndexedDataset
 from mmtrain.data.preference_dataset import PreferencePairs
+from mmtrain.data.prepared_names import preference_prefixes
 from mmtrain.data.reference_logps import write_reference_logps
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.checkpoint import find_checkpoint
@@ -31,7 +32,7 @@ def compute_reference_logps(cfg, mesh, device: torch.device) -> Path | None:
     prefix = str(Path(cfg.data.prefixes[0]).absolute())
     found = find_checkpoint(cfg.checkpoint.load, cfg.logging.run_dir)
     reference = build_reference(cfg, mesh, device, found, build_gpt_stage)
-    count = len(IndexedDataset(f"{prefix}_chosen"))
+    count = len(IndexedDataset(preference_prefixes(prefix)[0]))
     pairs = PreferencePairs(prefix, cfg.data.seq_length, cfg.data.seed, count, (0, count), with_index=True)
     mbs, S = cfg.train.micro_batch_size, cfg.data.seq_length
     order = list(range(count)) + [0] * (-count % mbs)  # the first epoch holds every pair once; pad the last batch

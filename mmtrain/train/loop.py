@@ -229,6 +229,19 @@ def _evaluate(stage: torch.nn.Module, batches, mesh: ParallelMesh, cfg, task: St
     return (stats[0] / stats[1]).item()
 
 
+def _checkpoint_records(cfg, lr_schedule: LrSchedule, dp: int) -> dict:
+    """What every checkpoint stores in complete.json besides its config: the resume records, and for a GPT run
+    on text data the tokenizer its data's manifests name (what evaluation, generation and the HF export check
+    against; the samples were built already, so the manifests were read and agree)."""
+    records = resume_records(cfg, lr_schedule, dp)
+    if not isinstance(cfg, GPTRunConfig) or cfg.data.type != "gpt" or cfg.data.mock:
+        return records
+    from mmtrain.data.blend import data_tokenizer  # as _build_samples imports it: not for mock data
+
+    tokenizer = data_tokenizer(cfg)
+    return {**records, "tokenizer": tokenizer} if tokenizer is not None else records
+
+
 def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps on this rank's stage/shard of the model."""
     dims = mesh.dims
@@ -336,7 +349,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,
                CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), hooks,
                TrainResult(model=stage, optimizer=optimizer), gbs, num_micro, lr_schedule,
-               resume_records(cfg, lr_schedule, dims.dp))
+               _checkpoint_records(cfg, lr_schedule, dims.dp))
     if cfg.train.exit_at_step and start_step >= cfg.train.exit_at_step:
         log.info(f"resumed at step {start_step}, not before train.exit_at_step={cfg.train.exit_at_step}: "
                  "nothing to run (leave train.exit_at_step out to continue)")

@@ -15,10 +15,11 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
         return cfg.lr
     decay_steps = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    final = cfg.final_lr()
     if cfg.schedule == "cosine":
-        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-    # wsd: hold the peak, then decay linearly to min_lr over the last `decay_fraction` of the steps
+        return final + 0.5 * (cfg.lr - final) * (1 + math.cos(math.pi * progress))
+    # wsd: hold the peak, then decay linearly to the final lr over the last `decay_fraction` of the steps
     decay_start = 1.0 - cfg.decay_fraction
     if progress <= decay_start:
         return cfg.lr
-    return cfg.lr + (cfg.min_lr - cfg.lr) * (progress - decay_start) / max(cfg.decay_fraction, 1e-12)
+    return cfg.lr + (final - cfg.lr) * (progress - decay_start) / max(cfg.decay_fraction, 1e-12)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mmtrain.config.schema import OptimConfig
-from mmtrain.train.checkpoint import CheckpointError
+from mmtrain.train.checkpoint import CheckpointError, read_complete
 from mmtrain.train.lr import lr_at
 from mmtrain.utils.log import get_logger
 
@@ -55,7 +55,8 @@ class LrSchedule:
         """The dotted keys this schedule is made of, as a checkpoint stores them."""
         o = self.optim
         return {"train.steps": self.total_steps, "optim.schedule": o.schedule, "optim.lr": o.lr,
-                "optim.min_lr": o.min_lr, "optim.warmup_steps": o.warmup_steps, "optim.decay_fraction": o.decay_fraction}
+                "optim.min_lr": o.final_lr(),  # the value it stands for: an unset min_lr records lr / 10
+                "optim.warmup_steps": o.warmup_steps, "optim.decay_fraction": o.decay_fraction}
 
 
 def schedule_of(cfg) -> LrSchedule:
@@ -113,11 +114,21 @@ def _saved_records(meta: dict) -> tuple[dict | None, dict | None]:
     o, t = config["optim"], config["train"]
     schedule = {"train.steps": t["steps"], **{f"optim.{k}": o[k] for k in
                                              ("schedule", "lr", "min_lr", "warmup_steps", "decay_fraction")}}
+    if schedule["optim.min_lr"] is None:  # unset: what it stands for, as schedule records hold it
+        schedule["optim.min_lr"] = OptimConfig(lr=o["lr"]).final_lr()
     return schedule, data_order_record(config, int(meta.get("layout", {}).get("dp", 1)))
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal; two floats within rounding (an unset min_lr's lr / 10 is 2.9999999999999997e-05 for 3e-4)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    return a == b
+
+
 def _changes(saved: dict, now: dict, keys) -> list[str]:
-    return [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in keys if saved.get(k) != now.get(k)]
+    return [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in keys
+            if not _same(saved.get(k), now.get(k))]
 
 
 def resolve_resume(found: Path | None, cfg, dp: int) -> LrSchedule:
@@ -127,7 +138,7 @@ def resolve_resume(found: Path | None, cfg, dp: int) -> LrSchedule:
     if found is None:
         return schedule
     log = get_logger("train")
-    meta = json.loads((Path(found) / "complete.json").read_text())
+    meta = read_complete(Path(found))
     if meta.get("weights_only"):
         return schedule
     saved_schedule, saved_order = _saved_records(meta)

@@ -56,9 +56,11 @@ class SampleLogger(StepHooks):
             self.model.train(was_training)
             if self.weights is not None:
                 self.weights.release_full_params()
-        samples = [{"prompt": p, "completion": s.text} for p, s in zip(self.prompts, seqs)]
+        samples = [{"prompt": p, "completion": s.text, **({"error": s.error} if s.error else {})}
+                   for p, s in zip(self.prompts, seqs)]
         if self.rank == 0:
             log = get_logger("train")
             for i, s in enumerate(samples):
-                log.info(f"sample {i} at step {values['sample_step']}: {s['prompt']!r} -> {s['completion']!r}")
+                failed = f" (failed: {s['error']})" if "error" in s else ""
+                log.info(f"sample {i} at step {values['sample_step']}: {s['prompt']!r} -> {s['completion']!r}{failed}")
         return {"samples": samples}

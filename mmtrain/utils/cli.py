@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -29,3 +31,15 @@ def startup_error(line: str, rank: int, local_rank: int) -> int:
     else:
         time.sleep(SILENT_RANK_GRACE_S)
     return 2
+
+
+def checkpoint_display_name(ckpt: str | os.PathLike) -> str:
+    """The name a checkpoint path goes by (e.g. the model name a server reports): its run's folder for a
+    checkpoints root or a step folder in one (``runs/guide/checkpoints``, ``.../checkpoints/step_00000060`` ->
+    ``guide``), else the folder's own name."""
+    path = Path(ckpt).resolve()
+    if path.name.startswith("step_") and path.parent.name == "checkpoints":
+        path = path.parent
+    if path.name == "checkpoints" and path.parent.name:
+        path = path.parent
+    return path.name

@@ -5,8 +5,13 @@ Checksums: each rank's writer threads hash the ``.distcp`` bytes as they write t
 (``mmtrain.utils.file_checksums.HashingFile``); the records travel to the coordinator with DCP's own write
 results, and the coordinator writes ``checksums.json`` (every ``.distcp``, ``.metadata`` and the per-rank
 files the caller names) right after ``.metadata``, so before the checkpoint is marked complete. A reader checks
-``.metadata`` before unpickling it and every data file before DCP reads from it; a checkpoint without
-``checksums.json`` (written before checksums existed) is read unchecked.
+``.metadata`` before unpickling it and every data file before DCP reads from it. Whether a checkpoint must have
+``checksums.json`` is its ``complete.json``'s to say (``mmtrain.utils.checkpoint_marker``): one written before
+checksums is read unchecked.
+
+Sizes: after unpickling, every tensor the metadata describes is checked against the bytes its data files hold
+(``_check_sizes``) before anyone allocates a tensor of that size: its stored chunks must lie inside the tensor,
+cover it, and fit their byte ranges, which must lie inside the files without overlapping.
 """
 
 from __future__ import annotations
@@ -24,34 +29,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from mmtrain.utils.atomic import atomic_write_text
-from mmtrain.utils.file_checksums import HashingFile, file_problem, read_record, record_text
+from mmtrain.utils.checkpoint_marker import (  # noqa: F401 - the errors and read_checksums: re-exported
+    CHECKSUMS_NAME,
+    METADATA_NAME,
+    CheckpointFormatError,
+    DamagedFileError,
+    earlier_complete_checkpoint,
+    read_checksums,
+)
+from mmtrain.utils.file_checksums import HashingFile, file_problem, record_text, size_problem
 
-CHECKSUMS_NAME = "checksums.json"
-METADATA_NAME = ".metadata"
 _RECORD_KEY = "__mmtrain_checksums__"  # the write result carrying a rank's checksums to the coordinator
-
-
-class CheckpointFormatError(ValueError):
-    """A checkpoint folder that is not what the reader needs; the message names the folder and key."""
-
-
-class DamagedFileError(CheckpointFormatError):
-    """A checkpoint file that is missing or does not match the checksum recorded when it was written."""
-
-    def __init__(self, folder: Path, name: str, problem: str) -> None:
-        super().__init__(f"{Path(folder) / name} {problem}")
-        self.folder, self.name, self.problem = Path(folder), name, problem
-
-    def with_earlier_checkpoint(self, option: str = "checkpoint.load") -> str:
-        """This error, and the checkpoint to use instead (set through ``option``), in one line."""
-        earlier = earlier_complete_checkpoint(self.folder)
-        instead = (f"the previous complete checkpoint is {earlier} ({option}={earlier})" if earlier is not None
-                   else "there is no earlier complete checkpoint")
-        return f"{self}; {instead}"
 
 
 # ------------------------------------------------------------------------------------------------- writing
@@ -119,14 +111,6 @@ class ChecksummingFileSystemWriter(dcp.FileSystemWriter):
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def read_checksums(folder: Path) -> dict[str, dict[str, Any]] | None:
-    """The checkpoint's checksum records by file name; None for a checkpoint written before checksums existed."""
-    try:
-        return read_record(Path(folder) / CHECKSUMS_NAME)
-    except ValueError as exc:
-        raise CheckpointFormatError(str(exc)) from None
-
-
 def check_file(folder: Path, name: str, checksums: dict[str, dict[str, Any]] | None) -> None:
     """Raise ``DamagedFileError`` when ``folder/name`` is missing or (with ``checksums``) does not match them."""
     if checksums is None or name not in checksums:
@@ -171,14 +155,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(folder: Path, verify: bool = True) -> Metadata:
     """DCP's metadata of the checkpoint in ``folder`` (checked against ``checksums.json`` first when
-    ``verify`` and the record exists); ``CheckpointFormatError`` naming the file for anything else."""
+    ``verify`` and the record exists), its sizes checked against the data files (``_check_sizes``);
+    ``CheckpointFormatError`` naming the file for anything else."""
     folder = Path(folder)
     path = folder / METADATA_NAME
     if not path.is_file():
         raise DamagedFileError(folder, METADATA_NAME, "is missing (no DCP metadata: not a complete "
                                                       "torch.distributed.checkpoint folder)")
+    checksums = read_checksums(folder) if verify else None
     if verify:
-        check_file(folder, METADATA_NAME, read_checksums(folder))
+        check_file(folder, METADATA_NAME, checksums)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except _RefusedGlobal as exc:
@@ -189,7 +175,96 @@ def read_metadata(folder: Path, verify: bool = True) -> Metadata:
                                     "the file is damaged or not from torch.distributed.checkpoint") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointFormatError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+    _check_sizes(folder, metadata, checksums)
     return metadata
+
+
+def _volume(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _sizes(value, ndim: int | None = None) -> tuple[int, ...] | None:
+    """``value`` as a tuple of non-negative ints (of ``ndim`` entries when given), None when it is not one."""
+    try:
+        out = tuple(value)
+    except TypeError:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in out):
+        return None
+    return out if ndim is None or len(out) == ndim else None
+
+
+def _storage_ranges(folder: Path, metadata: Metadata, checksums) -> dict[Any, tuple[str, int, int]]:
+    """{storage index: (file, offset, length)} of every stored item, checked to lie inside its file (a file its
+    checksum record gives another size is named as such first) without overlapping another."""
+    where = f"{folder / METADATA_NAME}"
+    file_sizes: dict[str, int] = {}
+    ranges: dict[Any, tuple[str, int, int]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            raise CheckpointFormatError(f"{where}: data file name {name!r} is not a plain file name in the "
+                                        "checkpoint folder")
+        if _sizes((offset, length)) is None:
+            raise CheckpointFormatError(f"{where}: item {getattr(index, 'fqn', index)!r} has byte range "
+                                        f"{offset!r}+{length!r}; the file is damaged or hostile")
+        if name not in file_sizes:
+            problem = size_problem(folder / name, checksums[name]) if checksums and name in checksums else None
+            if problem or not (folder / name).is_file():
+                raise DamagedFileError(folder, name, problem or "is missing")
+            file_sizes[name] = (folder / name).stat().st_size
+        if offset + length > file_sizes[name]:
+            raise DamagedFileError(folder, name, f"is {file_sizes[name]} bytes, but {METADATA_NAME} places "
+                                                 f"'{index.fqn}' at bytes {offset}..{offset + length} (truncated?)")
+        ranges[index] = (name, offset, length)
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for name, offset, length in ranges.values():
+        by_file.setdefault(name, []).append((offset, offset + length))
+    for name, spans in by_file.items():
+        spans.sort()
+        if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
+            raise CheckpointFormatError(f"{where}: two stored items overlap in {name}; the file is damaged or "
+                                        "hostile")
+    return ranges
+
+
+def _check_sizes(folder: Path, metadata: Metadata, checksums=None) -> None:
+    """Every tensor's global size against what its data files hold, before anything is allocated from it: its
+    chunks lie inside it, each fits its byte range (``_storage_ranges``), and together they hold at least its
+    elements. So no tensor read from this checkpoint is larger than its files (a ``DamagedFileError`` on
+    ``.metadata`` otherwise, naming the tensor)."""
+    ranges = _storage_ranges(folder, metadata, checksums)
+    for key, md in (metadata.state_dict_metadata or {}).items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        dtype = getattr(md.properties, "dtype", None)
+        size = _sizes(md.size)
+        if not isinstance(dtype, torch.dtype) or size is None:
+            raise DamagedFileError(folder, METADATA_NAME, f"describes tensor '{key}' with size {md.size!r} and "
+                                                          f"dtype {dtype!r}; the file is damaged or hostile")
+        element = torch.empty((), dtype=dtype).element_size()
+        held = 0
+        for chunk in md.chunks or []:
+            offsets, sizes = _sizes(chunk.offsets, len(size)), _sizes(chunk.sizes, len(size))
+            if offsets is None or sizes is None or any(o + s > n for o, s, n in zip(offsets, sizes, size)):
+                raise DamagedFileError(folder, METADATA_NAME, f"places a chunk of tensor '{key}' (offsets "
+                                                              f"{chunk.offsets!r}, sizes {chunk.sizes!r}) outside its "
+                                                              f"size {size}; the file is damaged or hostile")
+            stored = ranges.get(MetadataIndex(key, offsets))
+            if stored is None or _volume(sizes) * element > stored[2]:
+                raise DamagedFileError(folder, METADATA_NAME, f"claims a chunk of tensor '{key}' of sizes {sizes} "
+                                                              f"({_volume(sizes) * element} bytes), but "
+                                                              + ("stores none" if stored is None else
+                                                                 f"stores {stored[2]} bytes for it in {stored[0]}")
+                                                              + "; the file is damaged or hostile")
+            held += _volume(sizes)
+        if _volume(size) > held:
+            raise DamagedFileError(folder, METADATA_NAME, f"claims tensor '{key}' of size {size} ({_volume(size)} "
+                                                          f"elements), but its stored chunks hold {held}; the file "
+                                                          "is damaged or hostile")
 
 
 class VerifyingFileSystemReader(dcp.FileSystemReader):
@@ -229,10 +304,3 @@ class VerifyingFileSystemReader(dcp.FileSystemReader):
         done: Future = Future()
         done.set_result(None)
         return done
-
-
-def earlier_complete_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint (``step_*`` with ``complete.json``) of ``folder``'s root older than it."""
-    folder = Path(folder)
-    older = sorted(p for p in folder.parent.glob("step_*") if p.name < folder.name and (p / "complete.json").is_file())
-    return older[-1] if older else None

@@ -107,18 +107,32 @@ class HashingFile:
         return True
 
 
-def file_problem(path: Path, expected: dict[str, Any]) -> str | None:
-    """Why ``path`` does not match its record ``expected`` (``hash_entry``), or None when it does."""
+def entry_of_file(path: Path) -> dict[str, Any]:
+    """The record (``hash_entry``) of the file at ``path`` as it is now."""
+    digest, size = xxhash.xxh3_64(), 0
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            digest.update(block)
+            size += len(block)
+    return hash_entry(digest.intdigest(), size)
+
+
+def size_problem(path: Path, expected: dict[str, Any]) -> str | None:
+    """Why ``path`` cannot match its record ``expected`` without reading it (missing, another size), or None."""
     if not path.is_file():
         return "is missing"
     size = path.stat().st_size
     if size != expected.get("bytes"):
         return f"is {size} bytes, {expected.get('bytes')} when it was written (truncated or replaced?)"
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(_READ_BLOCK):
-            digest.update(block)
-    if f"0x{digest.intdigest():016x}" != expected.get(ALGORITHM):
+    return None
+
+
+def file_problem(path: Path, expected: dict[str, Any]) -> str | None:
+    """Why ``path`` does not match its record ``expected`` (``hash_entry``), or None when it does."""
+    problem = size_problem(path, expected)
+    if problem:
+        return problem
+    if entry_of_file(path)[ALGORITHM] != expected.get(ALGORITHM):
         return "does not match its checksum (corrupt?)"
     return None
 

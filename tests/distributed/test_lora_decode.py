@@ -99,7 +99,7 @@ def test_evaluate_and_lm_eval_score_the_adapted_model(lora_run, tmp_path):
     assert got == pytest.approx(plain_loss(adapted, samples, range(4))[0], rel=1e-5)
     assert abs(got - plain_loss(base, samples, range(4))[0]) > 1e-3
     pytest.importorskip("lm_eval")
-    from mmtrain.lm_eval import load_model
+    from mmtrain.lm_eval_model import load_model
 
     model, _, _ = load_model(ckpt, torch.device("cpu"), torch.float32)
     ids = torch.tensor([list(range(3, 30))])

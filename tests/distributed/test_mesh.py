@@ -36,14 +36,17 @@ def test_groups_reduce_over_their_members(world_size, sizes):
 
 
 def _fails_on_rank_one(rank: int, world_size: int) -> None:
+    print(f"rank {rank} says hello")  # goes to the rank's captured output, not the terminal
     if rank == 1:
         raise ValueError("boom on purpose")
     dist.barrier()  # the healthy rank would hang here without the harness's kill
 
 
-def test_harness_surfaces_the_failing_rank_traceback():
-    with pytest.raises(DistributedTestFailure, match=r"(?s)rank 1 of 2 failed:.*ValueError: boom on purpose"):
+def test_harness_surfaces_the_failing_rank_traceback_and_output(capfd):
+    with pytest.raises(DistributedTestFailure, match=r"(?s)rank 1 of 2 failed:.*ValueError: boom on purpose.*"
+                       r"the rank's output.*rank 1 says hello"):
         run_distributed(_fails_on_rank_one, 2, timeout_s=60)
+    assert "says hello" not in "".join(capfd.readouterr())  # ranks' output stays out of the test's
 
 
 def _returns_rank(rank: int, world_size: int, scale: int) -> int:

@@ -92,9 +92,10 @@ def test_vlm_on_media_shards_resumes_at_another_dp_and_cp_size(tmp_path):
 
 
 def _refused_after_damage(run: Path, data: list[str]) -> tuple[str, str]:
-    """Edit the run's latest loader state (JSON and checksum both rewritten, so it passes the file check) and
-    resume from it: the CheckpointError's text."""
+    """Edit the run's latest loader state (JSON and checksum both rewritten, complete.json sealed again, so it
+    passes the file check) and resume from it: the CheckpointError's text."""
     from mmtrain.train.checkpoint import CheckpointError
+    from mmtrain.utils.checkpoint_marker import reseal_checkpoint
     from mmtrain.utils.file_checksums import entry_of_bytes
 
     folder = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
@@ -106,6 +107,7 @@ def _refused_after_damage(run: Path, data: list[str]) -> tuple[str, str]:
     sums = json.loads((folder / "checksums.json").read_text())
     sums["files"][rank_file.name] = entry_of_bytes(body)
     (folder / "checksums.json").write_text(json.dumps(sums))
+    reseal_checkpoint(folder)
     try:
         _train(1, run, data)
     except CheckpointError as exc:

@@ -28,5 +28,6 @@ def test_user_guide_runs_from_an_empty_folder(guide_folder):
     tok = load_tokenizer(work / "tok/sp.model")
     assert tok.encode("<|im_start|>user<|im_end|>")[-1] == tok.token_id("<|im_end|>") is not None
     assert "<|im_start|>" in json.loads((work / "tok/tokenizer_config.json").read_text())["chat_template"]
+    assert (work / "hf-tiny" / "tokenizer.json").is_file()  # the checkpoint names its data's tokenizer
     vlm = [json.loads(line) for line in (work / "runs/vlm/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in vlm] == list(range(1, 11))

@@ -5,8 +5,10 @@ fit together, are one-line errors naming the file."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
+import re
 import struct
 import subprocess
 from pathlib import Path
@@ -267,8 +269,7 @@ def test_hf_index_may_name_files_in_the_folder_only(tmp_path):
 def _tiny_weights_checkpoint(root: Path) -> Path:
     from mmtrain.models.llama.model import GPTModel
 
-    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=32,
-                      vocab_size=32, activation="swiglu", norm="rmsnorm")
+    cfg = _tiny_cfg()
     torch.manual_seed(0)
     return write_weights_checkpoint(root, GPTModel(cfg).state_dict(), cfg, step=1)
 
@@ -282,6 +283,193 @@ def test_mmtrain_to_hf_verifies_the_checkpoint_like_a_resume(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{path} does not match its checksum (corrupt?)" in err
     assert "there is no earlier complete checkpoint" in err and not (tmp_path / "hf").exists()
+
+
+# ------------------------------------------- complete.json says whether checksums are required (issue #29 item 7)
+def _tiny_cfg() -> ModelConfig:
+    return ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=32,
+                       vocab_size=32, activation="swiglu", norm="rmsnorm")
+
+
+def _load_weights(folder: Path) -> None:
+    """What generate, serve, evaluate and a run from weights-only checkpoints do: ``load_model_weights``."""
+    from types import SimpleNamespace
+
+    from mmtrain.convert.checkpoint_io import load_model_weights
+    from mmtrain.models.llama.model import GPTModel
+
+    mesh = SimpleNamespace(dims=SimpleNamespace(tp=1, ep=1), coord=SimpleNamespace(tp=0, ep=0))
+    load_model_weights(folder, mesh, GPTModel(_tiny_cfg()))
+
+
+class _Warnings(logging.Handler):
+    """The checkpoint logger's warnings (whatever handlers an earlier test left on the mmtrain logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("mmtrain.checkpoint").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("mmtrain.checkpoint").removeHandler(self)
+
+
+def test_a_deleted_checksums_json_does_not_turn_verification_off(tmp_path, capsys):
+    from mmtrain.convert.checkpoint_io import ConvertError
+    from mmtrain.models.llama.model import GPTModel
+    from mmtrain.train.checkpoint_state import load_model_weights_only
+
+    folder = _tiny_weights_checkpoint(tmp_path / "ckpt")
+    assert json.loads((folder / "complete.json").read_text())["checkpoint_format"] == 2
+    path = _data_file(folder)
+    _flip_byte(path, path.stat().st_size - 100)
+    (folder / "checksums.json").unlink()
+    missing = (f"{folder}/checksums.json is missing, and complete.json says the checkpoint was written with "
+               "checksums: its files cannot be checked; there is no earlier complete checkpoint")
+    assert convert_main(["mmtrain-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == f"python -m mmtrain.convert mmtrain-to-hf: error: {missing}\n"
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ConvertError) as err:  # generate / serve / evaluate / weights-only starts
+        _load_weights(folder)
+    assert str(err.value) == missing
+    with pytest.raises(DamagedFileError, match="checksums.json is missing, and complete.json says"):
+        load_model_weights_only(folder, None, GPTModel(_tiny_cfg()))  # a VLM run's init_from, the demo
+    # re-hashing cannot bless the damage: without a record its files are not trusted unless the user says so
+    assert convert_main(["rehash", "--ckpt", str(folder)]) == 2
+    assert "--trust-current-files" in capsys.readouterr().err
+    assert convert_main(["rehash", "--ckpt", str(folder), "--trust-current-files"]) == 0
+    _load_weights(folder)
+
+
+def test_an_edited_complete_json_is_refused_until_sealed_again(tmp_path, capsys):
+    from mmtrain.train.checkpoint import CheckpointError, is_weights_only
+
+    folder = _tiny_weights_checkpoint(tmp_path / "ckpt")
+    meta = json.loads((folder / "complete.json").read_text())
+    meta["config"]["model"]["vocab_size"] = 10**12  # as unnoticed as it was before the seal
+    (folder / "complete.json").write_text(json.dumps(meta, indent=1))
+    assert convert_main(["mmtrain-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (
+        f"{folder}/complete.json does not match its seal (changed after it was written?); if you edited it on "
+        f"purpose, seal it again: python -m mmtrain.convert rehash --ckpt {folder}") in err
+    with pytest.raises(CheckpointError, match="complete.json does not match its seal"):  # what a run reads first
+        is_weights_only(folder)
+    meta["config"]["model"]["name"] = "renamed"  # an edit on purpose, sealed again
+    meta["config"]["model"]["vocab_size"] = 32
+    (folder / "complete.json").write_text(json.dumps(meta, indent=1))
+    assert convert_main(["rehash", "--ckpt", str(tmp_path / "ckpt")]) == 0
+    assert "2 file(s) matched checksums.json, 0 hashed" in capsys.readouterr().out
+    assert convert_main(["mmtrain-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    path = _data_file(folder)
+    _flip_byte(path, path.stat().st_size - 100)  # re-sealing checks the recorded files first
+    assert convert_main(["rehash", "--ckpt", str(folder)]) == 2
+    assert capsys.readouterr().err.endswith(f"{path} does not match its checksum (corrupt?); re-sealing does not "
+                                            "record a damaged file as good\n")
+    (folder / "checksums.json").write_text((folder / "checksums.json").read_text() + " ")  # changed: noticed
+    with pytest.raises(DamagedFileError, match="checksums.json is .* bytes, .* when it was written .*complete.json"):
+        read_metadata(folder)
+
+
+def test_a_checkpoint_from_before_checksums_loads_with_a_warning_naming_rehash(tmp_path, capsys):
+    folder = _tiny_weights_checkpoint(tmp_path / "ckpt")
+    meta = json.loads((folder / "complete.json").read_text())
+    for key in ("checkpoint_format", "checksums_record", "seal"):  # what earlier versions wrote
+        meta.pop(key)
+    (folder / "complete.json").write_text(json.dumps(meta, indent=1))
+    (folder / "checksums.json").unlink()
+    with _Warnings() as warned:
+        assert convert_main(["mmtrain-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert warned.lines == [f"{folder} has no checksums.json and its complete.json predates checkpoint checksums: "
+                            "reading its files unchecked; to record their hashes as they are now (and check them "
+                            f"from then on): python -m mmtrain.convert rehash --ckpt {folder}"]
+    assert convert_main(["rehash", "--ckpt", str(tmp_path / "ckpt")]) == 0
+    assert "0 file(s) matched checksums.json, 2 hashed as they are now (.metadata, __0_0.distcp)" in \
+        capsys.readouterr().out
+    assert json.loads((folder / "complete.json").read_text())["checkpoint_format"] == 2
+    with _Warnings() as warned:
+        _load_weights(folder)
+    assert warned.lines == []
+    path = _data_file(folder)
+    _flip_byte(path, path.stat().st_size - 100)
+    with pytest.raises(Exception, match="does not match its checksum"):
+        _load_weights(folder)
+    (folder / "checksums.json").unlink()
+    with pytest.raises(Exception, match="checksums.json is missing, and complete.json says"):
+        _load_weights(folder)
+
+
+# ----------------------------------------------- sizes in .metadata checked before allocating (issue #29 item 8)
+def _claim(folder: Path, edit) -> None:
+    """Rewrite ``.metadata`` through ``edit(metadata)`` and every record after it (checksums.json, complete.json),
+    as someone who also rewrites the checksums would."""
+    from mmtrain.utils.checkpoint_marker import reseal_checkpoint
+
+    metadata = read_metadata(folder)
+    edit(metadata)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal_checkpoint(folder, trust_current_files=True)
+
+
+def _embed(metadata):
+    return metadata.state_dict_metadata["model.embed.weight"]
+
+
+def _huge_size(metadata) -> None:
+    _embed(metadata).size = torch.Size([10**13, 16])
+
+
+def _huge_chunk(metadata) -> None:
+    _huge_size(metadata)
+    _embed(metadata).chunks[0].sizes = torch.Size([10**13, 16])
+
+
+def _chunk_outside(metadata) -> None:
+    _embed(metadata).chunks[0].offsets = torch.Size([8, 0])
+
+
+def _range_past_the_end(metadata) -> None:
+    for info in metadata.storage_data.values():
+        info.length += 10**12
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_huge_size, "claims tensor 'model.embed.weight' of size (10000000000000, 16) (160000000000000 elements), but "
+                 "its stored chunks hold 512"),
+    (_huge_chunk, "claims a chunk of tensor 'model.embed.weight' of sizes (10000000000000, 16) (640000000000000 "
+                  "bytes), but stores 3625 bytes for it in __0_0.distcp"),
+    (_chunk_outside, "places a chunk of tensor 'model.embed.weight' (offsets torch.Size([8, 0]), sizes "
+                     "torch.Size([32, 16])) outside its size (32, 16)"),
+    (_range_past_the_end, "__0_0.distcp is "),
+], ids=["size", "chunk", "outside", "range"])
+def test_metadata_sizes_are_checked_against_the_files_before_allocating(edit, message, tmp_path, capsys):
+    from mmtrain.utils.dcp_io import saved_tensors
+
+    folder = _tiny_weights_checkpoint(tmp_path / "ckpt")
+    _claim(folder, edit)
+    assert convert_main(["mmtrain-to-hf", "--ckpt", str(folder), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(DamagedFileError, match=re.escape(message)):  # resume, generate, init_from: the same reader
+        saved_tensors(folder, verify=False)
+
+
+def test_a_truncated_data_file_is_named_by_its_record_or_the_metadata(tmp_path):
+    folder = _tiny_weights_checkpoint(tmp_path / "ckpt")
+    path = _data_file(folder)
+    path.write_bytes(path.read_bytes()[:-10])
+    size = path.stat().st_size
+    with pytest.raises(DamagedFileError, match=re.escape(f"{path} is {size} bytes, ") + ".* when it was written"):
+        read_metadata(folder)
+    with pytest.raises(DamagedFileError, match=re.escape(f"{path} is {size} bytes, but .metadata places")):
+        read_metadata(folder, verify=False)
 
 
 def test_hf_to_mmtrain_names_a_damaged_export(tmp_path, capsys):

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 # runs the entry point's main() as `python -m` would, then reports which heavy modules it imported
 _PROBE = ("import runpy, sys\nsys.argv = [sys.argv[1], *sys.argv[2:]]\ntry:\n    runpy.run_module(sys.argv[0], "
           "run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
-          "print('HEAVY', sorted(m for m in ('torch', 'numpy', 'megatron.energon') if m in sys.modules), code)")
+          "print('HEAVY', sorted(m for m in ('torch', 'numpy', 'megatron.energon', 'lm_eval', 'transformers') "
+          "if m in sys.modules), code)")
 
 
 def _probe(module: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -37,6 +38,42 @@ def test_help_imports_no_torch_and_lists_sections_keys_and_a_torchrun_example(mo
     assert "tp pp cp dp ep " in out and " sequence_parallel " in out and "lr min_lr weight_decay" in out
     assert "--help-config SECTION" in out and "torchrun --nproc_per_node 8 -m " + module in out
     assert sections_overview(cls) in out
+
+
+@pytest.mark.parametrize("argv, shows", [
+    (["mmtrain.evaluate", "--help"], "--max-samples"),
+    (["mmtrain.convert", "--help"], "mmtrain-to-hf"),
+    (["mmtrain.convert", "mmtrain-to-hf", "--help"], "--no-tokenizer"),
+    (["mmtrain.lm_eval", "--help"], "--model_args of the mmtrain model"),
+])
+def test_help_of_the_tools_imports_nothing_heavy(argv, shows):
+    """evaluate, convert and lm_eval answer --help as the pretrain entry points do: without torch (seconds of
+    import), lm-eval or transformers; lm_eval's help is about the mmtrain model's arguments."""
+    proc = _probe(*argv)
+    assert proc.stdout.strip().splitlines()[-1] == "HEAVY [] 0", proc.stdout[-500:] + proc.stderr
+    assert shows in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["mmtrain.evaluate", "--ckpt", "nowhere", "--data", "shards/web"], "--ckpt nowhere: not found"),
+    (["mmtrain.evaluate", "--ckpt", ".", "--data", "shards/web"],
+     "--data shards/web: indexed dataset not found (missing shards/web.idx, shards/web.bin)"),
+    (["mmtrain.convert", "mmtrain-to-hf", "--ckpt", "nowhere", "--out", "hf"], "--ckpt nowhere: not found"),
+    (["mmtrain.convert", "hf-to-mmtrain", "--hf", "nowhere", "--out", "ckpt"], "--hf nowhere: not found"),
+])
+def test_a_missing_input_is_not_found_before_torch(tmp_path, argv, message):
+    proc = _probe(*argv, cwd=tmp_path)
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "HEAVY [] 2"
+
+
+def test_lm_eval_names_a_missing_checkpoint_before_torch_and_task_indexing(tmp_path):
+    pytest.importorskip("lm_eval")
+    proc = _probe("mmtrain.lm_eval", "--model", "mmtrain", "--model_args", "ckpt=nowhere", "--tasks", "hellaswag",
+                  cwd=tmp_path)
+    assert f"python -m mmtrain.lm_eval: error: ckpt=nowhere: not found (looked for {tmp_path}/nowhere)" in proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "torch" not in last and last.endswith(" 2"), last
 
 
 def test_help_config_prints_keys_with_doc_default_and_range():
@@ -119,3 +156,13 @@ def test_cuda_device_without_a_gpu_is_one_line(tmp_path):
     assert proc.stderr.strip() == ("mmtrain.pretrain_gpt: config error: train.device=cuda but no CUDA device is "
                                    "visible; use train.device=cpu or auto")
     assert proc.stdout.strip().endswith(" 2")
+
+
+@pytest.mark.parametrize("ckpt, name", [("runs/guide/checkpoints", "guide"),
+                                        ("runs/guide/checkpoints/step_00000060", "guide"),
+                                        ("converted/llama-1b", "llama-1b")])
+def test_a_server_names_its_model_after_the_run_not_checkpoints(ckpt, name):
+    """``mmtrain.serve``'s default model name (``--model-name``): the run's folder for a checkpoints root or step."""
+    from mmtrain.utils.cli import checkpoint_display_name
+
+    assert checkpoint_display_name(ckpt) == name

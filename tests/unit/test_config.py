@@ -58,8 +58,11 @@ def test_unknown_key_suggests_closest(tmp_path):
                                                     "'model.num_layer=3'; did you mean 'model.num_layers'?")):
         load_config(GPTRunConfig, None, ["model.num_layer=3"])
     f = _write(tmp_path / "x.yaml", "optim:\n  learning_rate: 0.1\n")
-    with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rate' in .*x.yaml"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rate' in .*x.yaml; did you mean "
+                                          r"'optim.lr'\?"):  # not the more alike 'optim.min_lr'
         load_config(GPTRunConfig, f)
+    with pytest.raises(ConfigError, match=r"did you mean 'optim.min_lr'\?"):
+        load_config(GPTRunConfig, None, ["optim.min_learning_rate=0"])
     with pytest.raises(ConfigError, match="unknown config key 'modle'.*did you mean 'model'"):
         load_config(GPTRunConfig, None, ["modle.num_layers=3"])
 
@@ -76,6 +79,17 @@ def test_unknown_key_suggests_closest(tmp_path):
 def test_type_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(GPTRunConfig, None, [override])
+
+
+def test_a_list_key_given_one_value_shows_the_list_syntax(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(
+            "config key 'data.prefixes' in command-line override 'data.prefixes=shards/web': expected a list, got "
+            "'shards/web' (str); write it in brackets: data.prefixes=[shards/web] on the command line, prefixes: "
+            "[shards/web] in a YAML file (several: [a, b])")):
+        load_config(GPTRunConfig, None, ["data.prefixes=shards/web"])
+    f = _write(tmp_path / "x.yaml", "data:\n  prefixes: shards/web\n")
+    with pytest.raises(ConfigError, match=re.escape("prefixes: [shards/web] in a YAML file")):
+        load_config(GPTRunConfig, f)
 
 
 def test_override_values_are_parsed_as_yaml():

@@ -83,3 +83,25 @@ def test_an_unreadable_deepseek_config_is_one_line_exit_2(tmp_path, capsys):
     assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
     assert "hidden_act" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"vocab_size": 10**12}, "config.json: vocab_size=1000000000000, but the weights hold 96: "
+                             "model.embed_tokens.weight has shape (96, 32)"),
+    ({"moe_intermediate_size": 10**9}, "config.json: moe_intermediate_size=1000000000, but the weights hold 16: "
+                                       "model.layers.1.mlp.experts.0.gate_proj.weight has shape (16, 32)"),
+    ({"n_routed_experts": 16, "n_group": 8}, "config.json: n_routed_experts=16, but the weights hold 8 experts"),
+    ({"kv_lora_rank": 32}, "config.json: kv_lora_rank + qk_rope_head_dim=36, but the weights hold 20: "
+                           "model.layers.0.self_attn.kv_a_proj_with_mqa.weight has shape (20, 32)"),
+    ({"num_hidden_layers": 10**7}, "config.json: num_hidden_layers=10000000, but the weights hold 3 layers"),
+    ({"num_hidden_layers": -1}, "config.json: num_hidden_layers=-1 must be an integer >= 1"),
+], ids=["vocab", "moe_ffn", "experts", "kv_rank", "layers", "negative_layers"])
+def test_a_config_that_contradicts_its_weights_is_one_line_and_writes_nothing(change, message, tmp_path, capsys):
+    _hf_folder(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    capsys.readouterr()
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "c").exists()

@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from mmtrain.config import GPTRunConfig, load_config  # noqa: E402
 from mmtrain.convert import hf_to_mmtrain, mmtrain_to_hf  # noqa: E402
 from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
 from mmtrain.convert.checkpoint_io import (load_model_weights, merge_shards, read_full_state,  # noqa: E402
@@ -143,9 +145,26 @@ def test_cli_round_trip(tmp_path, capsys):
                          "--tp", "2"]) == 0
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(tmp_path / "c"), "--out", str(tmp_path / "o")]) == 0
     assert "wrote Hugging Face folder" in capsys.readouterr().out
-    assert (tmp_path / "c" / "model.yaml").is_file()
+    model_yaml = yaml.safe_load((tmp_path / "c" / "model.yaml").read_text())["model"]
+    assert "deepseek_v3" not in model_yaml and model_yaml["family"] == "llama"  # only the family's shape
+    assert load_config(GPTRunConfig, tmp_path / "c" / "model.yaml").model == read_full_state(tmp_path / "c")[1]
     back = read_hf_tensors(tmp_path / "o")
     assert all(torch.equal(t, back[n]) for n, t in read_hf_tensors(tmp_path / "hf").items() if n != "lm_head.weight")
+
+
+def test_hf_to_mmtrain_records_the_folders_tokenizer(tmp_path, capsys):
+    """What evaluate / generate / lm_eval check data and tokenizers against, and what mmtrain-to-hf exports."""
+    from mmtrain.core.tokenizer import load_tokenizer
+    from tests.unit.test_tokenizer import build_hf_bpe
+
+    _random_hf("llama", tmp_path / "hf")
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "bare")]) == 0
+    assert "no tokenizer recorded" in capsys.readouterr().out
+    build_hf_bpe(tmp_path / "hf")
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")]) == 0
+    assert f"tokenizer recorded: {tmp_path / 'hf' / 'tokenizer.json'}" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "c" / "step_00000000" / "complete.json").read_text())
+    assert meta["tokenizer"]["sha256"] == load_tokenizer(tmp_path / "hf").checksum()
 
 
 @pytest.mark.parametrize("change,key", [
@@ -209,3 +228,44 @@ def test_mmtrain_model_without_hf_equivalent_is_refused(field, value):
 
     with pytest.raises(UnsupportedHFConfig, match=f"model.{field}"):
         hf_config_from_model_config(ModelConfig(**{field: value}))
+
+
+# ------------------------------------------------ configs that contradict their weights (issue #29 item 9)
+@pytest.mark.parametrize("change,message", [
+    ({"vocab_size": 10**12}, "config.json: vocab_size=1000000000000, but the weights hold 96: "
+                             "model.embed_tokens.weight has shape (96, 32)"),
+    ({"intermediate_size": 10**9}, "config.json: intermediate_size=1000000000, but the weights hold 48: "
+                                   "model.layers.0.mlp.gate_proj.weight has shape (48, 32)"),
+    ({"num_key_value_heads": 4}, "config.json: num_key_value_heads=4 (x head_dim 8 = 32), but the weights hold 2: "
+                                 "model.layers.0.self_attn.k_proj.weight has shape (16, 32)"),
+    ({"num_hidden_layers": 10**7}, "config.json: num_hidden_layers=10000000, but the weights hold 3 layers"),
+    ({"num_hidden_layers": -1}, "config.json: num_hidden_layers=-1 must be an integer >= 1"),
+    ({"hidden_size": "32"}, "config.json: hidden_size='32' must be an integer >= 1"),
+], ids=["vocab", "ffn", "kv_heads", "layers", "negative_layers", "string"])
+def test_a_config_that_contradicts_its_weights_is_one_line_and_writes_nothing(change, message, tmp_path, capsys):
+    _random_hf("llama", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    capsys.readouterr()
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m mmtrain.convert hf-to-mmtrain: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    assert not (tmp_path / "c").exists()
+
+
+def test_hf_to_mmtrain_refuses_an_out_that_holds_checkpoints(tmp_path, capsys):
+    _random_hf("llama", tmp_path / "hf")
+    run = tmp_path / "run" / "checkpoints"  # a training run's checkpoints: latest names step 40
+    (run / "step_00000040").mkdir(parents=True)
+    (run / "latest").write_text("step_00000040\n")
+    capsys.readouterr()  # drop save_pretrained's progress output
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {run}: already holds checkpoints (latest, step_00000040)" in err
+    assert (run / "latest").read_text() == "step_00000040\n" and sorted(p.name for p in run.iterdir()) == [
+        "latest", "step_00000040"]
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 0
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "empty")]) == 0

@@ -4,6 +4,7 @@ text-generation pipeline with no extra step, and its tokenizer gives the ids mmt
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from dataprep.cli import main as prep_main  # noqa: E402
 from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
+from mmtrain.convert.hf_tokenizer import hf_tokenizer_files  # noqa: E402
 from mmtrain.core.tokenizer import load_tokenizer  # noqa: E402
+from mmtrain.utils.checkpoint_marker import reseal_checkpoint  # noqa: E402
 from tests.eval_helpers import train_sentencepiece, write_checkpoint_for  # noqa: E402
-from tests.unit.test_tokenizer import TRICKY_DOCS, build_hf_bpe  # noqa: E402
+from tests.unit.test_tokenizer import TRICKY_DOCS, build_gpt2_files, build_hf_bpe  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -77,6 +81,7 @@ def test_the_tokenizer_recorded_in_the_checkpoints_data_manifest_is_used(tmp_pat
     meta = json.loads(meta_path.read_text())
     meta["config"]["data"]["prefixes"] = [str(prefix)]
     meta_path.write_text(json.dumps(meta))
+    reseal_checkpoint(meta_path.parent)  # an edit on purpose: sealed again (rehash), else the export refuses it
     out = tmp_path / "hf"
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(ckpt), "--out", str(out)]) == 0
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
@@ -95,3 +100,77 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path, spm_m
                          str(spm_model)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "vocabulary is 64" in err
+
+
+def test_gpt2_files_are_exported(tmp_path):
+    _export_and_check(tmp_path, build_gpt2_files(tmp_path / "gpt2"))
+
+
+def _collapsing_sentencepiece(folder: Path) -> Path:
+    path = train_sentencepiece(folder)  # its corpus again, with SentencePiece's whitespace collapsing
+    assert prep_main(["train-tokenizer", "--input", str(folder / "corpus.jsonl"), "--output-prefix",
+                      str(folder / "collapse"), "--vocab-size", "400", "--collapse-whitespace"]) == 0
+    return path.with_name("collapse.model")
+
+
+SOURCES = {"sentencepiece": train_sentencepiece, "sentencepiece, collapsed whitespace": _collapsing_sentencepiece,
+           "gpt2": build_gpt2_files, "tokenizer.json": build_hf_bpe}
+
+
+def _mixed_byte_run(sp, ids: list[int]) -> bool:
+    """A run of byte-fallback pieces that is not valid UTF-8 yet holds a valid character: the one case where
+    tokenizers' ByteFallback (U+FFFD for every byte of the run) and SentencePiece (per character) differ."""
+    runs, run = [], []
+    for i in [*ids, -1]:
+        if i >= 0 and sp.is_byte(i):
+            run.append(int(sp.id_to_piece(i)[3:5], 16))
+        elif run:
+            runs.append(bytes(run))
+            run = []
+    return any(r.decode("utf-8", "replace") != r.decode("utf-8", "ignore") and r.decode("utf-8", "ignore")
+               for r in runs)
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_the_export_decodes_random_ids_as_the_source_does(tmp_path, kind):
+    import sentencepiece as spm
+
+    ours = load_tokenizer(SOURCES[kind](tmp_path / "tok"))
+    files, _ = hf_tokenizer_files(ours)
+    (tmp_path / "hf").mkdir()
+    for name, data in files.items():
+        (tmp_path / "hf" / name).write_bytes(data)
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    sp = spm.SentencePieceProcessor(model_file=str(ours.path)) if ours.type == "sentencepiece" else None
+    special = set(exported.all_special_ids)
+    # weighted to what decodes differently at the start of a text: standalone spaces ('▁', '▁▁', 'Ġ'), the
+    # space byte, control and unknown ids
+    tricky = [i for i in range(ours.vocab_size) if set(ours.decode([i])) <= {" "}] + sorted(special)
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(3000):
+        ids = [rng.choice(tricky) if rng.random() < 0.4 else rng.randrange(ours.vocab_size)
+               for _ in range(rng.randrange(1, 10))]
+        if sp is not None and _mixed_byte_run(sp, [i for i in ids if i not in special]):
+            continue
+        checked += 1
+        assert exported.decode(ids, skip_special_tokens=True) == ours.decode(ids, skip_special_tokens=True), ids
+        if not special & set(ids):  # shown, special tokens appear by name in transformers
+            assert exported.decode(ids) == ours.decode(ids), ids
+    assert checked > 1500
+    space = ours.token_id("▁")
+    if space is not None:  # issue #30: eight standalone '▁' pieces, and one before a word
+        word = next(i for i in range(ours.vocab_size) if ours.decode([0, i]).endswith(" and"))
+        for ids in ([space] * 8, [space, word], [space] * 3 + [word]):
+            assert exported.decode(ids) == ours.decode(ids), ids
+
+
+def test_a_mixed_byte_run_is_the_documented_difference(tmp_path, spm_model):
+    ours = load_tokenizer(spm_model)
+    files, _ = hf_tokenizer_files(ours)
+    (tmp_path / "hf").mkdir()
+    for name, data in files.items():
+        (tmp_path / "hf" / name).write_bytes(data)
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ids = [ours.token_id(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0x80)]  # "é" then an invalid byte
+    assert ours.decode(ids) == "é\ufffd" and exported.decode(ids) == "\ufffd" * 3  # docs/convert-hf.md

@@ -1,5 +1,7 @@
 """The lm-evaluation-harness model ``mmtrain``: on local tasks (multiple choice, rolling loglikelihood, greedy
-generation) its scores equal lm-eval's own ``hf`` model on the same weights exported with mmtrain-to-hf."""
+generation) its scores equal lm-eval's own ``hf`` model on the same weights exported with mmtrain-to-hf, with
+the same defaults (context length, device) from the command line; a tokenizer other than the checkpoint's is
+refused."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ pytest.importorskip("transformers")
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-import mmtrain.lm_eval as adapter  # noqa: E402 - registers the "mmtrain" model
+import mmtrain.lm_eval as cli  # noqa: E402 - registers the "mmtrain" model
+import mmtrain.lm_eval_model as adapter  # noqa: E402
 from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
 from mmtrain.core.tokenizer import load_tokenizer  # noqa: E402
 from tests.eval_helpers import train_sentencepiece, write_checkpoint_for  # noqa: E402
@@ -74,11 +77,26 @@ metric_list:
 }
 
 
+# shorter than the rolling task's texts: a context limit taken from the training run would cut them into windows
+TRAINED_SEQ_LENGTH = 8
+
+
+def _record_training(ckpt: Path, seq_length: int, tokenizer: dict) -> None:
+    """Make the converted checkpoint's complete.json look as a training run's would: its data.seq_length and
+    the tokenizer its data's manifests named."""
+    meta_path = ckpt / "step_00000000" / "complete.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["data"]["seq_length"] = seq_length
+    meta["tokenizer"] = tokenizer
+    meta_path.write_text(json.dumps(meta))
+
+
 @pytest.fixture(scope="module", params=["sentencepiece", "tokenizer.json"])
 def setup(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("lmeval")
     spm = train_sentencepiece(tmp / "tok") if request.param == "sentencepiece" else build_hf_bpe(tmp / "tok")
     ckpt, _ = write_checkpoint_for(tmp / "ckpt", load_tokenizer(spm).vocab_size)
+    _record_training(ckpt, seq_length=TRAINED_SEQ_LENGTH, tokenizer=load_tokenizer(spm).describe())
     hf = tmp / "hf"
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(ckpt), "--out", str(hf), "--tokenizer", str(spm)]) == 0
     data = tmp / "docs.jsonl"
@@ -124,15 +142,74 @@ def test_scores_equal_the_hf_model_on_the_exported_weights(setup, monkeypatch):
     assert any(r[0][0] for r in _resps(ours, "tiny_gen")), "the greedy continuations are all empty"
 
 
-@pytest.mark.parametrize("setup", ["tokenizer.json"], indirect=True)
-def test_the_command_line_runs_lm_eval_with_the_model_registered(setup, monkeypatch, tmp_path):
+def _run_cli(main, argv: list[str], out: Path) -> tuple[dict, dict]:
+    """(results, {task: per-request log-likelihoods by doc}) of one lm-eval command line run into ``out``."""
+    assert main([*argv, "--output_path", str(out), "--log_samples"]) in (0, None)
+    [results] = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
+    values = {}
+    for task in ("tiny_mc", "tiny_rolling"):
+        [samples] = list(out.rglob(f"samples_{task}_*.jsonl"))
+        rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+        values[task] = [float(x[0] if isinstance(x, list) else x) for r in rows for x in r["filtered_resps"]]
+    return results["results"], values
+
+
+@pytest.mark.parametrize("setup", ["sentencepiece"], indirect=True)
+def test_the_command_line_defaults_equal_lm_eval_hf_on_the_export(setup, monkeypatch, tmp_path):
+    """``python -m mmtrain.lm_eval --model mmtrain`` and ``lm_eval --model hf`` on the export, both with their
+    defaults: no --device on a machine without CUDA (lm-eval's default is cuda:0) and no max_length, on texts
+    longer than the training sequence. The same log-likelihoods to 1e-5."""
+    import torch
+    from lm_eval.__main__ import cli_evaluate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    _, ckpt, spm, _, tasks = setup
-    out = tmp_path / "out"
-    adapter.main(["--model", "mmtrain", "--model_args", f"ckpt={ckpt},tokenizer={spm}", "--tasks", "tiny_mc",
-                  "--include_path", str(tasks), "--device", "cpu", "--output_path", str(out)])
-    results = [json.loads(p.read_text()) for p in out.rglob("results_*.json")]
-    assert results and "acc,none" in results[0]["results"]["tiny_mc"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # the command line indexes lm-eval's thousands of built-in tasks first; these tests need only the local ones
+    manager = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda *a, **k: manager(*a, **{**k, "include_defaults": False}))
+    _, ckpt, spm, hf, tasks = setup
+    common = ["--tasks", "tiny_mc,tiny_rolling", "--include_path", str(tasks), "--batch_size", "2"]
+    ours = _run_cli(cli.main, ["--model", "mmtrain", "--model_args", f"ckpt={ckpt}", *common], tmp_path / "ours")
+
+    def lm_eval_main(argv):
+        monkeypatch.setattr("sys.argv", ["lm_eval", *argv])
+        cli_evaluate()
+
+    theirs = _run_cli(lm_eval_main, ["--model", "hf", "--model_args", f"pretrained={hf},dtype=float32", *common],
+                      tmp_path / "hf")
+    for task in ("tiny_mc", "tiny_rolling"):
+        assert ours[1][task] == pytest.approx(theirs[1][task], rel=1e-5), task
+        for metric, value in theirs[0][task].items():
+            if isinstance(value, float) and not metric.endswith("_stderr,none"):
+                assert ours[0][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+
+
+def test_help_names_the_model_arguments(capsys):
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for key in ("ckpt=PATH", "tokenizer=PATH", "max_length=N", "allow_other_tokenizer=true", "--device"):
+        assert key in text
+
+
+@pytest.mark.parametrize("setup", ["tokenizer.json"], indirect=True)
+def test_a_tokenizer_other_than_the_checkpoints_is_refused(setup, tmp_path):
+    _, ckpt, spm, _, _ = setup
+    other = train_sentencepiece(tmp_path / "other")
+    adapter.MMTrainLM(ckpt=str(ckpt), tokenizer=str(spm))  # the one the checkpoint names
+    refused = r"tokenizer=.*sp\.model is sentencepiece .* but .* trained with huggingface .*allow_other_tokenizer=true"
+    with pytest.raises(adapter.MMTrainLMError, match=refused):
+        adapter.MMTrainLM(ckpt=str(ckpt), tokenizer=str(other))
+    adapter.MMTrainLM(ckpt=str(ckpt), tokenizer=str(other), allow_other_tokenizer="true")
+
+
+def test_a_cuda_device_without_cuda_is_one_line(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert adapter._device(None).type == "cpu"
+    with pytest.raises(adapter.MMTrainLMError, match="device=cuda:0 but no CUDA device is visible; pass --device cpu"):
+        adapter._device("cuda:0")
 
 
 @pytest.mark.parametrize("setup", ["tokenizer.json"], indirect=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataprep.chat_template import BUILTIN_TEMPLATES
 from dataprep.cli import main as prep
+from mmtrain.core.chat_template import BUILTIN_TEMPLATES
 from mmtrain.core.indexed import IndexedDataset
 from tests.sft_helpers import CONVERSATIONS, OWN_TEMPLATE_TAGGED, build_chat_tokenizer
 
@@ -119,6 +119,64 @@ def test_preference_pairs(tmp_path, chat_tok):
     # whole conversations: only the answers after the shared prompt carry the loss, not the earlier "4"
     assert loss_text("chosen", 1) == " 6, of course.\n<|im_end|>" and loss_text("rejected", 1) == "7<|im_end|>"
     assert prep(["verify", str(prefix)]) == 0
+
+
+def test_weight_0_assistant_messages_carry_no_loss(tmp_path, chat_tok):
+    """OpenAI's fine-tuning format: an assistant message with "weight": 0 is context only -- the same tokens, no
+    loss on it; 1 is the default; other values, or a weight on another role, are rejects naming the message."""
+    weighted = [dict(m) for m in CONVERSATIONS[1]]
+    weighted[1]["weight"], weighted[3]["weight"] = 0, 1
+    all_zero = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in CONVERSATIONS[1]]
+    records = [{"messages": CONVERSATIONS[1]}, {"messages": weighted},
+               {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "no", "weight": 0},
+                                  {"from": "human", "value": "again"}, {"from": "gpt", "value": "yes"}]},
+               {"messages": all_zero},
+               {"messages": [{**CONVERSATIONS[1][0], "weight": 0}, *CONVERSATIONS[1][1:]]},
+               {"messages": [CONVERSATIONS[1][0], {**CONVERSATIONS[1][1], "weight": 0.5}]},
+               {"messages": [CONVERSATIONS[1][0], {**CONVERSATIONS[1][1], "weight": True}]},
+               {"chosen": weighted, "rejected": CONVERSATIONS[1][:2]}]
+    prefix = tmp_path / "sft"
+    assert prep(["sft", "--input", str(_write(tmp_path / "in.jsonl", records[:-1])), "--output-prefix", str(prefix),
+                 "--tokenizer", str(chat_tok), "--chat-template", "chatml", "--workers", "0"]) == 0
+    (tokens, mask), (w_tokens, w_mask), (s_tokens, s_mask) = _load(prefix)
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(chat_tok / "tokenizer.json"))
+    assert w_tokens == tokens
+    assert tk.decode([t for t, m in zip(tokens, mask) if m], skip_special_tokens=False) == \
+        "4<|im_end|> 6, of course.\n<|im_end|>"
+    assert tk.decode([t for t, m in zip(w_tokens, w_mask) if m], skip_special_tokens=False) == \
+        " 6, of course.\n<|im_end|>"
+    assert tk.decode([t for t, m in zip(s_tokens, s_mask) if m], skip_special_tokens=False) == "yes<|im_end|>"
+    rejects = [json.loads(x) for x in Path(f"{prefix}.rejects.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["code"]) for r in rejects] == [(4, "no_assistant_turn"), (5, "bad_weight"),
+                                                         (6, "bad_weight"), (7, "bad_weight")]
+    assert "weight 0 ones are not trained" in rejects[0]["reason"]
+    assert "messages[0].weight is set on a user message" in rejects[1]["reason"]
+    assert "messages[1].weight is 0.5; weight is 0" in rejects[2]["reason"]
+    pairs = tmp_path / "pref"
+    assert prep(["sft", "--preference", "--input", str(_write(tmp_path / "pref.jsonl", records[-1:])),
+                 "--output-prefix", str(pairs), "--tokenizer", str(chat_tok), "--chat-template", "chatml",
+                 "--workers", "0"]) == 0
+    chosen, chosen_mask = (IndexedDataset(f"{pairs}_{k}")[0].tolist() for k in ("chosen", "chosen_loss_mask"))
+    assert tk.decode([t for t, m in zip(chosen, chosen_mask) if m], skip_special_tokens=False) == \
+        " 6, of course.\n<|im_end|>"
+
+
+def test_identical_chosen_and_rejected_are_counted_and_warned(tmp_path, chat_tok, capsys):
+    records = [{"prompt": "Hi there", "chosen": "Hello!", "rejected": "Go away."},
+               {"prompt": "Hi there", "chosen": "Same.", "rejected": "Same."},
+               {"prompt": CONVERSATIONS[1][:3], "chosen": CONVERSATIONS[1][3:], "rejected": CONVERSATIONS[1][3:]},
+               {"prompt": "Hi", "chosen": "Same.", "rejected": "Other."}]
+    prefix = tmp_path / "pref"
+    assert prep(["sft", "--preference", "--input", str(_write(tmp_path / "p.jsonl", records)), "--output-prefix",
+                 str(prefix), "--tokenizer", str(chat_tok), "--chat-template", "chatml", "--workers", "0"]) == 0
+    m = json.loads(Path(f"{prefix}.manifest.json").read_text())
+    assert m["documents"]["written"] == 4 and m["documents"]["rejected"] == 0  # written, not rejected
+    assert m["warnings_by_code"] == {"identical_pair": 2}
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "2 identical_pair record(s)" in warned[0] and "p.jsonl:2:" in warned[0]
+    assert "zero-gradient" in warned[0]
 
 
 def test_rejects_and_verify_inspect(tmp_path, chat_tok, capsys):

@@ -142,6 +142,34 @@ def test_cut_short_parquet_is_a_reject_and_the_other_files_are_read(tmp_path, sp
     assert m["documents"]["written"] == 51
 
 
+def _corrupt_row_group(path: Path, group: int) -> None:
+    """Overwrite the compressed pages of one row group's first column (the footer stays intact)."""
+    column = pq.ParquetFile(path).metadata.row_group(group).column(0)
+    start = column.dictionary_page_offset or column.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start + 40:start + column.total_compressed_size - 10] = b"\xab" * (column.total_compressed_size - 50)
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_middle_row_group_is_rejected_rows_and_the_next_group_is_read(tmp_path, sp_model):
+    texts = [f"document number {i} " + "word " * (i % 7) for i in range(3000)]
+    write_parquet(tmp_path / "a.parquet", {"text": texts}, row_group_size=1000)
+    _corrupt_row_group(tmp_path / "a.parquet", 1)
+    write_parquet(tmp_path / "kept.parquet", {"text": texts[:1000] + texts[2000:]}, row_group_size=1000)
+    prefix = tmp_path / "o"
+    assert run_text(tmp_path / "a.parquet", prefix, sp_model, "--workers", "0") == 0
+    m = json.loads(Path(f"{prefix}.manifest.json").read_text())
+    # every row of the file is accounted for: rows of the groups before and after are written, the lost ones rejected
+    assert m["documents"] == {"read": 3000, "written": 2000, "empty": 0, "rejected": 1000, "blank_lines": 0}
+    assert m["inputs"][0]["records"] == 3000 and m["rejects_by_code"] == {"corrupt_row_group": 1000}
+    r = rejects(prefix)
+    assert [(x["row_group"], x["row"], x["rows"], x["code"]) for x in r] == [(1, 1000, 1000, "corrupt_row_group")]
+    assert "rows 1000 to 1999 (1,000) could not be read" in r[0]["reason"]
+    assert run_text(tmp_path / "kept.parquet", tmp_path / "kept", sp_model, "--workers", "0") == 0
+    assert outputs(prefix) == outputs(tmp_path / "kept")  # row group 2 was read on, in order
+    assert prep(["verify", str(prefix)]) == 0
+
+
 def test_folder_walk_reads_datasets_folders_in_their_shard_order(tmp_path, sp_model):
     save_to_disk_layout(tmp_path / "root" / "ds", {"text": [f"hf {i}" for i in range(20)]}, shards=3)
     # state.json lists the shards in the dataset's order, not the names' order

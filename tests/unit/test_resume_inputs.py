@@ -123,3 +123,18 @@ def test_a_vlm_resume_checks_the_media_order_keys_also_of_older_checkpoints(tmp_
     resolve_resume(found, load_config(VLMRunConfig, None, MOCK), 1)  # nothing changed, whatever the key names
     with pytest.raises(CheckpointError, match=re.escape("media.slices: 16 in the checkpoint, 8 now")):
         resolve_resume(found, load_config(VLMRunConfig, None, [*MOCK, "media.slices=8"]), 1)
+
+
+@pytest.mark.parametrize("records", [True, False])
+def test_an_unset_min_lr_is_its_value_lr_over_10(tmp_path, records):
+    """A checkpoint of a run that set min_lr = lr / 10 resumes under a config leaving it unset (the same
+    schedule), and the other way round; the record holds the number."""
+    explicit = [*MOCK, "optim.min_lr=3e-4"]
+    found = _checkpoint(tmp_path, explicit, records=records)
+    assert resolve_resume(found, _cfg(*MOCK), 1).lr(30) == pytest.approx(schedule_of(_cfg(*explicit)).lr(30), rel=1e-12)
+    assert resume_records(_cfg(*MOCK), schedule_of(_cfg(*MOCK)), 1)["schedule"]["optim.min_lr"] == pytest.approx(3e-4)
+    (tmp_path / "b").mkdir()
+    unset = _checkpoint(tmp_path / "b", MOCK, records=records)
+    resolve_resume(unset, _cfg(*explicit), 1)
+    with pytest.raises(CheckpointError, match="optim.min_lr"):
+        resolve_resume(unset, _cfg(*MOCK, "optim.min_lr=1e-5"), 1)

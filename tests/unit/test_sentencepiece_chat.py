@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dataprep.chat_template import BUILTIN_TEMPLATES
 from dataprep.cli import main as prep
 from mmtrain.core import sentencepiece_offsets
+from mmtrain.core.chat_template import BUILTIN_TEMPLATES
 from mmtrain.core.indexed import IndexedDataset
 from mmtrain.core.tokenizer import load_tokenizer
 from tests.unit.test_tokenizer import TRAINING_TEXT, TRICKY_DOCS

@@ -145,3 +145,31 @@ def test_compare_with_an_audio_file_on_a_whisper_encoder(tmp_path, capsys):
     assert main(["compare", "--hf", str(tmp_path / "llava"), "--ckpt", str(tmp_path / "ck"),
                  "--audio", str(tmp_path / "a3.0.wav")]) == 2
     assert "--audio is for a Whisper encoder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind,section,change,message", [
+    ("llava", "text_config", {"vocab_size": 10**12},
+     "config.json: text_config.vocab_size=1000000000000, but the weights hold 100: model.embed_tokens.weight"),
+    ("llava", "vision_config", {"intermediate_size": 10**9},
+     "config.json: vision_config.intermediate_size=1000000000, but the weights hold 64: encoder.layers.0.mlp.fc1"),
+    ("llava", "text_config", {"num_key_value_heads": 4},
+     "config.json: text_config.num_key_value_heads=4 (x head_dim 12 = 48), but the weights hold 2"),
+    ("clip", None, {"image_size": 32},
+     "config.json: (image_size/patch_size)^2 + 1=65, but the weights hold 17: embeddings.position_embedding.weight"),
+    ("clip", None, {"num_hidden_layers": -1}, "config.json: num_hidden_layers=-1 must be an integer >= 1"),
+], ids=["llava_vocab", "llava_vision_ffn", "llava_kv_heads", "clip_image_size", "clip_negative_layers"])
+def test_a_vlm_config_that_contradicts_its_weights_is_one_line(tmp_path, kind, section, change, message, capsys):
+    import json
+
+    (make_llava("clip", "llama") if kind == "llava" else _clip()).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if section:
+        config[section] = {**config[section], **change}
+    else:
+        config.update(change)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "ck").exists()

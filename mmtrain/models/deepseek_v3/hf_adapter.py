@@ -11,6 +11,8 @@ and the Hub's DeepSeek checkpoints hold) — and ``module`` — the fused ``mlp.
 Strict both ways: a missing, unexpected or misshapen tensor and an HF option this model lacks are
 ``HFAdapterError``\\ s naming the key. Multi-token-prediction layers (``model.layers.<num_hidden_layers>...``,
 DeepSeek-V3's MTP module) are refused unless ``drop_mtp_layers=True``; transformers does not build them either.
+Before any tensor is mapped, the config's layer and expert counts and every shape it implies are checked against
+the tensors' shapes (``mmtrain.models.hf_shapes``), naming the config key.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from mmtrain.config.loader import ConfigError
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, indices
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 # (our field, HF key); every one must be present in config.json
@@ -29,6 +32,11 @@ _SAME_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank",
               "qk_rope_head_dim", "v_head_dim", "intermediate_size", "first_k_dense_replace", "n_routed_experts",
               "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
               "norm_topk_prob", "moe_intermediate_size", "rms_norm_eps", "max_position_embeddings")
+# integer keys and their smallest value (the null ones are checked before)
+_INT_KEYS = {"num_hidden_layers": 1, "vocab_size": 1, "hidden_size": 1, "num_attention_heads": 1, "q_lora_rank": 1,
+             "kv_lora_rank": 1, "qk_nope_head_dim": 0, "qk_rope_head_dim": 1, "v_head_dim": 1, "intermediate_size": 1,
+             "first_k_dense_replace": 0, "n_routed_experts": 0, "n_shared_experts": 0, "num_experts_per_tok": 1,
+             "n_group": 1, "topk_group": 1, "moe_intermediate_size": 1, "max_position_embeddings": 1}
 _YARN_KEYS = {"yarn_factor": "factor", "yarn_original_max_position_embeddings": "original_max_position_embeddings",
               "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_mscale": "mscale",
               "yarn_mscale_all_dim": "mscale_all_dim", "yarn_truncate": "truncate"}
@@ -66,6 +74,9 @@ def config_from_hf(hf: dict[str, Any]) -> DeepseekV3Config:
     for key in ("n_group", "topk_group", "first_k_dense_replace", "num_experts_per_tok", "norm_topk_prob"):
         if hf[key] is None:
             raise HFAdapterError(f"config.json: {key} is null; give a value")
+    for key, minimum in _INT_KEYS.items():
+        if not (key == "q_lora_rank" and hf[key] is None):  # null: a direct query projection
+            config_int(hf, key, HFAdapterError, minimum)
     cfg = DeepseekV3Config(name=str(hf.get("_name_or_path") or "deepseek_v3"), num_layers=hf["num_hidden_layers"],
                            rope_interleave=bool(hf.get("rope_interleave", True)),
                            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -130,10 +141,74 @@ def _attention_names(cfg: DeepseekV3Config) -> dict[str, str]:
     return names
 
 
+def _expected_shapes(cfg: DeepseekV3Config, per_expert: bool) -> Shapes:
+    """Every HF tensor ``cfg`` implies (in both expert layouts; ``per_expert``: list the one-tensor-per-expert
+    names), dimension by dimension, with the config.json key each size comes from."""
+    d, h = Size("hidden_size", cfg.hidden_size), cfg.num_attention_heads
+    vocab, kv_rank = Size("vocab_size", cfg.vocab_size), Size("kv_lora_rank", cfg.kv_lora_rank)
+    q = Size("num_attention_heads", h, cfg.qk_head_dim, f"qk_nope_head_dim + qk_rope_head_dim {cfg.qk_head_dim}")
+    kv_up = Size("num_attention_heads", h, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                 f"qk_nope_head_dim + v_head_dim {cfg.qk_nope_head_dim + cfg.v_head_dim}")
+    o = Size("num_attention_heads", h, cfg.v_head_dim, f"v_head_dim {cfg.v_head_dim}")
+    ffn, mi = Size("intermediate_size", cfg.intermediate_size), Size("moe_intermediate_size", cfg.moe_intermediate_size)
+    experts = Size("n_routed_experts", cfg.n_routed_experts)
+    shared = Size("n_shared_experts", cfg.n_shared_experts, cfg.moe_intermediate_size,
+                  f"moe_intermediate_size {cfg.moe_intermediate_size}")
+    out: Shapes = {"model.embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        hf = f"model.layers.{i}."
+        a = hf + "self_attn."
+        out.update({hf + "input_layernorm.weight": (d,), hf + "post_attention_layernorm.weight": (d,),
+                    a + "kv_a_proj_with_mqa.weight": (Size("kv_lora_rank + qk_rope_head_dim",
+                                                           cfg.kv_lora_rank + cfg.qk_rope_head_dim), d),
+                    a + "kv_a_layernorm.weight": (kv_rank,), a + "kv_b_proj.weight": (kv_up, kv_rank),
+                    a + "o_proj.weight": (d, o)})
+        if cfg.q_lora_rank is None:
+            out[a + "q_proj.weight"] = (q, d)
+        else:
+            q_rank = Size("q_lora_rank", cfg.q_lora_rank)
+            out.update({a + "q_a_proj.weight": (q_rank, d), a + "q_a_layernorm.weight": (q_rank,),
+                        a + "q_b_proj.weight": (q, q_rank)})
+        m = hf + "mlp."
+        if not cfg.is_moe_layer(i):
+            out.update({m + "gate_proj.weight": (ffn, d), m + "up_proj.weight": (ffn, d),
+                        m + "down_proj.weight": (d, ffn)})
+            continue
+        out.update({m + "gate.weight": (experts, d), m + "gate.e_score_correction_bias": (experts,),
+                    m + "experts.gate_up_proj": (experts, Size("moe_intermediate_size", cfg.moe_intermediate_size,
+                                                               2, "2 (gate|up)"), d),
+                    m + "experts.down_proj": (experts, d, mi)})
+        for e in range(cfg.n_routed_experts if per_expert else 0):
+            x = f"{m}experts.{e}."
+            out.update({x + "gate_proj.weight": (mi, d), x + "up_proj.weight": (mi, d),
+                        x + "down_proj.weight": (d, mi)})
+        # after the routed experts, which check moe_intermediate_size alone
+        s = m + "shared_experts."
+        out.update({s + "gate_proj.weight": (shared, d), s + "up_proj.weight": (shared, d),
+                    s + "down_proj.weight": (d, shared)})
+    return out
+
+
+def check_hf_weights(hf_tensors: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> None:
+    """The layer and expert counts and every shape ``cfg`` (read from config.json) implies, against the tensors'
+    shapes; ``HFAdapterError`` naming the key. The weights may hold more layers (multi-token prediction's, which
+    the mapping names)."""
+    check_count("num_hidden_layers", cfg.num_layers, indices(hf_tensors, r"model\.layers\.(\d+)\."),
+                "layers (model.layers.<i>)", HFAdapterError, at_most=True)
+    per_expert = indices((n for n in hf_tensors if (m := re.match(r"model\.layers\.(\d+)\.", n))
+                          and int(m.group(1)) < cfg.num_layers),
+                         r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+    if per_expert and cfg.first_k_dense_replace < cfg.num_layers:
+        check_count("n_routed_experts", cfg.n_routed_experts, per_expert, "experts (mlp.experts.<e>)", HFAdapterError)
+    check_shapes(_expected_shapes(cfg, bool(per_expert)), hf_tensors, HFAdapterError)
+
+
 def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: DeepseekV3Config,
                        drop_mtp_layers: bool = False) -> dict[str, torch.Tensor]:
     """Full tensors of ``DeepseekV3Model(cfg)`` (its ``state_dict`` names, routing biases included) from full HF
-    tensors in either expert layout. Every HF tensor is used or the call fails naming it."""
+    tensors in either expert layout, after ``check_hf_weights``. Every HF tensor is used or the call fails
+    naming it."""
+    check_hf_weights(hf_tensors, cfg)
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:

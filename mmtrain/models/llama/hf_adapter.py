@@ -5,6 +5,8 @@ Everything here works on *full* (unsharded) tensors keyed by name; splitting ove
 ``attn.qkv`` = [q_proj | k_proj | v_proj] (heads in order, as HF stores them) and ``mlp.up`` =
 [gate_proj | up_proj]. Both sides use the rotate-half RoPE convention, so no row permutation is needed.
 Mixtral experts are stacked and transposed: ``experts.w_up[e]`` = [w1 | w3]^T (D, 2F), ``w_down[e]`` = w2^T.
+Before any tensor is mapped, the config's layer and expert counts and every shape it implies are checked against
+the tensors' shapes (``mmtrain.models.hf_shapes``): a contradiction is one ``UnsupportedHFConfig`` naming the key.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, indices
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mixtral")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -65,6 +68,14 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         _require(hf, "use_sliding_window", (False,), False)
     if model_type == "mixtral":
         _require(hf, "sliding_window", (None,), None)
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        config_int(hf, key, UnsupportedHFConfig)
+    for key in ("num_key_value_heads", "head_dim"):  # absent or null: derived from the head count
+        if hf.get(key) is not None:
+            config_int(hf, key, UnsupportedHFConfig)
+    if model_type == "mixtral":
+        config_int(hf, "num_local_experts", UnsupportedHFConfig)
+        config_int(hf, "num_experts_per_tok", UnsupportedHFConfig)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if head_dim * heads != hf["hidden_size"]:
@@ -148,20 +159,54 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
 
 
 # ------------------------------------------------------------------------------------------------ tensors
-def _layer_count(names) -> int:
-    layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
-    return max(layers) + 1 if layers else 0
+def _expected_shapes(cfg: ModelConfig) -> Shapes:
+    """Every HF tensor ``cfg`` implies, dimension by dimension, with the config.json key each size comes from."""
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    d, vocab = Size("hidden_size", cfg.hidden_size), Size("vocab_size", cfg.vocab_size)
+    q = Size("num_attention_heads", cfg.num_attention_heads, hd, f"head_dim {hd}")
+    kv = Size("num_key_value_heads", cfg.kv_heads, hd, f"head_dim {hd}")
+    ffn = Size("intermediate_size", cfg.ffn_hidden_size)
+    out: Shapes = {"model.embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        hf, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        out.update({hf + "input_layernorm.weight": (d,), hf + "post_attention_layernorm.weight": (d,),
+                    att + "q_proj.weight": (q, d), att + "k_proj.weight": (kv, d), att + "v_proj.weight": (kv, d),
+                    att + "q_proj.bias": (q,), att + "k_proj.bias": (kv,), att + "v_proj.bias": (kv,),
+                    att + "o_proj.weight": (d, q)})
+        if cfg.num_experts:
+            moe = hf + "block_sparse_moe."
+            out[moe + "gate.weight"] = (Size("num_local_experts", cfg.num_experts), d)
+            for e in range(cfg.num_experts):
+                x = f"{moe}experts.{e}."
+                out.update({x + "w1.weight": (ffn, d), x + "w3.weight": (ffn, d), x + "w2.weight": (d, ffn)})
+        else:
+            out.update({hf + "mlp.gate_proj.weight": (ffn, d), hf + "mlp.up_proj.weight": (ffn, d),
+                        hf + "mlp.down_proj.weight": (d, ffn)})
+    return out
 
 
-def mmtrain_state_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Full mmtrain tensors from full HF tensors (``model.*`` / ``lm_head.weight`` names)."""
-    if _layer_count(hf_tensors) != cfg.num_layers:
-        raise ValueError(f"the HF weights hold {_layer_count(hf_tensors)} layers, config.json says {cfg.num_layers}")
+def check_hf_weights(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig, config_prefix: str = "") -> None:
+    """The layer and expert counts and every shape ``cfg`` (read from config.json, whose keys are under
+    ``config_prefix``) implies, against the tensors' shapes; ``UnsupportedHFConfig`` naming the key."""
+    check_count("num_hidden_layers", cfg.num_layers, indices(hf_tensors, r"model\.layers\.(\d+)\."),
+                "layers (model.layers.<i>)", UnsupportedHFConfig, config_prefix)
+    if cfg.num_experts:
+        check_count("num_local_experts", cfg.num_experts,
+                    indices(hf_tensors, r"model\.layers\.\d+\.block_sparse_moe\.experts\.(\d+)\."),
+                    "experts (block_sparse_moe.experts.<e>)", UnsupportedHFConfig, config_prefix)
+    check_shapes(_expected_shapes(cfg), hf_tensors, UnsupportedHFConfig, config_prefix)
+
+
+def mmtrain_state_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                          config_prefix: str = "") -> dict[str, torch.Tensor]:
+    """Full mmtrain tensors from full HF tensors (``model.*`` / ``lm_head.weight`` names), after
+    ``check_hf_weights`` (``config_prefix``: where config.json holds the keys, e.g. LLaVA's ``text_config.``)."""
+    check_hf_weights(hf_tensors, cfg, config_prefix)
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
         if name not in hf_tensors:
-            raise KeyError(f"HF weights lack {name}")
+            raise UnsupportedHFConfig(f"HF weights lack {name} (does config.json describe these weights?)")
         used.add(name)
         return hf_tensors[name]
 
@@ -193,7 +238,8 @@ def mmtrain_state_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig)
     # rotary_emb.inv_freq is a derived buffer some old checkpoints carry; anything else is a mapping gap
     unused = sorted(n for n in set(hf_tensors) - used if not n.endswith("rotary_emb.inv_freq"))
     if unused:
-        raise ValueError(f"HF weights not mapped to mmtrain (unsupported architecture variant?): {unused[:8]}")
+        raise UnsupportedHFConfig(f"HF weights not mapped to mmtrain (unsupported architecture variant?): "
+                                  f"{unused[:8]}")
     return out
 
 
