@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mmtrain.core.manifest import ManifestError
-from mmtrain.core.tokenizer import GPT2_EOD, Tokenizer, TokenizerError, load_tokenizer
+from mmtrain.core.tokenizer import GPT2_EOD, Tokenizer, TokenizerError, listed_special_tokens, load_tokenizer
 from mmtrain.core.tokenizer_record import PROBE_TEXTS, checkpoint_tokenizer_record
 
 # transformers' bookkeeping keys that say nothing about the tokenizer
@@ -135,43 +135,35 @@ def _sentencepiece_decoder(tok: Tokenizer):
                               decoders.Strip(content=mark, left=_ALL, right=0), decoders.Replace(mark, " ")])
 
 
-def _folder_chat_files(tok: Tokenizer) -> tuple[Any, list[str]]:
-    """The chat template (or None) and the listed special tokens of ``tok``'s folder (``tokenizer_config.json``
-    and ``chat_template.jinja``, the files mmtrain-prep sft and mmtrain.serve read)."""
+def _folder_chat_template(tok: Tokenizer) -> str | None:
+    """The chat template of ``tok``'s folder (``chat_template.jinja``, else ``chat_template`` in
+    ``tokenizer_config.json``: the files mmtrain-prep sft and mmtrain.serve read), or None."""
     folder = Path(tok.path).parent
     config_path = folder / "tokenizer_config.json"
     try:
+        if (folder / "chat_template.jinja").is_file():
+            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        jinja = folder / "chat_template.jinja"
-        template = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
     except (OSError, ValueError) as exc:
-        raise TokenizerExportError(f"{config_path.parent}: tokenizer files unreadable ({exc}); fix them or export "
-                                   "with --no-tokenizer") from None
-    if not isinstance(config, dict):
-        raise TokenizerExportError(f"{config_path}: not a JSON object; fix it or export with --no-tokenizer")
-    if template is None:
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one, as mmtrain-prep sft and serve take it
-            template = next((t.get("template") for t in template
-                             if isinstance(t, dict) and t.get("name") == "default"), None)
-        if template is not None and not isinstance(template, str):
-            raise TokenizerExportError(f"{config_path}: chat_template is neither a string nor a list of named "
-                                       "templates; fix it or export with --no-tokenizer")
-    special: list[str] = []
-    for key in ("additional_special_tokens", "extra_special_tokens"):
-        listed = config.get(key) or []
-        for item in listed.values() if isinstance(listed, dict) else listed:
-            token = item.get("content") if isinstance(item, dict) else item
-            if not isinstance(token, str):
-                raise TokenizerExportError(f"{config_path}: {key} holds {item!r}, not a token string")
-            if token not in special:
-                special.append(token)
-    return template, special
+        raise TokenizerExportError(f"{folder}: tokenizer files unreadable ({exc}); fix them or export with "
+                                   "--no-tokenizer") from None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):  # named templates: the default one, as mmtrain-prep sft and serve take it
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is not None and not isinstance(template, str):
+        raise TokenizerExportError(f"{config_path}: chat_template is neither a string nor a list of named "
+                                   "templates; fix it or export with --no-tokenizer")
+    return template
 
 
 def _carry_chat_files(hf_tok, tok: Tokenizer) -> list[str]:
     """Put the folder's chat template and special tokens into ``hf_tok``; the special tokens (to probe)."""
-    template, special = _folder_chat_files(tok)
+    template = _folder_chat_template(tok)
+    try:
+        special = listed_special_tokens(Path(tok.path).parent)
+    except TokenizerError as exc:
+        raise TokenizerExportError(f"{exc}; or export with --no-tokenizer") from None
     missing = [t for t in special if tok.token_id(t) is None]
     if missing:
         raise TokenizerExportError(f"{Path(tok.path).parent / 'tokenizer_config.json'} lists special token(s) "

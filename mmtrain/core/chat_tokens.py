@@ -11,8 +11,13 @@ strings only where the template wrote them, and encoding it:
   exactly the ids of ``transformers``' ``apply_chat_template``); if it holds swapped characters, each stretch
   between two control tokens that holds one is encoded again, swapped back, as plain text (the tokenizer's
   control tokens switched off, ``encode_special_tokens``), offsets shifted into place;
-- for a SentencePiece or GPT-2 tokenizer (which never read control tokens out of text), splits the text at the
-  template's control strings and encodes the pieces between them as text (ids only: no character offsets).
+- for a SentencePiece tokenizer, encodes the text as whole as it can: the declared special tokens (user-defined
+  pieces such as chatml's ``<|im_start|>`` from ``train-tokenizer --chat-template``) are read out of text by
+  SentencePiece itself, so a conversation without control pieces is one call (the ids and character spans
+  ``transformers`` gives on the model's HF export); control pieces the template wrote (``<s>``, ``</s>``, which
+  SentencePiece never reads from text) become their ids, the text between them encoded as text; a character the
+  guard swapped becomes that character's own ids (its piece, else its bytes), so a message's ``<|im_start|>`` is
+  text.
 
 Noncharacters U+FDD0..U+FDEF are never meaningful text; a message holding one is refused (``RenderError``), so
 neither the generation markers (U+FDD0/U+FDD1) nor the swaps can be forged.
@@ -23,7 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from mmtrain.core.tokenizer import HuggingFaceTokenizer, Tokenizer
+from mmtrain.core.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, Tokenizer
 
 # U+FDD0/U+FDD1 mark generation blocks while a template renders (chat_template); the rest stand in for the first
 # character of a control-token string inside a message.
@@ -91,9 +96,7 @@ def encode_chats(tokenizer: Tokenizer, texts: Sequence[str], guard: ContentGuard
             return encoded
         return [(ids, offs) if not guard.holds_swaps(text) else _reencode_swapped(tokenizer, guard, text, ids, offs)
                 for text, (ids, offs) in zip(texts, encoded)]
-    if with_offsets:
-        tokenizer.encode_batch_with_offsets(texts)  # raises: this tokenizer reports no offsets
-    return [(_encode_split(tokenizer, text, guard), None) for text in texts]
+    return [_encode_split(tokenizer, text, guard) for text in texts]
 
 
 def _reencode_swapped(tokenizer: HuggingFaceTokenizer, guard: ContentGuard, text: str, ids: list[int],
@@ -139,21 +142,45 @@ def _reencode_swapped(tokenizer: HuggingFaceTokenizer, guard: ContentGuard, text
     return out_ids, out_offsets
 
 
-def _encode_split(tokenizer: Tokenizer, text: str, guard: ContentGuard | None) -> list[int]:
-    """A tokenizer that reads no control tokens out of text: the template's control strings become their ids, the
-    text between them is encoded as text."""
+def _encode_split(tokenizer: SentencePieceTokenizer, text: str, guard: ContentGuard | None
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
+    """A SentencePiece tokenizer: control strings it does not read out of text become their ids, the text between
+    them is encoded in one call each, and the characters the guard swapped become their own ids."""
     control = tokenizer.control_tokens()
-    unguard = guard.unguard if guard is not None else (lambda s: s)
-    if not control:
-        return tokenizer.encode(unguard(text))
-    pattern = re.compile("|".join(map(re.escape, sorted(control, key=len, reverse=True))))
+    unread = sorted((t for t, i in control.items() if i not in tokenizer.encode(t)), key=len, reverse=True)
     ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
     start = 0
-    for m in pattern.finditer(text):
-        if m.start() > start:
-            ids += tokenizer.encode(unguard(text[start:m.start()]))
+
+    def text_between(end: int) -> None:
+        if end > start:
+            (part_ids, part_offsets), = tokenizer.encode_batch_with_offsets([text[start:end]])
+            part = [(i, (a + start, b + start)) for i, (a, b) in zip(part_ids, part_offsets)]
+            if guard is not None and guard.holds_swaps(text[start:end]):
+                part = _restore_swapped(tokenizer, guard, text, part)
+            ids.extend(i for i, _ in part)
+            offsets.extend(span for _, span in part)
+
+    for m in re.finditer("|".join(map(re.escape, unread)), text) if unread else ():
+        text_between(m.start())
         ids.append(control[m.group()])
+        offsets.append((m.start(), m.end()))
         start = m.end()
-    if start < len(text):
-        ids += tokenizer.encode(unguard(text[start:]))
-    return ids
+    text_between(len(text))
+    return ids, offsets
+
+
+def _restore_swapped(tokenizer: SentencePieceTokenizer, guard: ContentGuard, text: str,
+                     tokens: list[tuple[int, tuple[int, int]]]) -> list[tuple[int, tuple[int, int]]]:
+    """``tokens`` (id, span in ``text``) with the tokens over a swapped character replaced by that character's
+    own ids (SentencePiece: its piece or its bytes), the characters of such a token's span one by one."""
+    out: list[tuple[int, tuple[int, int]]] = []
+    done = -1  # the characters before this index are already out
+    for token, (a, b) in tokens:
+        if not guard.holds_swaps(text[a:b]):
+            out.append((token, (a, b)))
+            continue
+        for q in range(max(a, done), b):
+            out.extend((i, (q, q + 1)) for i in tokenizer.char_ids(guard.unguard(text[q])))
+        done = max(done, b)
+    return out

@@ -91,6 +91,30 @@ class Tokenizer(ABC):
                 "vocab_size": self.vocab_size, "max_id": self.max_id, "eod_id": self.eod_id}
 
 
+def listed_special_tokens(folder: Path) -> list[str]:
+    """The special tokens ``folder/tokenizer_config.json`` lists (``additional_special_tokens``,
+    ``extra_special_tokens``: strings, ``{"content": ...}`` objects, or a name -> token mapping), in order."""
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return []
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"{config_path}: unreadable ({exc}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{config_path}: not a JSON object; fix or remove it")
+    tokens: list[str] = []
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        listed = config.get(key) or []
+        for item in listed.values() if isinstance(listed, dict) else listed:
+            token = item.get("content") if isinstance(item, dict) else item
+            if not isinstance(token, str):
+                raise TokenizerError(f"{config_path}: {key} holds {item!r}, not a token string")
+            if token not in tokens:
+                tokens.append(token)
+    return tokens
+
+
 class SentencePieceTokenizer(Tokenizer):
     type = "sentencepiece"
 
@@ -109,6 +133,11 @@ class SentencePieceTokenizer(Tokenizer):
         self.bos_id = bos if bos >= 0 else None  # what evaluation harnesses put before a text with no context
         self._threads = 1
         self._control: dict[str, int] | None = None
+        # the tokens the folder's tokenizer_config.json declares special (train-tokenizer --chat-template /
+        # --special-tokens writes it): user-defined pieces, read out of text as one token, so a chat template's
+        # control tokens; pieces of this model only (a config may describe a wider tokenizer)
+        self._special = {t: self._sp.piece_to_id(t) for t in listed_special_tokens(path.parent)
+                         if self.token_id(t) is not None}
 
     @property
     def vocab_size(self) -> int:
@@ -122,11 +151,22 @@ class SentencePieceTokenizer(Tokenizer):
         self._threads = max(1, int(threads))
 
     def control_tokens(self) -> dict[str, int]:
-        # SentencePiece never reads control pieces (<s>, </s>) out of text; a chat template's are split out
+        # SentencePiece never reads control pieces (<s>, </s>) out of text (a chat template's are split out);
+        # the declared special tokens are user-defined pieces, which it reads wherever they occur
         if self._control is None:
             self._control = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())
                              if self._sp.is_control(i)}
+            self._control.update(self._special)
         return self._control
+
+    def char_ids(self, char: str) -> list[int]:
+        """The ids of one character on its own, as SentencePiece encodes it inside a text: its piece, else its
+        UTF-8 bytes' pieces (byte fallback), else ``<unk>``."""
+        piece = self.token_id(char)
+        if piece is not None:
+            return [piece]
+        pieces = [self.token_id(f"<0x{b:02X}>") for b in char.encode("utf-8", "surrogatepass")]
+        return pieces if None not in pieces else [self._sp.unk_id()]
 
     def token_id(self, token: str) -> int | None:
         piece_id = self._sp.piece_to_id(token)
@@ -141,7 +181,8 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
         if skip_special_tokens:
-            ids = [i for i in ids if not (self._sp.is_control(i) or self._sp.is_unknown(i))]
+            special = set(self._special.values())
+            ids = [i for i in ids if not (self._sp.is_control(i) or self._sp.is_unknown(i) or i in special)]
         return self._sp.decode(ids)
 
 
