@@ -101,7 +101,9 @@ def _stuck_peer(rank: int, world_size: int, run_dir: str):
             deadline = _time.monotonic() + 20
             while not rank0_failed.exists() and _time.monotonic() < deadline:
                 _time.sleep(0.05)
-            # rank 0 has failed: end now rather than sleep on until the harness's 10 s grace period kills it
+            # rank 0 has failed: end soon rather than sleep on until the harness's 10 s grace period kills it;
+            # soon, not at once: rank 0 still reports (traceback and output) after touching the file
+            _time.sleep(2)
             raise RuntimeError("the stuck peer, released after rank 0 failed")
         return stage
 
