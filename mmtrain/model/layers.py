@@ -19,6 +19,7 @@ from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.mlp import MLP
 from mmtrain.model.moe import MoELayer
+from mmtrain.models.contract import check_compile_scope
 from mmtrain.parallel.moe_dispatch import LocalDispatch
 
 
@@ -122,6 +123,24 @@ class Attention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
+def compile_prenorm_block(block: nn.Module, scope: str, routed: bool) -> None:
+    """``torch.compile`` the parts of a pre-norm block (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp``) that
+    ``scope`` allows (``mmtrain.models.contract.COMPILE_SCOPES``); ``routed``: its MLP is an MoE layer, whose
+    data-dependent token counts per expert keep it eager (the dense parts are compiled)."""
+    check_compile_scope(scope)
+    if scope == "no_linears":  # e.g. Transformer Engine modules: dynamo does not trace them
+        block.attn_norm.compile()
+        block.mlp_norm.compile()
+    elif routed:
+        block.attn_norm.compile()
+        block.attn.compile()
+        block.mlp_norm.compile()
+    elif scope == "inside_call":  # hooks on the block's call (FSDP's gather/free) stay eager
+        block.forward = torch.compile(block.forward)
+    else:
+        block.compile()
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block. ``attention``: the attention strategy (default causal); an encoder block passes
     ``BidirectionalAttention()`` and keeps the same parameter layout, so the TP plan shards it the same way.
@@ -135,6 +154,10 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MoELayer(cfg, moe_dispatch) if cfg.num_experts else MLP(cfg)
         self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
+
+    def compile_parts(self, scope: str) -> None:
+        """The family contract's compile hook (``mmtrain.models.contract.FamilyBlock``)."""
+        compile_prenorm_block(self, scope, routed=isinstance(self.mlp, MoELayer))
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  attn_mask=None) -> torch.Tensor:

@@ -66,22 +66,11 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
         block.recompute = mode
         block.mlp.recompute_activation = mode == "selective"
         if cfg.train.compile:
-            if fp8_backend == "te":  # TE modules run their own kernels; dynamo does not trace them
-                block.attn_norm.compile()
-                block.mlp_norm.compile()
-            elif has_experts:  # data-dependent token counts per expert: compile the dense parts only
-                block.attn_norm.compile()
-                block.attn.compile()
-                block.mlp_norm.compile()
-            elif cfg.parallel.fsdp:  # FSDP's gather/free hooks sit on the block's call: compile only its forward
-                block.forward = torch.compile(block.forward)
-            else:
-                block.compile()
-    if cfg.train.compile and mesh.dims.tp == 1 and getattr(model, "head", None) is not None:  # fuses fp32 upcast, log-softmax, backward
-        if model.head_matmul is not None:  # FP8 head: its casts of the (huge) logits gradient fuse with the loss
-            model.head_loss = torch.compile(model.head_loss)
-        else:
-            model.head.compile_loss()
+            # what stays eager around the block: TE's kernels (dynamo does not trace them), FSDP's hooks on its call
+            block.compile_parts("no_linears" if fp8_backend == "te" else "inside_call" if cfg.parallel.fsdp
+                                else "block")
+    if cfg.train.compile and mesh.dims.tp == 1:  # under TP the vocab-parallel loss is its own autograd function
+        model.compile_head()
     return model
 
 

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
-from mmtrain.model.layers import MLP, RMSNorm
+from mmtrain.model.layers import MLP, RMSNorm, compile_prenorm_block
 from mmtrain.model.lora import reset_dora_magnitudes
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
@@ -220,6 +220,11 @@ class DecoderLayer(nn.Module):
         self.mlp = DeepseekMoE(cfg, moe_dispatch) if cfg.is_moe_layer(index) else MLP(_swiglu_shape(cfg, cfg.intermediate_size))
         self.recompute = "none"  # "full": keep only the layer's input and recompute the rest in backward
 
+    def compile_parts(self, scope: str) -> None:
+        """The family contract's compile hook (``mmtrain.models.contract.FamilyBlock``): an MoE layer compiles
+        its dense parts only."""
+        compile_prenorm_block(self, scope, routed=isinstance(self.mlp, DeepseekMoE))
+
     def _forward(self, x, cos, sin, attn_mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
         return x + self.mlp(self.mlp_norm(x))
@@ -302,6 +307,11 @@ class DeepseekV3Model(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
         return self.head.logits(x, self.output_weight())
+
+    def compile_head(self) -> None:
+        """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy."""
+        if self.head is not None:
+            self.head.compile_loss()
 
     def rotary(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the positions (with YaRN's attention factor), as every layer's ``attn`` takes them."""

@@ -99,6 +99,17 @@ class GPTModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.output.weight if self.output is not None else self.embed.weight
 
+    def compile_head(self) -> None:
+        """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy (fuses the
+        fp32 upcast, log-softmax and backward); with an FP8 output layer the whole ``head_loss``, so its casts of
+        the (huge) logits gradient fuse with the loss."""
+        if self.head is None:
+            return
+        if self.head_matmul is not None:
+            self.head_loss = torch.compile(self.head_loss)
+        else:
+            self.head.compile_loss()
+
     def forward(self, inputs: torch.Tensor | None, labels_BS: torch.Tensor | None = None,
                 position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
