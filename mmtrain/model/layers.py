@@ -19,7 +19,7 @@ from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.mlp import MLP
 from mmtrain.model.moe import MoELayer
-from mmtrain.models.contract import check_compile_scope
+from mmtrain.models.contract import check_compile_scope, check_recompute_mode
 from mmtrain.parallel.moe_dispatch import LocalDispatch
 
 
@@ -123,6 +123,15 @@ class Attention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
+def set_prenorm_recompute(block: nn.Module, mode: str) -> None:
+    """A pre-norm block's recompute mode (``mmtrain.models.contract.RECOMPUTE_MODES``): ``full`` checkpoints its
+    whole call (``block.recompute``), ``selective`` its dense MLP's activation (an MoE MLP keeps everything)."""
+    check_recompute_mode(mode)
+    block.recompute = mode
+    if isinstance(block.mlp, MLP):
+        block.mlp.recompute_activation = mode == "selective"
+
+
 def compile_prenorm_block(block: nn.Module, scope: str, routed: bool) -> None:
     """``torch.compile`` the parts of a pre-norm block (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp``) that
     ``scope`` allows (``mmtrain.models.contract.COMPILE_SCOPES``); ``routed``: its MLP is an MoE layer, whose
@@ -154,6 +163,10 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MoELayer(cfg, moe_dispatch) if cfg.num_experts else MLP(cfg)
         self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
+
+    def set_recompute(self, mode: str) -> None:
+        """The family contract's recompute setting (``mmtrain.models.contract.FamilyBlock``)."""
+        set_prenorm_recompute(self, mode)
 
     def compile_parts(self, scope: str) -> None:
         """The family contract's compile hook (``mmtrain.models.contract.FamilyBlock``)."""

@@ -34,11 +34,12 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
-from mmtrain.model.layers import MLP, RMSNorm, compile_prenorm_block
+from mmtrain.model.layers import MLP, RMSNorm, compile_prenorm_block, set_prenorm_recompute
 from mmtrain.model.lora import reset_dora_magnitudes
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 from mmtrain.models.deepseek_v3.lora import add_adapters
+from mmtrain.models.contract import RoutedExpertsLayer
 from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec
 from mmtrain.parallel.moe_dispatch import LocalDispatch, count_per_expert
 
@@ -175,14 +176,12 @@ class GroupLimitedRouter(nn.Module):
         return weights * c.routed_scaling_factor, ids
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(nn.Module, RoutedExpertsLayer):
     """Routed experts (``moe.Experts``: w_up (E, D, 2F) [gate | up], w_down (E, F, D)) plus shared experts.
     ``dispatch``: the token-dispatch strategy (``mmtrain.parallel.moe_dispatch``, default local), which also
-    runs the shared experts (so an all-to-all dispatch can overlap them with its exchange). Marked
-    ``is_moe_layer`` with what the expert-parallel plan and ``update_router_biases`` read (``dispatch``,
-    ``step_load``, ``bias_update_rate``, ``router.expert_bias``); no balance loss (the selection bias balances)."""
-
-    is_moe_layer = True
+    runs the shared experts (so an all-to-all dispatch can overlap them with its exchange). A
+    ``RoutedExpertsLayer`` (the contract's MoE layer: what the expert-parallel plan and ``update_router_biases``
+    read); no balance loss (the selection bias balances)."""
 
     def __init__(self, cfg: DeepseekV3Config, dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
@@ -219,6 +218,11 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DeepseekMoE(cfg, moe_dispatch) if cfg.is_moe_layer(index) else MLP(_swiglu_shape(cfg, cfg.intermediate_size))
         self.recompute = "none"  # "full": keep only the layer's input and recompute the rest in backward
+
+    def set_recompute(self, mode: str) -> None:
+        """The family contract's recompute setting (``mmtrain.models.contract.FamilyBlock``): selective
+        recomputes a dense layer's MLP activation, nothing of an MoE layer."""
+        set_prenorm_recompute(self, mode)
 
     def compile_parts(self, scope: str) -> None:
         """The family contract's compile hook (``mmtrain.models.contract.FamilyBlock``): an MoE layer compiles
@@ -312,6 +316,15 @@ class DeepseekV3Model(nn.Module):
         """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy."""
         if self.head is not None:
             self.head.compile_loss()
+
+    def set_sequence_parallel(self, sequence_parallel: bool) -> None:
+        """The layout the TP plan applied (``mmtrain.models.contract``): the spec's partial gradients follow it."""
+        self.sequence_parallel = sequence_parallel
+
+    def swap_head(self, make_head) -> None:
+        """The output head replaced by ``make_head(head, vocab_size)`` (the TP plan's vocab-parallel head)."""
+        if self.head is not None:
+            self.head = make_head(self.head, self.cfg.vocab_size)
 
     def rotary(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the positions (with YaRN's attention factor), as every layer's ``attn`` takes them."""

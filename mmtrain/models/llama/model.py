@@ -110,6 +110,15 @@ class GPTModel(nn.Module):
         else:
             self.head.compile_loss()
 
+    def set_sequence_parallel(self, sequence_parallel: bool) -> None:
+        """The layout the TP plan applied (``mmtrain.models.contract``): the spec's partial gradients follow it."""
+        self.sequence_parallel = sequence_parallel
+
+    def swap_head(self, make_head) -> None:
+        """The output head replaced by ``make_head(head, vocab_size)`` (the TP plan's vocab-parallel head)."""
+        if self.head is not None:
+            self.head = make_head(self.head, self.cfg.vocab_size)
+
     def forward(self, inputs: torch.Tensor | None, labels_BS: torch.Tensor | None = None,
                 position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
