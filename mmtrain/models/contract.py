@@ -1,6 +1,6 @@
 """The family contract: everything the shared code (build, compile, recompute, the TP/SP plan, pipeline chunks,
-FSDP, the expert-parallel plan and router-bias balancing, checkpoints, the HF bridge, the FLOP count) may use
-of a model family.
+FSDP, the expert-parallel plan and router-bias balancing, checkpoints, the HF bridge, the FLOP count, KV-cache
+decoding) may use of a model family.
 
 A family is a folder ``mmtrain/models/<family>/`` plus one ``register_family`` line in
 ``mmtrain/models/registry.py`` (docs/adding-a-model-family.md). The registry record (``ModelFamily``) holds the
@@ -22,6 +22,13 @@ members and nothing else of a family's modules: no ``hasattr`` dispatch, no bran
 - ``compile_head()``: compile what of the output head's loss path is worth compiling on one TP rank (the family
   decides: the cross-entropy; the Llama family with an FP8 output layer its whole logits-and-loss method);
   nothing on a stage without a head.
+- ``new_kv_cache(slots, max_len, dtype, device)``: a static cache (``mmtrain.model.kv_cache``: preallocated,
+  rows by position) for ``decode``, sized for the model as it is on this rank (a TP shard's heads).
+- ``decode(cache, positions_BS, tokens_BS=None, inputs_embeds=None, slots_B=None, last_index_B=None,
+  kv_len=None)``: the cached forward of a whole model (generation, the server): new tokens (or embeddings) of
+  cache rows ``slots_B`` at ``positions_BS``, what its attention caches written to ``cache``; fp32 logits over the
+  whole vocabulary (B, V) of one position per row (``last_index_B``, default the last). Its blocks' ``decode``
+  with the same ops as their ``forward`` but the attention core, so a compiled decode step stays one graph.
 - and the ``TensorParallelModel`` members:
 
 ``TensorParallelModel`` (what ``mmtrain.parallel.tensor.apply_tensor_parallel`` shards: a stage, a VLM encoder):
@@ -44,6 +51,8 @@ members and nothing else of a family's modules: no ``hasattr`` dispatch, no bran
   the block's call, e.g. FSDP's gather/free: compile only what runs inside it), ``no_linears`` (the linears run
   kernels dynamo does not trace, e.g. Transformer Engine: compile only the rest). The block narrows it where it
   must (an MoE block compiles its dense parts only: token counts per expert are data-dependent).
+- ``decode(x, cos, sin, cache, layer, slots_B, positions_BS, kv_len)``: the block's cached forward (``layer``:
+  its index in the cache), called by the stage's ``decode``.
 
 MoE layers derive from ``RoutedExpertsLayer``: how the expert-parallel plan and the router-bias balancing find
 them and what they read.
@@ -63,9 +72,9 @@ COMPILE_SCOPES = ("block", "inside_call", "no_linears")
 
 # What registering checks: methods on the classes, attributes (set by the constructor) on every built stage.
 TENSOR_PARALLEL_METHODS = ("sharding_spec", "set_sequence_parallel", "swap_head")
-STAGE_METHODS = ("forward", "init_weights", "compile_head", *TENSOR_PARALLEL_METHODS)
+STAGE_METHODS = ("forward", "init_weights", "compile_head", "new_kv_cache", "decode", *TENSOR_PARALLEL_METHODS)
 STAGE_ATTRIBUTES = ("layers", "pre_process", "post_process")
-BLOCK_METHODS = ("forward", "set_recompute", "compile_parts")
+BLOCK_METHODS = ("forward", "set_recompute", "compile_parts", "decode")
 
 
 class FamilyContractError(TypeError):
@@ -89,6 +98,9 @@ class FamilyBlock(Protocol):
 
     def compile_parts(self, scope: str) -> None: ...
 
+    def decode(self, x: Any, cos: Any, sin: Any, cache: Any, layer: int, slots_B: Any, positions_BS: Any,
+               kv_len: int | None) -> Any: ...
+
 
 class FamilyStage(TensorParallelModel, Protocol):
     """What a family's ``build_stage`` returns (see the module docstring)."""
@@ -100,6 +112,11 @@ class FamilyStage(TensorParallelModel, Protocol):
     def init_weights(self, seed: int) -> None: ...
 
     def compile_head(self) -> None: ...
+
+    def new_kv_cache(self, slots: int, max_len: int, dtype: Any, device: Any) -> Any: ...
+
+    def decode(self, cache: Any, positions_BS: Any, tokens_BS: Any = None, inputs_embeds: Any = None,
+               slots_B: Any = None, last_index_B: Any = None, kv_len: int | None = None) -> Any: ...
 
 
 class RoutedExpertsLayer:

@@ -166,9 +166,36 @@ _MODEL_NAMES = {"model", "stage", "chunk", "block", "layer", "module", "lm", "en
 
 
 def test_the_build_and_the_parallel_plans_read_no_undeclared_model_attributes():
-    """Issue #31: what the build and the TP/SP, PP, FSDP and EP plans use of a family is the contract's members
-    (``mmtrain.models.contract``), never attributes probed with hasattr/getattr."""
+    """Issue #31: what the build, the TP/SP, PP, FSDP and EP plans and the decoder use of a family is the
+    contract's members (``mmtrain.models.contract``), never attributes probed with hasattr/getattr (the decoder
+    picked the family by ``hasattr(attn, "kv_down")``)."""
     files = [REPO / "mmtrain/train/build.py", REPO / "mmtrain/train/build_vlm.py",
-             REPO / "mmtrain/train/fsdp_setup.py", *sorted((REPO / "mmtrain/parallel").glob("*.py"))]
+             REPO / "mmtrain/train/fsdp_setup.py", *sorted((REPO / "mmtrain/parallel").glob("*.py")),
+             *sorted((REPO / "mmtrain/inference").glob("*.py"))]
     found = [f for path in files for f in _model_attribute_reads(path)]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_registered_family_decodes_through_its_own_modules(family):
+    """The contract's ``decode``: a prompt's prefill, then one token at a time through the cache, gives the logits
+    of the family's uncached forward; a pipeline stage is refused in one line."""
+    from mmtrain.config.schema import ModelConfig
+    from mmtrain.inference.decoder import UnsupportedModelError, check_decodable, decoder_forward, kv_cache_for
+    from mmtrain.models.registry import model_family
+
+    cfg = ModelConfig(family=family)
+    n = cfg.shape().num_layers
+    model = model_family(cfg).build_stage(cfg, (0, n), True, True).eval()
+    model.init_weights(2)
+    tokens = torch.randint(0, cfg.shape().vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)  # (B, S, V) logits
+        cache = kv_cache_for(model, 2, 16, torch.float32, "cpu")
+        got = [decoder_forward(model, cache, torch.arange(4).expand(2, 4), tokens_BS=tokens[:, :4])]
+        for p in range(4, 7):
+            got.append(decoder_forward(model, cache, torch.full((2, 1), p), tokens_BS=tokens[:, p:p + 1]))
+    torch.testing.assert_close(torch.stack(got, 1), full[:, 3:], rtol=1e-4, atol=1e-5)
+    stage = model_family(cfg).build_stage(cfg, (0, n), True, False)
+    with pytest.raises(UnsupportedModelError, match=r"needs a whole model .*no pipeline stages"):
+        check_decodable(stage)

@@ -34,10 +34,12 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
+from mmtrain.model.kv_cache import LatentKVCache, decoded_rows
 from mmtrain.model.layers import MLP, RMSNorm, compile_prenorm_block, set_prenorm_recompute
 from mmtrain.model.lora import reset_dora_magnitudes
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.models.deepseek_v3.latent_decode import cached_latent_attention, latent_cache_for
 from mmtrain.models.deepseek_v3.lora import add_adapters
 from mmtrain.models.contract import RoutedExpertsLayer
 from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec
@@ -233,6 +235,13 @@ class DecoderLayer(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
         return x + self.mlp(self.mlp_norm(x))
 
+    def decode(self, x, cos, sin, cache: LatentKVCache, layer: int, slots_B, positions_BS, kv_len):
+        """The family contract's cached forward of the layer: the attention through the latent ``cache``
+        (``latent_decode.cached_latent_attention``), the rest as ``forward``."""
+        x = x + cached_latent_attention(self.attn, self.attn_norm(x), cos, sin, cache, layer, slots_B, positions_BS,
+                                        kv_len)
+        return x + self.mlp(self.mlp_norm(x))
+
     def forward(self, x, cos, sin, attn_mask=None):
         if self.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, attn_mask, use_reentrant=False)
@@ -348,6 +357,22 @@ class DeepseekV3Model(nn.Module):
         x = self.head.prepare(self.norm(x))
         logits = self.logits(x)
         return self.head.full_logits(logits) if labels_BS is None else self.head.loss(logits, labels_BS)
+
+    def new_kv_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> LatentKVCache:
+        """The family contract's cache for ``decode``: per token and layer the latent and the RoPE key."""
+        return latent_cache_for(self, slots, max_len, dtype, device)
+
+    def decode(self, cache: LatentKVCache, positions_BS: torch.Tensor, tokens_BS: torch.Tensor | None = None,
+               inputs_embeds: torch.Tensor | None = None, slots_B: torch.Tensor | None = None,
+               last_index_B: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """The family contract's cached forward, as ``GPTModel.decode``: fp32 logits (B, V) of one position per
+        row (``last_index_B``, default the last), the new tokens' latents stored in ``cache``."""
+        x = inputs_embeds if inputs_embeds is not None else self.embed(tokens_BS)
+        cos, sin = self.rotary(positions_BS, x.dtype)
+        for i, layer in enumerate(self.layers.values()):
+            x = layer.decode(x, cos, sin, cache, i, slots_B, positions_BS, kv_len)
+        x = self.head.prepare(self.norm(decoded_rows(x, last_index_B)))
+        return self.head.full_logits(self.logits(x))[:, 0].float()
 
     @torch.no_grad()
     def update_routing_biases(self, groups: list = ()) -> dict[str, list[int]]:
