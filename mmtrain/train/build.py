@@ -35,7 +35,7 @@ class StageChunks(nn.Module):
                     merged.setdefault(name, nn.ModuleDict()).update(child)
                 elif name not in merged:
                     merged[name] = child
-                elif any(True for _ in child.parameters()):
+                elif next(child.parameters(), None) is not None:
                     raise ValueError(f"virtual pipeline chunks both hold {name!r} with parameters: their global "
                                      "names would clash (a family's stage keeps shared parts on one chunk)")
         for name, child in merged.items():
