@@ -56,7 +56,7 @@ def main() -> None:
     model.init_weights(0)
     model.to(device=device, dtype=dtype)
     for layer in model.layers.values():
-        layer.recompute = "full" if args.recompute else "none"
+        layer.set_recompute("full" if args.recompute else "none")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)

@@ -20,7 +20,6 @@ from mmtrain.models.registry import model_family
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.tensor import apply_tensor_parallel
 
-DECODABLE_FAMILIES = ("llama", "deepseek_v3")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -39,13 +38,10 @@ def prepare_for_decoding(model: nn.Module, device: torch.device | str, dtype: to
 def load_checkpoint_model(ckpt: str | Path, mesh: ParallelMesh, device: torch.device | str,
                           dtype: torch.dtype = torch.bfloat16, verify: bool = True) -> tuple[nn.Module, ModelConfig]:
     """This rank's decodable model from checkpoint ``ckpt`` (weights only; any layout that wrote it): the whole
-    Llama- or DeepSeek-V3-family model, sharded over ``mesh``'s TP group (MoE experts whole on every rank); a
-    LoRA run's adapters merged in. Raises ``ConvertError`` for an unreadable checkpoint,
-    ``UnsupportedModelError`` for a family the KV-cache decoder does not run."""
+    model of its family (every registered family decodes: the contract's ``decode``), sharded over ``mesh``'s TP
+    group (MoE experts whole on every rank); a LoRA run's adapters merged in. Raises ``ConvertError`` for an
+    unreadable checkpoint, ``UnsupportedModelError`` for a layout generation does not run."""
     cfg, meta = read_checkpoint_config(ckpt)
-    if cfg.family not in DECODABLE_FAMILIES:
-        raise UnsupportedModelError(f"{ckpt}: model.family {cfg.family!r}; KV-cache generation runs the "
-                                    f"{' and '.join(DECODABLE_FAMILIES)} families")
     if mesh.dims.pp > 1 or mesh.dims.cp > 1 or mesh.dims.ep > 1:
         raise UnsupportedModelError("generation runs tensor-parallel only: start it with as many ranks as the "
                                     f"TP size (got {mesh.dims.describe()})")

@@ -21,7 +21,7 @@ from torch import nn
 from mmtrain.config.vlm_schema import AudioConfig
 from mmtrain.model.attention import BidirectionalAttention
 from mmtrain.model.layers import TransformerBlock
-from mmtrain.model.vision import init_by_name
+from mmtrain.model.vision import WholeSequenceEncoder, init_by_name
 from mmtrain.models.llama.spec import encoder_sharding_spec
 
 
@@ -46,7 +46,7 @@ def pool_valid_frames(x_MFD: torch.Tensor, valid_M: torch.Tensor, n: int) -> tor
     return weights @ x_MFD
 
 
-class AudioEncoder(nn.Module):
+class AudioEncoder(nn.Module, WholeSequenceEncoder):
     """``forward(audio_MT, lengths_M)`` -> (M, num_tokens, hidden_size) pooled encoder features."""
 
     def __init__(self, cfg: AudioConfig) -> None:

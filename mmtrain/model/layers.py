@@ -17,8 +17,10 @@ from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
+from mmtrain.model.kv_cache import StaticKVCache
 from mmtrain.model.mlp import MLP
 from mmtrain.model.moe import MoELayer
+from mmtrain.models.contract import check_compile_scope, check_recompute_mode
 from mmtrain.parallel.moe_dispatch import LocalDispatch
 
 
@@ -95,7 +97,7 @@ class Attention(nn.Module):
     def project(self, x_BSD: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v, each (B, S, heads on this rank, head_dim): the fused projection split by local sizes, q/k
-        norm, RoPE. Shared with the KV-cache decoder (``mmtrain.inference.decoder``)."""
+        norm, RoPE. Shared with the cached forward (``forward_cached``)."""
         qkv = self.qkv(x_BSD)
         B, S = qkv.shape[:2]  # with sequence parallelism x_BSD holds S/tp rows; qkv is gathered to S
         # local sizes (a TP shard holds q_size/tp etc.): split in the same proportion as the full layout
@@ -112,6 +114,28 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
+    def forward_cached(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache,
+                       layer: int, slots_B: torch.Tensor | None, positions_BS: torch.Tensor,
+                       kv_len: int | None) -> torch.Tensor:
+        """The projections of ``project`` with a cached attention core (decoding): the new keys/values of rows
+        ``slots_B`` go into ``cache`` at ``positions_BS``, queries attend the cached keys up to their own
+        position (the first ``kv_len`` cached positions; None: all)."""
+        q, k, v = self.project(x_BSD, cos, sin)
+        B, S = q.shape[:2]
+        cache.write(layer, slots_B, positions_BS, k, v)
+        keys, values = cache.read(layer, slots_B, kv_len)
+        visible = cache.key_index[: keys.shape[2]][None, None, None, :] <= positions_BS[:, None, :, None]  # (B,1,S,T)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=visible, enable_gqa=q.shape[2] != keys.shape[1])
+        return self.proj(out.transpose(1, 2).reshape(B, S, -1))
+
+    def new_kv_cache(self, num_layers: int, slots: int, max_len: int, dtype: torch.dtype,
+                     device: torch.device | str) -> StaticKVCache:
+        """A cache for ``num_layers`` layers like this one, as it is on this rank (its qkv projection's local
+        width: a TP shard's heads)."""
+        kv_local = self.qkv.weight.shape[0] * self.kv_size // (self.q_size + 2 * self.kv_size)
+        return StaticKVCache(num_layers, slots, kv_local // self.head_dim, max_len, self.head_dim, dtype, device)
+
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask=None) -> torch.Tensor:
         """``attn_mask``: what the strategy's ``prepare`` made for this micro-batch (None: plain causal)."""
@@ -120,6 +144,33 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         out = self.attention(q, k, v, attn_mask)
         return self.proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def set_prenorm_recompute(block: nn.Module, mode: str) -> None:
+    """A pre-norm block's recompute mode (``mmtrain.models.contract.RECOMPUTE_MODES``): ``full`` checkpoints its
+    whole call (``block.recompute``), ``selective`` its dense MLP's activation (an MoE MLP keeps everything)."""
+    check_recompute_mode(mode)
+    block.recompute = mode
+    if isinstance(block.mlp, MLP):
+        block.mlp.recompute_activation = mode == "selective"
+
+
+def compile_prenorm_block(block: nn.Module, scope: str, routed: bool) -> None:
+    """``torch.compile`` the parts of a pre-norm block (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp``) that
+    ``scope`` allows (``mmtrain.models.contract.COMPILE_SCOPES``); ``routed``: its MLP is an MoE layer, whose
+    data-dependent token counts per expert keep it eager (the dense parts are compiled)."""
+    check_compile_scope(scope)
+    if scope == "no_linears":  # e.g. Transformer Engine modules: dynamo does not trace them
+        block.attn_norm.compile()
+        block.mlp_norm.compile()
+    elif routed:
+        block.attn_norm.compile()
+        block.attn.compile()
+        block.mlp_norm.compile()
+    elif scope == "inside_call":  # hooks on the block's call (FSDP's gather/free) stay eager
+        block.forward = torch.compile(block.forward)
+    else:
+        block.compile()
 
 
 class TransformerBlock(nn.Module):
@@ -135,6 +186,21 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MoELayer(cfg, moe_dispatch) if cfg.num_experts else MLP(cfg)
         self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
+
+    def set_recompute(self, mode: str) -> None:
+        """The family contract's recompute setting (``mmtrain.models.contract.FamilyBlock``)."""
+        set_prenorm_recompute(self, mode)
+
+    def compile_parts(self, scope: str) -> None:
+        """The family contract's compile hook (``mmtrain.models.contract.FamilyBlock``)."""
+        compile_prenorm_block(self, scope, routed=isinstance(self.mlp, MoELayer))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache, layer: int,
+               slots_B: torch.Tensor | None, positions_BS: torch.Tensor, kv_len: int | None) -> torch.Tensor:
+        """The family contract's cached forward of the block (``mmtrain.models.contract.FamilyBlock``): the
+        attention through ``cache`` (``Attention.forward_cached``), the rest as ``forward``."""
+        x = x + self.attn.forward_cached(self.attn_norm(x), cos, sin, cache, layer, slots_B, positions_BS, kv_len)
+        return x + self.mlp(self.mlp_norm(x))
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  attn_mask=None) -> torch.Tensor:

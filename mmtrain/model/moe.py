@@ -22,6 +22,7 @@ from torch import nn
 
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.mlp import MLP, swiglu_or_gelu
+from mmtrain.models.contract import RoutedExpertsLayer
 from mmtrain.parallel.moe_dispatch import LocalDispatch, count_per_expert
 
 
@@ -135,8 +136,9 @@ def _capacity_mask(ids_NK: torch.Tensor, num_experts: int, capacity_factor: floa
     return (position < capacity).view_as(ids_NK)
 
 
-class MoELayer(nn.Module):
-    is_moe_layer = True  # how the expert-parallel plan finds these layers without importing model code
+class MoELayer(nn.Module, RoutedExpertsLayer):
+    """Routed experts (softmax / sigmoid router, capacity, aux + z losses) plus optional shared experts; a
+    ``RoutedExpertsLayer`` (``mmtrain.models.contract``: how the expert-parallel plan finds it)."""
 
     def __init__(self, cfg: ModelConfig, dispatch: LocalDispatch | None = None) -> None:
         super().__init__()

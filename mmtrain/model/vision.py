@@ -73,7 +73,19 @@ def tile_image(image_CHW: torch.Tensor, tile: int, max_tiles: int) -> torch.Tens
     return torch.cat([tiles, thumb])
 
 
-class VisionEncoder(nn.Module):
+class WholeSequenceEncoder:
+    """The TP plan's members (``mmtrain.models.contract.TensorParallelModel``) of a media encoder: it runs on
+    whole media sequences (never sequence-parallel) and has no output head."""
+
+    def set_sequence_parallel(self, sequence_parallel: bool) -> None:
+        if sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: a media encoder is never sequence-parallel")
+
+    def swap_head(self, make_head) -> None:
+        """No output head: nothing to swap."""
+
+
+class VisionEncoder(nn.Module, WholeSequenceEncoder):
     """ViT over fixed-size images (or tiles/frames). ``forward(images_NCHW, frame_index_N=None)`` -> (N, P, D)."""
 
     def __init__(self, cfg: VisionConfig) -> None:

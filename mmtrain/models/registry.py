@@ -8,8 +8,11 @@ default; its MoE layers take ``moe_dispatch``, a ``mmtrain.parallel.moe_dispatch
 whether it has MoE layers (the expert-parallel plan and the router-bias balancing apply),
 ``sharding_spec(model_cfg)`` the whole model's spec (checkpoints, the HF bridge), ``architecture(model_cfg)``
 the fields that change what the weights compute (a run loading weights must agree on all), and ``hf``: its
-Hugging Face adapter (``HFAdapter``). Adding a family is one entry in ``FAMILIES`` and a ``Literal`` value of
-``ModelConfig.family``. Imports happen on first use, so the registry stays cheap to import.
+Hugging Face adapter (``HFAdapter``); ``stage_class`` / ``block_classes``: the classes ``build_stage`` makes,
+which implement the family contract (``mmtrain.models.contract``: ``FamilyStage``, ``FamilyBlock``).
+Adding a family is one ``register_family`` line and a ``Literal`` value of ``ModelConfig.family``; registering
+checks the record and those classes against the contract (a one-line ``FamilyContractError`` naming the missing
+member), and every built stage is checked for the contract's attributes. The HF adapters import on first use.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import torch
 from torch import nn
 
 from mmtrain.config.schema import ModelConfig
+from mmtrain.model.layers import TransformerBlock
+from mmtrain.models.contract import FamilyContractError, check_family_classes, check_stage_attributes
+from mmtrain.models.deepseek_v3.model import DecoderLayer, DeepseekV3Model
+from mmtrain.models.llama.model import GPTModel
 from mmtrain.models.spec import ShardingSpec
 
 
@@ -52,12 +59,12 @@ class ModelFamily:
     sharding_spec: Callable[[ModelConfig], ShardingSpec]
     architecture: Callable[[ModelConfig], dict[str, Any]]
     hf: HFAdapter
+    stage_class: type  # what build_stage returns: a FamilyStage
+    block_classes: tuple[type, ...]  # what its ``layers`` hold: FamilyBlocks
 
 
 def _llama_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool, attention=None,
                  moe_dispatch=None, lora=None) -> nn.Module:
-    from mmtrain.models.llama.model import GPTModel
-
     return GPTModel(m, layer_range, pre_process=pre, post_process=post, attention=attention,
                     moe_dispatch=moe_dispatch, lora=lora)
 
@@ -70,8 +77,6 @@ def _llama_flops(m: ModelConfig, seq_length: int) -> float:
 
 def _deepseek_v3_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool,
                        attention=None, moe_dispatch=None, lora=None) -> nn.Module:
-    from mmtrain.models.deepseek_v3.model import DeepseekV3Model
-
     return DeepseekV3Model(m.deepseek_v3, layer_range, pre_process=pre, post_process=post, attention=attention,
                            moe_dispatch=moe_dispatch, lora=_resolved_lora(lora, m))
 
@@ -128,8 +133,6 @@ def _llama_hf() -> HFAdapter:
 
 
 def _deepseek_v3_spec(m: ModelConfig) -> ShardingSpec:
-    from mmtrain.models.deepseek_v3.model import DeepseekV3Model
-
     with torch.device("meta"):
         return DeepseekV3Model(m.deepseek_v3).sharding_spec()
 
@@ -180,13 +183,45 @@ def _deepseek_v3_hf() -> HFAdapter:
                      merge_lora, lora_to_peft)
 
 
-FAMILIES: dict[str, ModelFamily] = {
-    "llama": ModelFamily(_llama_stage, _llama_flops, lambda m: m.num_experts > 0, _llama_spec,
-                         lambda m: {k: getattr(m, k) for k in LLAMA_ARCHITECTURE_FIELDS}, _llama_hf()),
-    "deepseek_v3": ModelFamily(_deepseek_v3_stage, _deepseek_v3_flops,
-                               lambda m: m.deepseek_v3.first_k_dense_replace < m.deepseek_v3.num_layers,
-                               _deepseek_v3_spec, _deepseek_v3_architecture, _deepseek_v3_hf()),
-}
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def _checked_build(name: str, family: ModelFamily) -> Callable[..., nn.Module]:
+    """The family's ``build_stage``, its stage checked for the contract's attributes (set in its constructor)
+    and its blocks for the registered block classes."""
+    def build_stage(*args, **kwargs) -> nn.Module:
+        stage = family.build_stage(*args, **kwargs)
+        check_stage_attributes(name, stage)
+        for index, block in stage.layers.items():
+            if not isinstance(block, family.block_classes):
+                raise FamilyContractError(f"model family {name!r}: layers.{index} is a {type(block).__name__}, "
+                                          "not one of its registered block_classes")
+        return stage
+    return build_stage
+
+
+def register_family(name: str, family: ModelFamily) -> None:
+    """Add ``family`` under ``name`` (the ``model.family`` value) after checking it against the contract
+    (``mmtrain.models.contract``): every record member of the right kind, the stage class's and each block
+    class's methods present. Raises ``FamilyContractError`` naming the family, class and missing member."""
+    if name in FAMILIES:
+        raise FamilyContractError(f"model family {name!r} is registered twice")
+    for field in ("build_stage", "flops_per_token", "has_routed_experts", "sharding_spec", "architecture"):
+        if not callable(getattr(family, field)):
+            raise FamilyContractError(f"model family {name!r}: ModelFamily.{field} is not callable")
+    if not isinstance(family.hf, HFAdapter):
+        raise FamilyContractError(f"model family {name!r}: ModelFamily.hf is not an HFAdapter")
+    family = dataclasses.replace(family, block_classes=tuple(family.block_classes))
+    check_family_classes(name, family.stage_class, family.block_classes)
+    FAMILIES[name] = dataclasses.replace(family, build_stage=_checked_build(name, family))
+
+
+register_family("llama", ModelFamily(
+    _llama_stage, _llama_flops, lambda m: m.num_experts > 0, _llama_spec,
+    lambda m: {k: getattr(m, k) for k in LLAMA_ARCHITECTURE_FIELDS}, _llama_hf(), GPTModel, (TransformerBlock,)))
+register_family("deepseek_v3", ModelFamily(
+    _deepseek_v3_stage, _deepseek_v3_flops, lambda m: m.deepseek_v3.first_k_dense_replace < m.deepseek_v3.num_layers,
+    _deepseek_v3_spec, _deepseek_v3_architecture, _deepseek_v3_hf(), DeepseekV3Model, (DecoderLayer,)))
 
 
 def model_family(m: ModelConfig) -> ModelFamily:

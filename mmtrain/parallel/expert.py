@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmtrain.models.contract import RoutedExpertsLayer
 from mmtrain.parallel.moe_dispatch import AllToAllDispatch, LocalDispatch
 
 
@@ -41,7 +42,7 @@ def apply_expert_parallel(model: nn.Module, group) -> nn.Module:
     nothing on the model is changed here."""
     ep = dist.get_world_size(group) if group is not None else 1
     for name, module in model.named_modules():
-        dispatch = getattr(module, "dispatch", None) if getattr(module, "is_moe_layer", False) else None
+        dispatch = module.dispatch if isinstance(module, RoutedExpertsLayer) else None
         if dispatch is not None and dispatch.ep_size != ep:
             raise ValueError(f"{name}: built with a token dispatch over {dispatch.ep_size} expert-parallel ranks, "
                              f"but parallel.ep={ep}; build the model with expert_dispatch(mesh.ep_group)")
@@ -56,13 +57,13 @@ def update_router_biases(model: nn.Module, groups: list) -> dict[str, torch.Tens
     tensors on the device, read at logging steps only: no host sync here)."""
     loads = {}
     for name, module in model.named_modules():
-        if not getattr(module, "is_moe_layer", False) or module.step_load is None:
+        if not isinstance(module, RoutedExpertsLayer) or module.step_load is None:
             continue
         load = module.step_load.float()
         for g in groups:
             if g is not None and dist.get_world_size(g) > 1:
                 dist.all_reduce(load, group=g)
-        rate = getattr(module, "bias_update_rate", 0.0)  # the layer's own: 0 for routers without a selection bias
+        rate = module.bias_update_rate  # the layer's own: 0 for routers without a selection bias
         if rate:
             module.router.expert_bias += rate * torch.sign(load.mean() - load)
         loads[name] = load

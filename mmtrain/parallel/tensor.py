@@ -222,16 +222,15 @@ def _sharded_module(module: nn.Module, spec, group, sp: bool) -> nn.Module | Non
 
 
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
-    """Shard a model (a ``GPTModel`` stage, a VLM encoder: anything with ``sharding_spec()``) in place over the
-    TP ``group``: every ``nn.Linear`` / ``nn.Embedding`` whose weight the spec places ``column``, ``row`` or
-    ``vocab`` becomes its sharded counterpart. A model with an output head (``post_process``) computes its loss
-    with the vocab-parallel cross-entropy."""
+    """Shard a model (a ``mmtrain.models.contract.TensorParallelModel``: a family's stage, a VLM encoder) in place
+    over the TP ``group``: its layout set (``set_sequence_parallel``), every ``nn.Linear`` / ``nn.Embedding``
+    whose weight its ``sharding_spec()`` places ``column``, ``row`` or ``vocab`` becomes its sharded
+    counterpart, and its output head, if any, becomes the vocab-parallel one (``swap_head``)."""
     n = dist.get_world_size(group)
     if n == 1:
         return model
     sp = sequence_parallel
-    if hasattr(model, "sequence_parallel"):
-        model.sequence_parallel = sp  # the layout its spec resolves partial gradients for
+    model.set_sequence_parallel(sp)  # the layout its spec resolves partial gradients for
     spec = model.sharding_spec()
     param_names = {id(p): n for n, p in model.named_parameters()}
     in_linears = {id(p) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))
@@ -252,8 +251,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
                 _param(tp_shard_of(name, p.data, spec, rank, n), p))
-    if getattr(model, "head", None) is not None:  # the output head's strategy: vocab-parallel loss
-        model.head = VocabParallelHead(group, sp, dist.get_rank(group) * model.cfg.vocab_size // n, model.head.matmul)
+    model.swap_head(lambda head, vocab_size: VocabParallelHead(group, sp, rank * vocab_size // n, head.matmul))
     return model
 
 

@@ -18,19 +18,28 @@ from mmtrain.parallel.tensor import apply_tensor_parallel
 
 
 class StageChunks(nn.Module):
-    """A rank's virtual pipeline stages (chunks ``c`` = virtual stages ``c * pp + stage``), presented like one
-    GPTModel stage for everything but the forward: parameters keep their global names (``embed``,
-    ``layers.<i>``, ``norm``, ``output``), so gradients, the optimizer and checkpoints need not care."""
+    """A rank's virtual pipeline stages (chunks ``c`` = virtual stages ``c * pp + stage``), presented as one
+    stage for what the trainer reads after the build (``mmtrain.models.contract.FamilyStage``: ``layers``,
+    ``pre_process``, ``post_process``, ``sharding_spec()``; ``chunks`` for the interleaved schedule). Every
+    parameter keeps its global name (the chunks' ``layers`` merged, their other submodules registered under their
+    own names), so gradients, the optimizer and checkpoints need not care."""
 
     def __init__(self, chunks: list[nn.Module]) -> None:
         super().__init__()
         self.chunks = chunks  # a plain list: the modules below register them under their global names
-        self.cfg = chunks[0].cfg
         self.pre_process, self.post_process = chunks[0].pre_process, chunks[-1].post_process
-        self.embed = chunks[0].embed
-        self.layers = nn.ModuleDict({k: v for c in chunks for k, v in c.layers.items()})
-        self.norm = chunks[-1].norm
-        self.output = chunks[-1].output
+        merged: dict[str, nn.Module] = {}  # in the order the chunks hold them (the parameters' order)
+        for chunk in chunks:
+            for name, child in chunk.named_children():
+                if name == "layers":
+                    merged.setdefault(name, nn.ModuleDict()).update(child)
+                elif name not in merged:
+                    merged[name] = child
+                elif next(child.parameters(), None) is not None:
+                    raise ValueError(f"virtual pipeline chunks both hold {name!r} with parameters: their global "
+                                     "names would clash (a family's stage keeps shared parts on one chunk)")
+        for name, child in merged.items():
+            self.add_module(name, child)
 
     def sharding_spec(self):
         """The whole model's spec (every chunk's is the same)."""
@@ -61,27 +70,14 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
         apply_expert_parallel(model, mesh.ep_group)
     if fp8_backend is not None:
         apply_fp8(model, cfg, mesh, fp8_backend)
-    mode = cfg.train.activation_checkpointing
     for block in model.layers.values():
-        block.recompute = mode
-        block.mlp.recompute_activation = mode == "selective"
+        block.set_recompute(cfg.train.activation_checkpointing)
         if cfg.train.compile:
-            if fp8_backend == "te":  # TE modules run their own kernels; dynamo does not trace them
-                block.attn_norm.compile()
-                block.mlp_norm.compile()
-            elif has_experts:  # data-dependent token counts per expert: compile the dense parts only
-                block.attn_norm.compile()
-                block.attn.compile()
-                block.mlp_norm.compile()
-            elif cfg.parallel.fsdp:  # FSDP's gather/free hooks sit on the block's call: compile only its forward
-                block.forward = torch.compile(block.forward)
-            else:
-                block.compile()
-    if cfg.train.compile and mesh.dims.tp == 1 and getattr(model, "head", None) is not None:  # fuses fp32 upcast, log-softmax, backward
-        if model.head_matmul is not None:  # FP8 head: its casts of the (huge) logits gradient fuse with the loss
-            model.head_loss = torch.compile(model.head_loss)
-        else:
-            model.head.compile_loss()
+            # what stays eager around the block: TE's kernels (dynamo does not trace them), FSDP's hooks on its call
+            block.compile_parts("no_linears" if fp8_backend == "te" else "inside_call" if cfg.parallel.fsdp
+                                else "block")
+    if cfg.train.compile and mesh.dims.tp == 1:  # under TP the vocab-parallel loss is its own autograd function
+        model.compile_head()
     return model
 
 

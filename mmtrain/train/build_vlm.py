@@ -71,16 +71,13 @@ def build_vlm_stage(cfg, mesh: ParallelMesh, device: torch.device) -> VLMModel:
                      attention=attention_for(mesh.cp_group, t.document_attention, p.cp_comm), moe_dispatch=dispatch)
     model.init_weights(t.seed)
     _apply_vlm_parallel(model, mesh, p.sequence_parallel)
-    mode = t.activation_checkpointing
     encoders = [e for e in (model.vision, model.audio) if e is not None]
     for block in [b for e in (model.language, *encoders) for b in e.layers.values()]:
-        block.recompute = mode
-        if hasattr(block.mlp, "recompute_activation"):
-            block.mlp.recompute_activation = mode == "selective"
+        block.set_recompute(t.activation_checkpointing)
         if t.compile and not model.cfg.language.num_experts:
-            block.compile()
-    if t.compile and mesh.dims.tp == 1 and model.language.head is not None:  # the last stage's head
-        model.language.head.compile_loss()
+            block.compile_parts("block")
+    if t.compile and mesh.dims.tp == 1:  # the last stage's head
+        model.language.compile_head()
     if device.type == "cuda" and t.attention_backend != "auto":
         chosen = t.attention_backend
         torch.backends.cuda.enable_flash_sdp(chosen == "flash")

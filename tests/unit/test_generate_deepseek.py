@@ -12,7 +12,7 @@ import torch
 
 from mmtrain.generate import main as generate_main
 from mmtrain.inference.engine import DecodeEngine, generate
-from mmtrain.inference.kv_cache import LatentKVCache
+from mmtrain.model.kv_cache import LatentKVCache
 from mmtrain.inference.sampling import SamplingParams
 from tests.inference_helpers import tiny_checkpoint, tiny_deepseek_config, tiny_model, tiny_tokenizer
 

@@ -28,6 +28,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mmtrain.data": ("never", ("mmtrain.model", "mmtrain.train", "mmtrain.parallel", "mmtrain.convert",
                                "dataprep")),
     "mmtrain.models.spec": ("only", ()),
+    "mmtrain.models.contract": ("only", ("mmtrain.models.spec",)),
     "mmtrain.models": ("never", ("mmtrain.train", "mmtrain.data", "mmtrain.convert", "dataprep")),
     "mmtrain.model": ("never", ("mmtrain.train", "mmtrain.data", "mmtrain.convert", "dataprep")),
     "mmtrain.convert": ("never", ("mmtrain.train", "mmtrain.data", "dataprep")),

@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from mmtrain.model.lora import add_lora_at
+from mmtrain.models.contract import RoutedExpertsLayer
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 
 # target -> (our linear in a layer, HF module path in a layer, HF names of its fused parts, where it exists)
@@ -53,7 +54,7 @@ def add_adapters(model: nn.Module, cfg: DeepseekV3Config, lora) -> list[str]:
     """Adapt ``model``'s (a stage's) linears of ``lora.targets`` (resolved by the caller); freeze the rest, the
     routing biases included (their balancing is off: an adapter applies to the base it was trained on)."""
     for module in model.modules():
-        if getattr(module, "is_moe_layer", False):
+        if isinstance(module, RoutedExpertsLayer):
             module.bias_update_rate = 0.0
     start, end = model.layer_range
     return add_lora_at(model, [path for _, _, path in adapted_linears(cfg, lora.targets, range(start, end))],

@@ -34,11 +34,14 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
-from mmtrain.model.layers import MLP, RMSNorm
+from mmtrain.model.kv_cache import LatentKVCache, decoded_rows
+from mmtrain.model.layers import MLP, RMSNorm, compile_prenorm_block, set_prenorm_recompute
 from mmtrain.model.lora import reset_dora_magnitudes
 from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.models.deepseek_v3.latent_decode import cached_latent_attention, latent_cache_for
 from mmtrain.models.deepseek_v3.lora import add_adapters
+from mmtrain.models.contract import RoutedExpertsLayer
 from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec
 from mmtrain.parallel.moe_dispatch import LocalDispatch, count_per_expert
 
@@ -175,14 +178,12 @@ class GroupLimitedRouter(nn.Module):
         return weights * c.routed_scaling_factor, ids
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(nn.Module, RoutedExpertsLayer):
     """Routed experts (``moe.Experts``: w_up (E, D, 2F) [gate | up], w_down (E, F, D)) plus shared experts.
     ``dispatch``: the token-dispatch strategy (``mmtrain.parallel.moe_dispatch``, default local), which also
-    runs the shared experts (so an all-to-all dispatch can overlap them with its exchange). Marked
-    ``is_moe_layer`` with what the expert-parallel plan and ``update_router_biases`` read (``dispatch``,
-    ``step_load``, ``bias_update_rate``, ``router.expert_bias``); no balance loss (the selection bias balances)."""
-
-    is_moe_layer = True
+    runs the shared experts (so an all-to-all dispatch can overlap them with its exchange). A
+    ``RoutedExpertsLayer`` (the contract's MoE layer: what the expert-parallel plan and ``update_router_biases``
+    read); no balance loss (the selection bias balances)."""
 
     def __init__(self, cfg: DeepseekV3Config, dispatch: LocalDispatch | None = None) -> None:
         super().__init__()
@@ -220,8 +221,25 @@ class DecoderLayer(nn.Module):
         self.mlp = DeepseekMoE(cfg, moe_dispatch) if cfg.is_moe_layer(index) else MLP(_swiglu_shape(cfg, cfg.intermediate_size))
         self.recompute = "none"  # "full": keep only the layer's input and recompute the rest in backward
 
+    def set_recompute(self, mode: str) -> None:
+        """The family contract's recompute setting (``mmtrain.models.contract.FamilyBlock``): selective
+        recomputes a dense layer's MLP activation, nothing of an MoE layer."""
+        set_prenorm_recompute(self, mode)
+
+    def compile_parts(self, scope: str) -> None:
+        """The family contract's compile hook (``mmtrain.models.contract.FamilyBlock``): an MoE layer compiles
+        its dense parts only."""
+        compile_prenorm_block(self, scope, routed=isinstance(self.mlp, DeepseekMoE))
+
     def _forward(self, x, cos, sin, attn_mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x, cos, sin, cache: LatentKVCache, layer: int, slots_B, positions_BS, kv_len):
+        """The family contract's cached forward of the layer: the attention through the latent ``cache``
+        (``latent_decode.cached_latent_attention``), the rest as ``forward``."""
+        x = x + cached_latent_attention(self.attn, self.attn_norm(x), cos, sin, cache, layer, slots_B, positions_BS,
+                                        kv_len)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x, cos, sin, attn_mask=None):
@@ -303,6 +321,20 @@ class DeepseekV3Model(nn.Module):
         """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
         return self.head.logits(x, self.output_weight())
 
+    def compile_head(self) -> None:
+        """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy."""
+        if self.head is not None:
+            self.head.compile_loss()
+
+    def set_sequence_parallel(self, sequence_parallel: bool) -> None:
+        """The layout the TP plan applied (``mmtrain.models.contract``): the spec's partial gradients follow it."""
+        self.sequence_parallel = sequence_parallel
+
+    def swap_head(self, make_head) -> None:
+        """The output head replaced by ``make_head(head, vocab_size)`` (the TP plan's vocab-parallel head)."""
+        if self.head is not None:
+            self.head = make_head(self.head, self.cfg.vocab_size)
+
     def rotary(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the positions (with YaRN's attention factor), as every layer's ``attn`` takes them."""
         return rope_cos_sin(position_ids_BS, self.inv_freq, self.cfg.yarn_attention_factor(), dtype)
@@ -325,6 +357,22 @@ class DeepseekV3Model(nn.Module):
         x = self.head.prepare(self.norm(x))
         logits = self.logits(x)
         return self.head.full_logits(logits) if labels_BS is None else self.head.loss(logits, labels_BS)
+
+    def new_kv_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> LatentKVCache:
+        """The family contract's cache for ``decode``: per token and layer the latent and the RoPE key."""
+        return latent_cache_for(self, slots, max_len, dtype, device)
+
+    def decode(self, cache: LatentKVCache, positions_BS: torch.Tensor, tokens_BS: torch.Tensor | None = None,
+               inputs_embeds: torch.Tensor | None = None, slots_B: torch.Tensor | None = None,
+               last_index_B: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """The family contract's cached forward, as ``GPTModel.decode``: fp32 logits (B, V) of one position per
+        row (``last_index_B``, default the last), the new tokens' latents stored in ``cache``."""
+        x = inputs_embeds if inputs_embeds is not None else self.embed(tokens_BS)
+        cos, sin = self.rotary(positions_BS, x.dtype)
+        for i, layer in enumerate(self.layers.values()):
+            x = layer.decode(x, cos, sin, cache, i, slots_B, positions_BS, kv_len)
+        x = self.head.prepare(self.norm(decoded_rows(x, last_index_B)))
+        return self.head.full_logits(self.logits(x))[:, 0].float()
 
     @torch.no_grad()
     def update_routing_biases(self, groups: list = ()) -> dict[str, list[int]]:

@@ -16,6 +16,7 @@ from torch import nn
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
+from mmtrain.model.kv_cache import StaticKVCache, decoded_rows
 from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope_frequencies
 from mmtrain.model.lora import add_lora, reset_dora_magnitudes
 from mmtrain.model.moe import Experts
@@ -99,6 +100,26 @@ class GPTModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.output.weight if self.output is not None else self.embed.weight
 
+    def compile_head(self) -> None:
+        """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy (fuses the
+        fp32 upcast, log-softmax and backward); with an FP8 output layer the whole ``head_loss``, so its casts of
+        the (huge) logits gradient fuse with the loss."""
+        if self.head is None:
+            return
+        if self.head_matmul is not None:
+            self.head_loss = torch.compile(self.head_loss)
+        else:
+            self.head.compile_loss()
+
+    def set_sequence_parallel(self, sequence_parallel: bool) -> None:
+        """The layout the TP plan applied (``mmtrain.models.contract``): the spec's partial gradients follow it."""
+        self.sequence_parallel = sequence_parallel
+
+    def swap_head(self, make_head) -> None:
+        """The output head replaced by ``make_head(head, vocab_size)`` (the TP plan's vocab-parallel head)."""
+        if self.head is not None:
+            self.head = make_head(self.head, self.cfg.vocab_size)
+
     def forward(self, inputs: torch.Tensor | None, labels_BS: torch.Tensor | None = None,
                 position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,6 +154,26 @@ class GPTModel(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
         return self.head.logits(x, self.output_weight())
+
+    # ------------------------------------------------------------------------------------------ decoding
+    def new_kv_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> StaticKVCache:
+        """The family contract's cache for ``decode``: keys and values of this rank's KV heads per layer."""
+        first = next(iter(self.layers.values())).attn
+        return first.new_kv_cache(len(self.layers), slots, max_len, dtype, device)
+
+    def decode(self, cache: StaticKVCache, positions_BS: torch.Tensor, tokens_BS: torch.Tensor | None = None,
+               inputs_embeds: torch.Tensor | None = None, slots_B: torch.Tensor | None = None,
+               last_index_B: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """The family contract's cached forward (a whole model, TP-sharded or not): new tokens (or embeddings: a
+        VLM's spliced prompt) of rows ``slots_B`` at ``positions_BS``, their keys/values stored in ``cache``.
+        Returns fp32 logits over the whole vocabulary (B, V) of one position per row: ``last_index_B[b]``
+        (default the last column). ``kv_len``: attend only the first ``kv_len`` cached positions."""
+        x = inputs_embeds if inputs_embeds is not None else self.embed(tokens_BS)
+        cos, sin = rope_cos_sin(positions_BS, self.inv_freq, x.dtype)
+        for i, layer in enumerate(self.layers.values()):
+            x = layer.decode(x, cos, sin, cache, i, slots_B, positions_BS, kv_len)
+        x = self.head.prepare(self.norm(decoded_rows(x, last_index_B)))
+        return self.head.full_logits(self.logits(x))[:, 0].float()
 
     def head_loss(self, x: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Per-token losses from the hidden states: output layer, then the head's loss (the build may compile

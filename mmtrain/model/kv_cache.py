@@ -6,6 +6,9 @@ resized while decoding. A *slot* is one sequence's row; its token at position ``
 rows of different lengths share the buffers without padding (each row's queries only see keys at positions up to
 their own, the mask ``key index <= query position``). A slot is reused by overwriting: stale keys beyond a new
 sequence's positions are never attended.
+
+The families' cached forwards (``decode`` of the family contract, ``mmtrain.models.contract``) write and read
+these; ``mmtrain.inference`` makes them through the model (``new_kv_cache``) and never looks inside a model.
 """
 
 from __future__ import annotations
@@ -79,6 +82,14 @@ class LatentKVCache:
     def buffers(self) -> list[torch.Tensor]:
         """Every preallocated tensor (a compiled step marks them as static addresses)."""
         return list(self.entries)
+
+
+def decoded_rows(x_BSD: torch.Tensor, last_index_B: torch.Tensor | None) -> torch.Tensor:
+    """The hidden states (B, 1, D) of the one position per row whose logits a cached forward returns:
+    ``last_index_B[b]`` (None: the last column)."""
+    if last_index_B is None:
+        return x_BSD[:, -1:]
+    return x_BSD[torch.arange(x_BSD.shape[0], device=x_BSD.device), last_index_B][:, None]
 
 
 def _put(buffer: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], values_BSHD: torch.Tensor) -> None:

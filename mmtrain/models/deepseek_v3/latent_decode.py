@@ -1,4 +1,5 @@
-"""The cached attention core of multi-head latent attention (DeepSeek-V3's ``LatentAttention``).
+"""The cached attention core of multi-head latent attention (``LatentAttention``): what the family's cached
+forward (``DeepseekV3Model.decode``, the family contract's decoding member) runs instead of the training core.
 
 What is cached: per token the normalized KV latent and the rotated shared RoPE key (``LatentKVCache``,
 ``kv_lora_rank + qk_rope_head_dim`` numbers for all heads), not the expanded per-head keys and values
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmtrain.inference.kv_cache import LatentKVCache
+from mmtrain.model.kv_cache import LatentKVCache
 
 
 def latent_cache_for(model: nn.Module, slots: int, max_len: int, dtype: torch.dtype,
