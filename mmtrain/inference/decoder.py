@@ -33,10 +33,10 @@ def kv_cache_for(model: nn.Module, slots: int, max_len: int, dtype: torch.dtype,
 
 def kv_cache_bytes(model: nn.Module, slots: int, max_len: int, dtype: torch.dtype) -> int:
     """The bytes ``kv_cache_for`` allocates for these sizes: the family's cache built on the meta device (shapes
-    only, nothing allocated), its tensors' sizes added up."""
+    only, nothing allocated), its entries (the floating-point tensors: not its position index) added up."""
     cache = model.new_kv_cache(slots, max_len, dtype, "meta")
     tensors = [t for value in vars(cache).values() for t in (value if isinstance(value, (list, tuple)) else [value])
-               if isinstance(t, torch.Tensor)]
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
