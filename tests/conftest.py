@@ -30,10 +30,14 @@ def pytest_collection_modifyitems(config, items):
     except Exception:  # noqa: BLE001
         has_cuda = False
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    here = Path(__file__).parent
     for item in items:
-        parts = Path(str(item.fspath)).parts
+        rel = Path(str(item.fspath)).relative_to(here)
         for kind in _KINDS:
-            if kind in parts:
+            if kind == rel.parts[0]:
                 item.add_marker(getattr(pytest.mark, kind))
+        # for pytest-xdist's --dist loadgroup (the README's test command): a file's tests stay on one worker (its
+        # module fixtures are built once), and so do the docs pages, which share the user guide's session fixture
+        item.add_marker(pytest.mark.xdist_group("docs" if rel.parts[0] == "docs" else rel.as_posix()))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
