@@ -71,6 +71,12 @@ BUILTIN_SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Tokens that end an assistant turn in the common template families (chatml / Qwen, Llama 3, Phi-3, Gemma,
+# GPT-2-style): a chat reply stops at whichever of them its template writes (and the tokenizer has as one token),
+# as transformers' generation_config.json lists them for instruct models.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
 class NoChatTemplateError(ChatTemplateError):
     """``--chat-template tokenizer`` and the tokenizer folder holds no template."""
 
@@ -315,6 +321,13 @@ class ChatPrompts:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer) -> None:
         self.template, self.tokenizer = template, tokenizer
         self.renderer = ChatRenderer(template, ContentGuard(tokenizer.control_tokens()))
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where a chat reply ends besides the end-of-document id: the template's ``eos_token`` and each known
+        end-of-turn token the template writes, where the tokenizer has it as one token."""
+        names = [self.template.eos_token, *(t for t in END_OF_TURN_TOKENS if t in self.template.text)]
+        ids = (self.tokenizer.token_id(name) for name in names if name)
+        return tuple(sorted({i for i in ids if i is not None}))
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         text = self.renderer.render_prompt(messages)

@@ -64,8 +64,10 @@ class _Api:
             raise ContextLengthError(f"the prompt has {n} tokens; the context is {context} positions (prompt + "
                                      "max_tokens)")
 
-    def start(self, prompt_ids: list[int], req, max_tokens: int | None) -> tuple[Sequence, asyncio.Queue]:
-        """Check and submit one request; raises SamplingError / ContextLengthError for a 400."""
+    def start(self, prompt_ids: list[int], req, max_tokens: int | None,
+              stop_ids: tuple[int, ...] = ()) -> tuple[Sequence, asyncio.Queue]:
+        """Check and submit one request (``stop_ids``: more ids that end it, a chat template's end of turn);
+        raises SamplingError / ContextLengthError for a 400."""
         context = self.engine.engine.max_len
         n = len(prompt_ids)
         self.check_length(n)
@@ -74,8 +76,8 @@ class _Api:
         if n + max_tokens > context:
             raise ContextLengthError(f"max_tokens={max_tokens} + the prompt's {n} tokens exceeds the context of "
                                      f"{context} positions")
-        params = SamplingParams(max_tokens, req.temperature, req.top_k, req.top_p, req.seed, self.stop_ids,
-                                req.stop_strings())
+        params = SamplingParams(max_tokens, req.temperature, req.top_k, req.top_p, req.seed,
+                                tuple(dict.fromkeys(self.stop_ids + stop_ids)), req.stop_strings())
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
         seq = Sequence(prompt_ids, params, decode=self.tokenizer.decode,
                        on_token=lambda s, text, done: self.engine.deliver(loop, out, (text, done)))
@@ -231,6 +233,8 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
             return wrong_model(req) or _error(400, _NO_TEMPLATE)
 
     if chat is not None:
+        chat_stop_ids = chat.stop_ids()  # a reply ends at the template's end of turn
+
         @app.post("/v1/chat/completions")
         async def chat_completions(req: ChatCompletionRequest, request: Request):
             if (bad := wrong_model(req)) is not None:
@@ -241,7 +245,7 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
             except (ChatTemplateError, RenderError) as exc:
                 return _error(400, str(exc), "messages")
             try:
-                seq, out = api.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens)
+                seq, out = api.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, chat_stop_ids)
             except (SamplingError, ContextLengthError) as exc:
                 return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
             except EngineStopped as exc:

@@ -227,6 +227,33 @@ def test_chat_template_option_and_message_text_stays_text(chatml_client):
     assert r.status_code == 400 and "noncharacter" in r.json()["error"]["message"]
 
 
+def test_a_chat_reply_ends_at_the_templates_end_of_turn(chatml_client, monkeypatch):
+    """A chat model ends its turn with the template's end-of-turn token (chatml: <|im_end|>), not with the
+    end-of-document one: the reply stops there, as transformers' generation_config lists it for instruct models."""
+    from mmtrain.core.tokenizer import load_tokenizer
+    from mmtrain.inference import openai_app
+
+    client, tok = chatml_client
+    im_end = load_tokenizer(tok).token_id("<|im_end|>")
+    seen = []
+    monkeypatch.setattr(openai_app, "SamplingParams", _recording_params(seen))
+    messages = [{"role": "user", "content": "Hi"}]
+    assert client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+    chat_stops, completion_stops = seen
+    assert im_end in chat_stops and im_end not in completion_stops  # a plain completion is not a turn
+
+
+def _recording_params(seen: list):
+    from mmtrain.inference.sampling import SamplingParams
+
+    def make(*args, **kwargs):
+        params = SamplingParams(*args, **kwargs)
+        seen.append(params.stop_token_ids)
+        return params
+    return make
+
+
 @pytest.mark.parametrize("template, message", [("nosuch", "neither a built-in"),
                                                ("llama3", "lacks the template's special token(s)")])
 def test_a_bad_chat_template_is_a_one_line_error(tmp_path, capsys, template, message):
