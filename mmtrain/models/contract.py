@@ -119,6 +119,20 @@ class FamilyStage(TensorParallelModel, Protocol):
                slots_B: Any = None, last_index_B: Any = None, kv_len: int | None = None) -> Any: ...
 
 
+class LanguageStageDefaults:
+    """The tensor-parallel members of ``FamilyStage`` as a language model with ``cfg.vocab_size`` and an optional
+    ``head`` (None off the last pipeline stage) implements them: a family's stage class may inherit them."""
+
+    def set_sequence_parallel(self, sequence_parallel: bool) -> None:
+        """The layout the TP plan applied: the spec's partial gradients follow it."""
+        self.sequence_parallel = sequence_parallel
+
+    def swap_head(self, make_head) -> None:
+        """The output head replaced by ``make_head(head, vocab_size)`` (the TP plan's vocab-parallel head)."""
+        if self.head is not None:
+            self.head = make_head(self.head, self.cfg.vocab_size)
+
+
 class RoutedExpertsLayer:
     """Base class of a family's MoE layer: what the expert-parallel plan (``mmtrain.parallel.expert``) and the
     router-bias balancing read. ``dispatch``: its token-dispatch strategy (``mmtrain.parallel.moe_dispatch``,

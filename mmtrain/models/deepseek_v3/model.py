@@ -41,7 +41,7 @@ from mmtrain.model.moe import Experts
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 from mmtrain.models.deepseek_v3.latent_decode import cached_latent_attention, latent_cache_for
 from mmtrain.models.deepseek_v3.lora import add_adapters
-from mmtrain.models.contract import RoutedExpertsLayer
+from mmtrain.models.contract import LanguageStageDefaults, RoutedExpertsLayer
 from mmtrain.models.deepseek_v3.spec import deepseek_v3_sharding_spec
 from mmtrain.parallel.moe_dispatch import LocalDispatch, count_per_expert
 
@@ -248,7 +248,7 @@ class DecoderLayer(nn.Module):
         return self._forward(x, cos, sin, attn_mask)
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(LanguageStageDefaults, nn.Module):
     """DeepSeek-V3-style LM, or one pipeline stage of it (``layer_range`` of global layer indices; the first
     stage embeds, the last one normalizes, projects and computes per-token losses; ``attention``: the
     attention strategy every layer shares, default ``CausalAttention()``; ``moe_dispatch``: the MoE layers'
@@ -325,15 +325,6 @@ class DeepseekV3Model(nn.Module):
         """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy."""
         if self.head is not None:
             self.head.compile_loss()
-
-    def set_sequence_parallel(self, sequence_parallel: bool) -> None:
-        """The layout the TP plan applied (``mmtrain.models.contract``): the spec's partial gradients follow it."""
-        self.sequence_parallel = sequence_parallel
-
-    def swap_head(self, make_head) -> None:
-        """The output head replaced by ``make_head(head, vocab_size)`` (the TP plan's vocab-parallel head)."""
-        if self.head is not None:
-            self.head = make_head(self.head, self.cfg.vocab_size)
 
     def rotary(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the positions (with YaRN's attention factor), as every layer's ``attn`` takes them."""

@@ -21,11 +21,12 @@ from mmtrain.model.layers import TransformerBlock, make_norm, rope_cos_sin, rope
 from mmtrain.model.lora import add_lora, reset_dora_magnitudes
 from mmtrain.model.moe import Experts
 from mmtrain.models.llama.spec import llama_sharding_spec
+from mmtrain.models.contract import LanguageStageDefaults
 from mmtrain.models.spec import ShardingSpec
 from mmtrain.parallel.moe_dispatch import LocalDispatch
 
 
-class GPTModel(nn.Module):
+class GPTModel(LanguageStageDefaults, nn.Module):
     """Decoder-only LM (or one pipeline stage of it: ``layer_range``, ``pre_process`` = holds the embedding,
     ``post_process`` = holds the final norm, output layer and loss; ``head``: its strategy, default the
     one-device ``LossHead``; ``attention``: the attention strategy every layer shares, default
@@ -110,15 +111,6 @@ class GPTModel(nn.Module):
             self.head_loss = torch.compile(self.head_loss)
         else:
             self.head.compile_loss()
-
-    def set_sequence_parallel(self, sequence_parallel: bool) -> None:
-        """The layout the TP plan applied (``mmtrain.models.contract``): the spec's partial gradients follow it."""
-        self.sequence_parallel = sequence_parallel
-
-    def swap_head(self, make_head) -> None:
-        """The output head replaced by ``make_head(head, vocab_size)`` (the TP plan's vocab-parallel head)."""
-        if self.head is not None:
-            self.head = make_head(self.head, self.cfg.vocab_size)
 
     def forward(self, inputs: torch.Tensor | None, labels_BS: torch.Tensor | None = None,
                 position_ids_BS: torch.Tensor | None = None, doc_ids_BS: torch.Tensor | None = None,
