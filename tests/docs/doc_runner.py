@@ -17,11 +17,15 @@ GUIDE = REPO / "docs" / "user-guide.md"
 
 
 def guide_env() -> dict[str, str]:
-    """This interpreter's environment first on PATH (python, torchrun, mmtrain-prep), this tree's code first."""
+    """This interpreter's environment first on PATH (python, torchrun, mmtrain-prep), this tree's code first.
+    torchrun's rendezvous port (``PET_MASTER_PORT``, its ``--master-port`` default) is a free one, not 29500:
+    the suite's other worker may be running a torchrun of its own at the same time."""
+    from mmtrain.testing import free_port
+
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
     bin_dir = str(Path(sys.executable).parent)
     return {**env, "PATH": bin_dir + os.pathsep + env.get("PATH", ""), "PYTHONPATH": str(REPO),
-            "OMP_NUM_THREADS": "1"}
+            "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())}
 
 
 def run_page(page: Path, folder: Path, timeout: float = 300) -> dict[int, str]:
