@@ -179,10 +179,24 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, ba
                 pass
 
 
+class _GroupSetupFailure(DistributedTestFailure):
+    """The first failure was gloo's full-mesh connect inside ``init_process_group``, before ``fn`` ran."""
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 300.0,
                     env: dict[str, str] | None = None, pg_timeout_s: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns the per-rank results.
-    ``pg_timeout_s``: how long a collective may wait (the process group's timeout)."""
+    ``pg_timeout_s``: how long a collective may wait (the process group's timeout). A group whose gloo
+    connections could not be set up (seen once, "Connection closed by peer", with two test workers starting
+    groups at once) is started again, once: nothing of ``fn`` had run."""
+    try:
+        return _run_group(fn, world_size, args, backend, timeout_s, env, pg_timeout_s)
+    except _GroupSetupFailure:
+        return _run_group(fn, world_size, args, backend, timeout_s, env, pg_timeout_s)
+
+
+def _run_group(fn: Callable, world_size: int, args: tuple, backend: str, timeout_s: float,
+               env: dict[str, str] | None, pg_timeout_s: float) -> list[Any]:
     import datetime
 
     import torch.distributed as dist
@@ -237,7 +251,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
         first_rank, first_tb = errors[0]
         others = ", ".join(str(r) for r, _ in errors[1:])
         more = f"\n(ranks {others} failed after it)" if others else ""
-        raise DistributedTestFailure(f"rank {first_rank} of {world_size} failed:\n{first_tb}{more}")
+        setup = "init_process_group" in first_tb and "connectFullMesh failed" in first_tb
+        raise (_GroupSetupFailure if setup else DistributedTestFailure)(
+            f"rank {first_rank} of {world_size} failed:\n{first_tb}{more}")
     missing = [r for r in range(world_size) if r not in values]
     if missing:
         raise DistributedTestFailure(f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f}s "
