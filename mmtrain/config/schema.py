@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from mmtrain.config.deepseek_v3_schema import DEEPSEEK_V3_LORA_TARGETS, DeepseekV3Config
 from mmtrain.config.fields import doc
+from mmtrain.config.gpt_oss_schema import GptOssConfig
 
 __all__ = ["doc"]  # re-exported: the other schema modules declare their fields with it
 
@@ -21,9 +22,10 @@ class ModelConfig:
     """Shape of the decoder-only language model: a Llama-family shape (the fields below), or another family's
     shape in its own section, chosen by ``family``."""
 
-    family: Literal["llama", "deepseek_v3"] = doc(
-        "llama", "Model family (mmtrain/models/<family>/): llama (the shape fields of this section) or "
-                 "deepseek_v3 (the shape is model.deepseek_v3; the Llama shape fields must then keep their defaults).")
+    family: Literal["llama", "deepseek_v3", "gpt_oss"] = doc(
+        "llama", "Model family (mmtrain/models/<family>/): llama (the shape fields of this section), "
+                 "deepseek_v3 or gpt_oss (the shape is model.deepseek_v3 / model.gpt_oss; the Llama shape fields "
+                 "must then keep their defaults).")
     name: str = doc("tiny", "Free-form name of the shape, shown in logs (e.g. llama3.2-1b).")
     num_layers: int = doc(2, "Number of transformer blocks.", ge=1)
     hidden_size: int = doc(64, "Width of the residual stream.", ge=1)
@@ -59,15 +61,18 @@ class ModelConfig:
 
     deepseek_v3: DeepseekV3Config = field(default_factory=DeepseekV3Config, metadata={
         "help": "The DeepSeek-V3-style shape (MLA attention, sigmoid-routed MoE), used when family is deepseek_v3."})
+    gpt_oss: GptOssConfig = field(default_factory=GptOssConfig, metadata={
+        "help": "The GPT-OSS shape (attention sinks, sliding/full layers, biased top-k MoE), used when family is "
+                "gpt_oss."})
 
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
-    def shape(self) -> "ModelConfig | DeepseekV3Config":
+    def shape(self) -> "ModelConfig | DeepseekV3Config | GptOssConfig":
         """The chosen family's shape: what family-neutral code reads ``name``, ``vocab_size``, ``hidden_size``
         and ``num_layers`` from."""
-        return self.deepseek_v3 if self.family == "deepseek_v3" else self
+        return {"deepseek_v3": self.deepseek_v3, "gpt_oss": self.gpt_oss}.get(self.family, self)
 
 
 @dataclass
@@ -257,7 +262,7 @@ class LoraConfig:
                                  "allows. llama: qkv (fused q|k|v), proj (attention output), up (fused gate|up), "
                                  "down (MoE models: qkv, proj). deepseek_v3: q_down, q_up (or q_proj without "
                                  "q_lora_rank), kv_down, kv_up, proj, up, down (dense layers), shared_up, "
-                                 "shared_down (shared experts); routed experts have none.")
+                                 "shared_down (shared experts); routed experts have none. gpt_oss: qkv, proj.")
     dora: bool = doc(False, "DoRA (peft's use_dora): each adapted linear's weight W + (alpha/rank) B A is "
                             "re-normalized per output feature and scaled by a trained magnitude vector that "
                             "starts at the row norms of W (docs/post-training.md, DoRA).")
@@ -273,6 +278,8 @@ def allowed_lora_targets(model: "ModelConfig") -> tuple[str, ...]:
     """Every LoRA target ``model``'s family and shape have (in the family's order)."""
     if model.family == "deepseek_v3":
         return model.deepseek_v3.lora_targets()
+    if model.family == "gpt_oss":
+        return model.gpt_oss.lora_targets()
     return LLAMA_MOE_LORA_TARGETS if model.num_experts else LORA_TARGETS
 
 

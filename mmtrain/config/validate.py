@@ -10,6 +10,7 @@ from pathlib import Path
 import importlib.util
 
 from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
+from mmtrain.config.gpt_oss_schema import GptOssConfig
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.ranges import check_ranges
 from mmtrain.config.schema import GPTRunConfig, ModelConfig
@@ -50,9 +51,11 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
                           "never stop there")
     if m.family == "deepseek_v3":
         _check_deepseek_v3_shape(m, p, mk)
+    elif m.family == "gpt_oss":
+        _check_gpt_oss_shape(m, p, mk)
     else:
         _check_llama_shape(m, p, mk)
-    layers_key = f"{mk}.deepseek_v3.num_layers" if m.family == "deepseek_v3" else f"{mk}.num_layers"
+    layers_key = f"{mk}.{m.family}.num_layers" if m.family != "llama" else f"{mk}.num_layers"
     if m.shape().num_layers < p.pp * p.virtual_pp:
         raise ConfigError(f"{layers_key} ({m.shape().num_layers}) must be >= parallel.pp * parallel.virtual_pp "
                           f"({p.pp} * {p.virtual_pp})")
@@ -155,6 +158,9 @@ def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:
     if m.deepseek_v3 != DeepseekV3Config():
         raise ConfigError(f"{mk}.deepseek_v3 is set but {mk}.family=llama ignores it; set {mk}.family=deepseek_v3 "
                           f"or remove the {mk}.deepseek_v3 section")
+    if m.gpt_oss != GptOssConfig():
+        raise ConfigError(f"{mk}.gpt_oss is set but {mk}.family=llama ignores it; set {mk}.family=gpt_oss "
+                          f"or remove the {mk}.gpt_oss section")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"{mk}.hidden_size ({m.hidden_size}) must be divisible by "
                           f"{mk}.num_attention_heads ({m.num_attention_heads})")
@@ -211,6 +217,17 @@ def _check_deepseek_v3_shape(m: ModelConfig, p, mk: str) -> None:
                           f"{sk}.num_layers)")
     if has_moe and s.n_routed_experts % p.ep:
         raise ConfigError(f"{sk}.n_routed_experts ({s.n_routed_experts}) must be divisible by parallel.ep ({p.ep})")
+
+
+def _check_gpt_oss_shape(m: ModelConfig, p, mk: str) -> None:
+    """A GPT-OSS shape (``{mk}.gpt_oss``) against itself and the layout; the other families' fields must keep
+    their defaults."""
+    default = ModelConfig()
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in ("family", "gpt_oss") and getattr(m, f.name) != getattr(default, f.name):
+            raise ConfigError(f"{mk}.{f.name}={getattr(m, f.name)!r} is not a field of {mk}.family=gpt_oss; set "
+                              f"the shape under {mk}.gpt_oss instead")
+    m.gpt_oss.check(prefix=f"{mk}.gpt_oss.").check_layout(p, prefix=f"{mk}.")
 
 
 def _validate_lora(cfg, lora, mk: str) -> None:

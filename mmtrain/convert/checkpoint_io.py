@@ -183,11 +183,14 @@ def model_section(cfg: ModelConfig) -> dict[str, Any]:
     leaves out the ``deepseek_v3`` block (unused, it would read as part of the model); a DeepSeek-V3 shape keeps
     ``family``, ``name`` and its block (the Llama fields must keep their defaults then)."""
     full = dataclasses.asdict(cfg)
-    if cfg.family != "deepseek_v3":
-        full.pop("deepseek_v3")
+    sections = ("deepseek_v3", "gpt_oss")  # the other families' shapes
+    for section in sections:
+        if section != cfg.family:
+            full.pop(section)
+    if cfg.family not in sections:
         return full
     defaults = dataclasses.asdict(ModelConfig())
-    return {k: v for k, v in full.items() if k in ("family", "name", "deepseek_v3") or v != defaults[k]}
+    return {k: v for k, v in full.items() if k in ("family", "name", cfg.family) or v != defaults[k]}
 
 
 def write_chunks_checkpoint(root: str | Path, chunks: list[Chunk], tp: int, pp: int, run_config: dict[str, Any],

@@ -28,6 +28,7 @@ from mmtrain.config.schema import ModelConfig
 from mmtrain.model.layers import TransformerBlock
 from mmtrain.models.contract import FamilyContractError, check_family_classes, check_stage_attributes
 from mmtrain.models.deepseek_v3.model import DecoderLayer, DeepseekV3Model
+from mmtrain.models.gpt_oss import family as gpt_oss
 from mmtrain.models.llama.model import GPTModel
 from mmtrain.models.spec import ShardingSpec
 
@@ -222,6 +223,12 @@ register_family("llama", ModelFamily(
 register_family("deepseek_v3", ModelFamily(
     _deepseek_v3_stage, _deepseek_v3_flops, lambda m: m.deepseek_v3.first_k_dense_replace < m.deepseek_v3.num_layers,
     _deepseek_v3_spec, _deepseek_v3_architecture, _deepseek_v3_hf(), DeepseekV3Model, (DecoderLayer,)))
+register_family("gpt_oss", ModelFamily(
+    gpt_oss.build_stage, gpt_oss.run_flops_per_token, gpt_oss.has_routed_experts, gpt_oss.sharding_spec,
+    gpt_oss.architecture, HFAdapter(gpt_oss.MODEL_TYPES, gpt_oss.config_from_hf, gpt_oss.config_to_hf,
+                                    gpt_oss.state_from_hf, gpt_oss.state_to_hf, gpt_oss.errors, gpt_oss.merge_lora,
+                                    gpt_oss.lora_to_peft),
+    gpt_oss.STAGE_CLASS, gpt_oss.BLOCK_CLASSES))
 
 
 def model_family(m: ModelConfig) -> ModelFamily:

@@ -64,7 +64,7 @@ def test_the_registry_builds_the_chosen_family():
 
     ds = load_config(GPTRunConfig, TINY, []).model
     llama = load_config(GPTRunConfig, None, []).model
-    assert set(FAMILIES) == {"llama", "deepseek_v3"}
+    assert set(FAMILIES) == {"llama", "deepseek_v3", "gpt_oss"}
     stage = model_family(ds).build_stage(ds, (1, 3), False, True)
     assert isinstance(stage, DeepseekV3Model) and list(stage.layers) == ["1", "2"] and stage.embed is None
     assert isinstance(model_family(llama).build_stage(llama, (0, 2), True, True), GPTModel)
