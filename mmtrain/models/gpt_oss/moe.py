@@ -76,6 +76,8 @@ class BiasedExperts(Experts):
                 x_MD = x_MD.masked_fill(~valid_M[:, None], 0)
             offs = ends.to(torch.int32)
             h = F.grouped_mm(x_MD, self.w_up, offs=offs) + self.b_up[expert_of_row]
+            if valid_M is not None:  # rows past the last group are not computed: no gradient may reach b_up
+                h = h.masked_fill(~valid_M[:, None], 0)
             y = F.grouped_mm(clamped_swiglu(h, self.alpha, self.limit), self.w_down, offs=offs)
             y = y + self.b_down[expert_of_row]
             return y if valid_M is None else y.masked_fill(~valid_M[:, None], 0)
