@@ -25,9 +25,9 @@ GPT_OSS_LORA_TARGETS = ("qkv", "proj")
 
 @dataclass
 class GptOssConfig:
-    """Shape of a GPT-OSS decoder: grouped-query attention with biases, a learned sink logit per head, sliding-
-    window and full layers (``layer_types``), YaRN RoPE, and in every layer a mixture of experts (softmax over the
-    top-k router logits, router and experts with biases, clamped SwiGLU)."""
+    """Shape of a GPT-OSS decoder: grouped-query attention with biases, a learned sink logit per head,
+    sliding-window and full layers (``layer_types``), YaRN RoPE, and in every layer a mixture of experts (softmax
+    over the top-k router logits, router and experts with biases, clamped SwiGLU)."""
 
     name: str = doc("gpt-oss-tiny", "Free-form name of the shape, shown in logs.")
     vocab_size: int = doc(128, "Rows of the embedding table; must exceed every token id in the data.", ge=1)
