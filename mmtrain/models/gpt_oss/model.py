@@ -253,8 +253,10 @@ class GptOssModel(LanguageStageDefaults, nn.Module):
             position_ids_BS = torch.arange(S, device=inputs.device).expand(B, S)
         x = self.embed(inputs) if self.pre_process else inputs
         cos, sin = self.rotary(position_ids_BS, x.dtype)
-        # once per distinct window and micro-batch, outside the compiled layers
-        prepared = {w: self.attention.prepare(doc_ids_BS, window=w)
+        # once per distinct window and micro-batch, outside the compiled layers; without packed documents the whole
+        # sequence is one document, so the (window) masks are built here once rather than by every layer's call
+        ids = doc_ids_BS if doc_ids_BS is not None else torch.zeros_like(position_ids_BS)
+        prepared = {w: self.attention.prepare(ids, window=w)
                     for w in dict.fromkeys(layer.window for layer in self.layers.values())}
         for layer in self.layers.values():
             x = layer(x, cos, sin, prepared[layer.window])
