@@ -240,7 +240,12 @@ def test_an_mxfp4_checkpoint_imports_as_transformers_loads_it_and_exports_bf16(t
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                        "attention_factor": 2.0}}, "rope_parameters.attention_factor is not supported"),
     ({"num_hidden_layers": -1}, "config.json: num_hidden_layers=-1 must be an integer >= 1"),
-], ids=["vocab", "experts", "head_dim", "quant", "layer_types", "attention_factor", "negative_layers"])
+    ({"rms_norm_eps": "small"}, "config.json: rms_norm_eps='small' must be a number"),
+    ({"attention_bias": 1}, "config.json: attention_bias=1 must be bool"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": "x", "original_max_position_embeddings": 32}},
+     "config.json: rope_parameters.factor='x' must be a number"),
+], ids=["vocab", "experts", "head_dim", "quant", "layer_types", "attention_factor", "negative_layers", "eps_type",
+        "bias_type", "rope_type"])
 def test_a_bad_hf_folder_is_one_line_and_writes_nothing(change, message, tmp_path, capsys):
     _hf_model().save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

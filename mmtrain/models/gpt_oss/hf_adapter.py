@@ -61,6 +61,19 @@ def _quantization(hf: dict[str, Any]) -> None:
                              "supported: 'mxfp4' (dequantized at import) or no quantization")
 
 
+def _optional(hf: dict[str, Any], key: str, default: Any, prefix: str = "") -> Any:
+    """``hf[key]`` (``default`` when absent), refused unless of the default's kind (bool, int, or a number);
+    ``prefix``: where the key sits in config.json, for the message."""
+    value = hf.get(key, default)
+    kind = type(default)
+    ok = isinstance(value, bool) if kind is bool else (
+        not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else kind))
+    if not ok:
+        raise HFAdapterError(f"config.json: {prefix}{key}={value!r} must be "
+                             f"{'a number' if kind is float else kind.__name__}")
+    return kind(value)
+
+
 def config_from_hf(hf: dict[str, Any]) -> GptOssConfig:
     """Our config for an HF ``config.json`` mapping (checked); ``HFAdapterError`` names an unusable key."""
     if hf.get("model_type") != "gpt_oss":
@@ -87,11 +100,11 @@ def config_from_hf(hf: dict[str, Any]) -> GptOssConfig:
         num_key_value_heads=hf["num_key_value_heads"], head_dim=head_dim, intermediate_size=hf["intermediate_size"],
         num_local_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
         sliding_window=0 if window is None else window, layer_types=list(layer_types or []),
-        **{ours: hf.get(key, default) for ours, (key, default) in _OPTIONAL.items()})
+        **{ours: _optional(hf, key, default) for ours, (key, default) in _OPTIONAL.items()})
     if window is not None:
         config_int({"sliding_window": window}, "sliding_window", HFAdapterError, 1)
     rope = _rope_parameters(hf)
-    cfg.rope_theta = float(rope["rope_theta"])
+    cfg.rope_theta = _optional(rope, "rope_theta", 0.0, "rope_parameters.")
     if rope["rope_type"] == "yarn":
         for key in ("attention_factor", "mscale", "mscale_all_dim"):
             if rope.get(key) is not None:
@@ -99,13 +112,14 @@ def config_from_hf(hf: dict[str, Any]) -> GptOssConfig:
                                      "is derived from factor alone")
         if "original_max_position_embeddings" not in rope:
             raise HFAdapterError("config.json: rope_parameters.original_max_position_embeddings is required for yarn")
+        config_int(rope, "original_max_position_embeddings", HFAdapterError, 1, prefix="rope_parameters.")
         if rope.get("factor") is None:  # as HF: the ratio of the target to the pretraining length
             rope["factor"] = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
         rope.setdefault("truncate", True)  # transformers' default when the key is absent
         cfg.rope_scaling = "yarn"
         for ours, key in _YARN_KEYS.items():
             if rope.get(key) is not None:
-                setattr(cfg, ours, type(getattr(cfg, ours))(rope[key]))
+                setattr(cfg, ours, _optional(rope, key, getattr(cfg, ours), "rope_parameters."))
     elif rope["rope_type"] == "default":
         cfg.rope_scaling = "none"
     else:
