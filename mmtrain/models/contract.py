@@ -64,6 +64,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from mmtrain.models.families import FamilyContractError  # with the table: the config layer raises it too
+
 if TYPE_CHECKING:
     from mmtrain.models.spec import ShardingSpec
 
@@ -75,10 +77,6 @@ TENSOR_PARALLEL_METHODS = ("sharding_spec", "set_sequence_parallel", "swap_head"
 STAGE_METHODS = ("forward", "init_weights", "compile_head", "new_kv_cache", "decode", *TENSOR_PARALLEL_METHODS)
 STAGE_ATTRIBUTES = ("layers", "pre_process", "post_process")
 BLOCK_METHODS = ("forward", "set_recompute", "compile_parts", "decode")
-
-
-class FamilyContractError(TypeError):
-    """A family's record or classes lack a member of the contract (the message names family, class, member)."""
 
 
 class TensorParallelModel(Protocol):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mmtrain.config import ConfigError, GPTRunConfig, VLMRunConfig, load_config, validate_gpt_config, validate_vlm_config
+from mmtrain.models.families import FAMILY_PACKAGES
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "models" / "deepseek-v3-tiny.yaml"
@@ -26,16 +27,19 @@ def test_the_shipped_deepseek_config_selects_the_family_and_its_shape():
 
 
 @pytest.mark.parametrize("path,overrides,match", [
-    (TINY, ["model.hidden_size=128"], r"model\.hidden_size=128 is a Llama-family field.*model\.deepseek_v3"),
-    (None, ["model.deepseek_v3.n_group=2"], r"model\.deepseek_v3 is set but model\.family=llama"),
+    (TINY, ["model.hidden_size=128"], r"model\.hidden_size=128 belongs to model family llama but "
+                                      r"model\.family=deepseek_v3 ignores it; set the shape under model\.deepseek_v3"),
+    (None, ["model.deepseek_v3.n_group=2"], r"model\.deepseek_v3\.n_group=2 belongs to model family deepseek_v3 "
+                                            r"but model\.family=llama ignores it"),
     (TINY, ["model.deepseek_v3.n_group=3"], r"model\.deepseek_v3\.n_group=3: must divide"),
     (TINY, ["model.deepseek_v3.rms_norm_eps=2"], r"model\.deepseek_v3\.rms_norm_eps must be < 1"),
     (TINY, ["model.deepseek_v3.routed_scaling_factor=nan"], r"model\.deepseek_v3\.routed_scaling_factor must be a finite number"),
     (TINY, ["parallel.pp=4"], r"model\.deepseek_v3\.num_layers \(3\) must be >= parallel\.pp"),
-    (TINY, ["model.family=gpt"], r"model\.family"),
+    (TINY, ["model.family=gpt"], r"model\.family.*expected one of " + ", ".join(map(repr, FAMILY_PACKAGES))),
     (TINY, ["parallel.cp=2"], r"parallel\.cp=2 is not supported for model\.family=deepseek_v3"),
     (TINY, ["parallel.tp=8"], r"model\.deepseek_v3\.num_attention_heads \(4\) must be divisible by parallel\.tp"),
-    (TINY, ["train.precision=fp8", "train.device=cuda"], r"train\.precision=fp8 supports model\.family=llama"),
+    (TINY, ["train.precision=fp8", "train.device=cuda"], r"train\.precision=fp8 supports model\.family=llama only "
+                                                         r"\(got deepseek_v3\)"),
 ])
 def test_bad_family_configs_name_the_key(path, overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -64,7 +68,7 @@ def test_the_registry_builds_the_chosen_family():
 
     ds = load_config(GPTRunConfig, TINY, []).model
     llama = load_config(GPTRunConfig, None, []).model
-    assert set(FAMILIES) == {"llama", "deepseek_v3"}
+    assert set(FAMILIES) == set(FAMILY_PACKAGES)
     stage = model_family(ds).build_stage(ds, (1, 3), False, True)
     assert isinstance(stage, DeepseekV3Model) and list(stage.layers) == ["1", "2"] and stage.embed is None
     assert isinstance(model_family(llama).build_stage(llama, (0, 2), True, True), GPTModel)

@@ -192,7 +192,7 @@ def test_pipeline_stages_with_flex_equal_the_whole_dense_model(cpu_flex):
 
 
 def test_deepseek_latent_attention_takes_the_same_strategy(cpu_flex):
-    from mmtrain.models.deepseek_v3.config import load_deepseek_v3_config
+    from mmtrain.models.deepseek_v3.shape_file import load_deepseek_v3_config
     from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 
     cfg = load_deepseek_v3_config("configs/models/deepseek-v3-tiny.yaml", ["model.vocab_size=64"])
