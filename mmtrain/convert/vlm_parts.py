@@ -30,7 +30,7 @@ from mmtrain.convert.checkpoint_io import (
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors
 from mmtrain.convert.lazy_tensors import materialize
 from mmtrain.convert.vlm_convert import is_vlm_checkpoint, read_vlm_checkpoint, vlm_from_hf
-from mmtrain.model.vlm import VLMModel
+from mmtrain.models.vlm import VLMModel
 from mmtrain.models import encoders_hf, llava_hf
 from mmtrain.models.registry import family_for_hf, hf_errors, model_family
 from mmtrain.parallel.tensor import tp_shard_of

@@ -39,7 +39,7 @@ class FamilySection:
     supports_fp8 = False  # train.precision=fp8 (FP8 block linears)
     supports_cp = False  # parallel.cp > 1 (context-parallel attention)
     supports_train_sampling = False  # train.sample_every (greedy samples in the training loop)
-    vlm_language = False  # a VLM run's language model (model.language)
+    vlm_language = False  # a VLM run's language model (model.language: its stage's embed, forward(inputs_embeds=))
 
     SECTION_MEMBERS = ("name", "vocab_size", "hidden_size", "num_layers", "check", "check_layout", "lora_targets")
     CAPABILITIES = ("supports_fp8", "supports_cp", "supports_train_sampling", "vlm_language")

@@ -238,7 +238,7 @@ def test_auto_kernel_is_flex_on_cuda_and_dense_on_cpu():
 
 def test_vlm_packing_flex_equals_dense_loss_and_every_gradient(cpu_flex):
     """``data.mm_pack``: row 0 of the batch packs two image-caption samples (two document ids)."""
-    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.vlm import VLMModel
     from tests.vlm_helpers import make_batch, tiny_vlm_config
 
     batch = make_batch()
