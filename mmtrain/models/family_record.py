@@ -57,6 +57,19 @@ class HFAdapter:
     lora_to_peft: Callable | None = None
 
 
+class NoHFAdapterError(ValueError):
+    """A family without a Hugging Face bridge was asked to convert (one line naming the family)."""
+
+
+def no_hf_adapter(family: str) -> HFAdapter:
+    """The ``hf`` of a family with no Hugging Face bridge (yet): it reads no ``model_type`` and every conversion
+    is a one-line ``NoHFAdapterError``, which the convert CLI reports like any adapter's refusal."""
+    def refuse(*args, **kwargs):
+        raise NoHFAdapterError(f"model family {family!r} has no Hugging Face adapter (its family.py declares "
+                               "no_hf_adapter); it trains, checkpoints and decodes, but does not convert")
+    return HFAdapter((), refuse, refuse, refuse, refuse, lambda: (NoHFAdapterError,))
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """A family's registry record (docs/adding-a-model-family.md), every member on the family's shape ``S``:
@@ -68,7 +81,7 @@ class ModelFamily:
     - ``flops_per_token(S, seq_length)``: training FLOPs per token;
     - ``has_routed_experts(S)``: whether it has MoE layers (expert parallelism, router-bias balancing apply);
     - ``architecture(S)``: the fields that change what the weights compute (a run loading weights must agree);
-    - ``hf``: its ``HFAdapter``;
+    - ``hf``: its ``HFAdapter`` (``no_hf_adapter(name)`` for a family without one);
     - ``sharding_spec(S)``: the whole model's ``ShardingSpec``; None: the stage class built whole on the meta
       device reports it.
     """
