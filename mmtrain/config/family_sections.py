@@ -31,8 +31,8 @@ def section_class(name: str) -> type:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
+            if not (exc.name == module_name or module_name.startswith(f"{exc.name}.")):
+                raise  # the module is there; something it imports is not
             raise FamilyContractError(f"model family {name!r}: no module {module_name} (its config section; "
                                       "docs/adding-a-model-family.md)") from None
         cls = getattr(module, "SECTION", None)

@@ -138,8 +138,8 @@ def family_named(name: str) -> ModelFamily:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
+        if not (exc.name == module_name or module_name.startswith(f"{exc.name}.")):
+            raise  # the module is there; something it imports is not
         raise FamilyContractError(f"model family {name!r}: no module {module_name} (its FAMILY record; "
                                   "docs/adding-a-model-family.md)") from None
     if not hasattr(module, "FAMILY"):

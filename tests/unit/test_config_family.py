@@ -74,3 +74,52 @@ def test_the_registry_builds_the_chosen_family():
     assert isinstance(model_family(llama).build_stage(llama, (0, 2), True, True), GPTModel)
     assert model_family(ds).has_routed_experts(ds) and not model_family(llama).has_routed_experts(llama)
     assert model_family(ds).flops_per_token(ds, 16) > 0
+
+
+def test_a_family_outside_the_table_is_one_line_listing_the_table():
+    cfg = load_config(GPTRunConfig, None, ["data.mock=true"])
+    cfg.model.family = "gpt"  # set in code: the loader refuses it already (above)
+    with pytest.raises(ConfigError, match=r"^model\.family='gpt' is not a model family; choose one of "
+                                          + ", ".join(FAMILY_PACKAGES) + r" \(the table in "):
+        validate_gpt_config(cfg)
+
+
+@pytest.mark.parametrize("capability,overrides,match", [
+    ("supports_cp", ["parallel.cp=2"], r"parallel\.cp=2 is not supported for model\.family=deepseek_v3"),
+    ("supports_fp8", ["train.precision=fp8", "train.device=cuda"], r"train\.precision=fp8 supports model\.family="),
+    ("supports_train_sampling", ["train.sample_every=1", "train.sample_prompts=[hi]", f"train.sample_tokenizer={TINY}"],
+     r"train\.sample_every needs model\.family="),
+])
+def test_a_family_without_a_capability_is_refused_naming_the_key_and_the_families_with_it(capability, overrides,
+                                                                                          match):
+    from mmtrain.config.family_sections import families_with, section_class
+
+    able = families_with(capability)
+    assert not getattr(section_class("deepseek_v3"), capability) and able
+    with pytest.raises(ConfigError, match=match) as info:
+        _check(TINY, overrides)
+    assert " or ".join(able) in str(info.value) or ", ".join(able) in str(info.value)
+    assert "deepseek_v3" in str(info.value)
+
+
+def test_a_config_section_lacking_a_member_of_the_interface_is_one_line(tmp_path, monkeypatch):
+    """The config half of the contract: a family's config module must give ``SECTION``, a ``FamilySection``
+    dataclass with every member of the section interface."""
+    from mmtrain.config import family_sections
+    from mmtrain.models.families import FamilyContractError
+
+    package = tmp_path / "fake_section_family"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config.py").write_text(
+        "from dataclasses import dataclass\nfrom mmtrain.models.families import FamilySection\n\n\n@dataclass\n"
+        "class FakeConfig(FamilySection):\n    name: str = 'fake'\n    vocab_size: int = 8\n\n\nSECTION = FakeConfig\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(FAMILY_PACKAGES, "fake", "fake_section_family")
+    with pytest.raises(FamilyContractError, match=r"^model family 'fake': fake_section_family\.config\.FakeConfig "
+                                                  r"lacks hidden_size, num_layers, check, check_layout, lora_targets "
+                                                  r"\(the section interface of FamilySection\)$"):
+        family_sections.section_class("fake")
+    monkeypatch.setitem(FAMILY_PACKAGES, "fake", "no_such_family")
+    with pytest.raises(FamilyContractError, match=r"^model family 'fake': no module no_such_family\.config"):
+        family_sections.section_class("fake")

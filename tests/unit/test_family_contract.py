@@ -203,3 +203,25 @@ def test_every_registered_family_decodes_through_its_own_modules(family):
     stage = model_family(cfg).build_stage(cfg, (0, n), True, False)
     with pytest.raises(UnsupportedModelError, match=r"needs a whole model .*no pipeline stages"):
         check_decodable(stage)
+
+
+def test_a_family_of_the_table_without_its_record_is_one_line(tmp_path, monkeypatch):
+    """The registry loads ``<package>.family``'s ``FAMILY`` when the family is first used: a package without the
+    module, or a module whose FAMILY is no ModelFamily, is one line naming the family."""
+    from mmtrain.models.contract import FamilyContractError
+    from mmtrain.models.registry import FAMILIES, family_named
+
+    package = tmp_path / "fake_record_family"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "family.py").write_text("FAMILY = None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(FAMILY_PACKAGES, "fake", "fake_record_family")
+    with pytest.raises(FamilyContractError, match=r"^model family 'fake': FAMILY is a NoneType, not a "
+                                                  r"mmtrain\.models\.family_record\.ModelFamily$"):
+        family_named("fake")
+    monkeypatch.setitem(FAMILY_PACKAGES, "fake", "fake_record_family.nested")
+    with pytest.raises(FamilyContractError, match=r"^model family 'fake': no module "
+                                                  r"fake_record_family\.nested\.family "):
+        family_named("fake")
+    assert "fake" not in FAMILIES
