@@ -42,6 +42,9 @@ class ModelConfig:
     add_bias: bool = doc(False, "Add biases to all attention and MLP linears.")
     qkv_bias: bool = doc(False, "Add biases to the query/key/value projections only (Qwen2 style).")
     qk_norm: bool = doc(False, "Normalize queries and keys per head before attention (Qwen3/OLMo2 style).")
+    sliding_window: int = doc(0, "Sliding-window attention in every layer (Mistral): a query sees itself and the "
+                                 "sliding_window - 1 tokens before it (inside its document); 0 = full causal. Not "
+                                 "with parallel.cp > 1.", ge=0)
     init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.", ge=0)
     num_experts: int = doc(0, "Mixture of experts: experts per MoE layer; 0 keeps a dense MLP.", ge=0)
     moe_top_k: int = doc(2, "Experts each token is routed to.", ge=1)

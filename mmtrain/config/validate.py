@@ -164,6 +164,9 @@ def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:
     if (m.hidden_size // m.num_attention_heads) % 2:
         raise ConfigError(f"head dim {mk}.hidden_size / {mk}.num_attention_heads = "
                           f"{m.hidden_size // m.num_attention_heads} must be even for rotary embeddings")
+    if m.sliding_window and p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp} is not supported with {mk}.sliding_window={m.sliding_window}: the "
+                          "context-parallel attention has no window; use parallel.cp=1 (tp, sp, pp, dp work)")
     if m.num_attention_heads % p.tp:
         raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by "
                           f"parallel.tp ({p.tp})")

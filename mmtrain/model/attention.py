@@ -310,6 +310,8 @@ class CausalAttention:
                  softcap: float | None = None) -> torch.Tensor:
         if prepared is None or isinstance(prepared, LengthMask):
             window = None if prepared is None else prepared.window
+            if window is not None and window >= k.shape[2]:
+                window = None  # every key is inside the window
             if window is None and sinks_H is None and softcap is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                       enable_gqa=q.shape[1] != k.shape[1])

@@ -98,10 +98,11 @@ def cached_attention(q_BSHD: torch.Tensor, keys_BHTD: torch.Tensor, values_BHTD:
     ``window``, p - key_index[t] < window. ``scale``/``sinks_H``/``softcap`` as the training strategies take them.
     Shapes are static and nothing depends on the data: one graph for a compiled / CUDA-graphed decode step (the
     plain case is the SDPA call of the bare cache)."""
-    distance = positions_BS[:, None, :, None] - key_index_T[None, None, None, :]  # (B, 1, S, T)
-    visible = distance >= 0
-    if window is not None:
-        visible = visible & (distance < window)
+    if window is None:  # the plain decode step's one comparison
+        visible = key_index_T[None, None, None, :] <= positions_BS[:, None, :, None]  # (B, 1, S, T)
+    else:
+        distance = positions_BS[:, None, :, None] - key_index_T[None, None, None, :]
+        visible = (distance >= 0) & (distance < window)
     q = q_BSHD.transpose(1, 2)
     keys, values = keys_BHTD.to(q.dtype), values_BHTD.to(q.dtype)
     if sinks_H is None and softcap is None:

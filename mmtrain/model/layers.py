@@ -93,7 +93,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.attention = attention if attention is not None else CausalAttention()
-        self.window: int | None = None  # sliding window of the cached attention (decode); None: causal
+        self.window = cfg.sliding_window or None  # the cached attention's (decode); training's is prepared
 
     def project(self, x_BSD: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -105,7 +105,7 @@ LLAMA_ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "nu
                              "num_query_groups", "vocab_size", "norm", "norm_eps", "activation", "rope_theta",
                              "rope_scaling_factor", "tie_embeddings", "add_bias", "qkv_bias", "qk_norm",
                              "num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_router",
-                             "moe_shared_ffn_hidden_size")
+                             "moe_shared_ffn_hidden_size", "sliding_window")
 
 
 def _llama_hf() -> HFAdapter:
@@ -127,7 +127,7 @@ def _llama_hf() -> HFAdapter:
             return getattr(lora_export, name)(*args)
         return call
 
-    return HFAdapter(("llama", "qwen2", "mixtral"), lazy("model_config_from_hf"),
+    return HFAdapter(("llama", "mistral", "qwen2", "mixtral"), lazy("model_config_from_hf"),
                      lazy("hf_config_from_model_config"), lazy("mmtrain_state_from_hf"),
                      lazy("hf_state_from_mmtrain"), errors, lora("merge_lora"), lora("peft_adapter"))
 
