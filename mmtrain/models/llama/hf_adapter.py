@@ -186,10 +186,12 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
     if model_type in ("mistral", "mixtral"):
         hf["sliding_window"] = cfg.sliding_window or None
     if model_type == "qwen2":  # the window on every layer or on none (transformers reads layer_types first)
-        hf.update({"use_sliding_window": bool(cfg.sliding_window), "max_window_layers": 0,
-                   "layer_types": ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_layers})
+        hf["use_sliding_window"] = bool(cfg.sliding_window)
         if cfg.sliding_window:
-            hf["sliding_window"] = cfg.sliding_window
+            hf.update({"sliding_window": cfg.sliding_window, "max_window_layers": 0,
+                       "layer_types": ["sliding_attention"] * cfg.num_layers})
+        elif "layer_types" in hf:
+            hf["layer_types"] = ["full_attention"] * cfg.num_layers
     if model_type == "mixtral":
         hf.update({"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k,
                    "router_aux_loss_coef": cfg.moe_aux_loss_coeff})
