@@ -121,14 +121,14 @@ def test_window_block_mask_skips_blocks_outside_the_window():
 
 @pytest.mark.parametrize("kernel", [DenseDocuments(), FlexDocuments(8)], ids=["dense", "flex"])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("features", ["sinks", "softcap", "both", "scale"])
+@pytest.mark.parametrize("features", ["sinks", "softcap", "all_three"])
 def test_sinks_softcap_scale_equal_the_naive_reference(cpu_flex, kernel, window, features):
     S = 40
     ids = torch.stack([_random_layout(S, 3), _random_layout(S, 4)])
     mask = kernel.mask(ids, ids, 0, window)
     sinks = torch.linspace(-1.5, 2.0, 4).requires_grad_()
-    options = {"sinks": dict(sinks_H=sinks), "softcap": dict(softcap=1.7), "scale": dict(scale=0.21),
-               "both": dict(sinks_H=sinks, softcap=2.5, scale=0.5)}[features]
+    options = {"sinks": dict(sinks_H=sinks), "softcap": dict(softcap=1.7),
+               "all_three": dict(sinks_H=sinks, softcap=2.5, scale=0.5)}[features]
     scale = options.get("scale")
     rest = {k: v for k, v in options.items() if k != "scale"}
     tensors = [*_qkv(2, 4, 2, S, S, 8, seed=7), sinks]
@@ -141,7 +141,7 @@ def test_sinks_softcap_scale_equal_the_naive_reference(cpu_flex, kernel, window,
 
 
 @pytest.mark.parametrize("documents", ["dense", "flex"])
-@pytest.mark.parametrize("window", [None, 1, 6, 64])
+@pytest.mark.parametrize("window", [None, 6, 64])  # 64: past the 30 tokens, plain causal
 def test_strategy_without_documents_takes_window_sinks_softcap(cpu_flex, documents, window):
     """``prepare(None, window)`` needs no tensor; the call builds the mask from the queries' length."""
     kernel = FlexDocuments(8) if documents == "flex" else DenseDocuments()
