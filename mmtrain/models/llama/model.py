@@ -119,7 +119,8 @@ class GPTModel(LanguageStageDefaults, nn.Module):
         ``inputs_embeds``: (B, S, D) used instead of embedding ``inputs`` (a VLM's spliced text+media embeddings).
         ``doc_ids_BS``: document index of each token of packed sequences; attention then stays inside documents
         (pair it with position ids that restart at each document); the attention strategy turns them into its
-        mask once here, outside the (compiled) blocks.
+        mask once here, outside the (compiled) blocks; ``cfg.sliding_window`` restricts every layer's queries to the
+        keys of that window (with or without documents).
         Returns per-token losses (B, S) on the last stage when ``labels_BS`` is given, else logits (last stage)
         or hidden states (other stages)."""
         if inputs_embeds is not None:
