@@ -38,39 +38,7 @@ LAYOUTS = [
 REFERENCES = list(dict.fromkeys(tuple(shared) for _, shared in LAYOUTS)) + [("train.activation_checkpointing=full",)]
 
 
-# ---------------------------------------------------------------- TEMPORARY until the shared window API lands
-def _window_stand_in() -> None:
-    """A dense stand-in for the shared attention's window/sinks API in this rank process, used only while
-    mmtrain.model.attention lacks it; removed when the `window` helper's implementation is on main."""
-    import inspect
-
-    from mmtrain.model.attention import CausalAttention
-
-    if "window" in inspect.signature(CausalAttention.prepare).parameters:
-        return
-
-    def prepare(self, doc_ids_BS, window=None):
-        return doc_ids_BS, window
-
-    def call(self, q, k, v, prepared, scale=None, sinks_H=None, softcap=None):
-        doc_ids, window = prepared if prepared is not None else (None, None)
-        i = torch.arange(q.shape[2])
-        distance = i[:, None] - i[None, :]
-        visible = (distance >= 0) & ((distance < window) if window else True)
-        if doc_ids is not None:
-            visible = visible & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
-        if k.shape[1] != q.shape[1]:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, -1e30)
-        sink = sinks_H[None, :, None, None].expand(*scores.shape[:3], 1)
-        return torch.cat((scores, sink), -1).softmax(-1)[..., :-1] @ v
-
-    CausalAttention.prepare, CausalAttention.__call__ = prepare, call
-# ---------------------------------------------------------------- end of the temporary stand-in
-
-
 def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
-    _window_stand_in()
     cfg = load_config(GPTRunConfig, TINY, [*BASE, f"logging.run_dir={run_dir}", *extra])
     validate_gpt_config(cfg, world_size)
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()

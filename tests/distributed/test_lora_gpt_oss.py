@@ -21,9 +21,6 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_lay
 
 
 def _lora_from_hf(rank: int, world_size: int, ckpt: str, run_dir: str, ids: torch.Tensor, dora: bool):
-    from tests.distributed.test_gpt_oss_parallel import _window_stand_in  # TEMPORARY: until the window API lands
-
-    _window_stand_in()
     cfg = load_config(GPTRunConfig, f"{ckpt}/model.yaml", [
         "data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=2",
         "train.micro_batch_size=2", "optim.warmup_steps=0", "optim.lr=2e-2", "train.eval_every=0",

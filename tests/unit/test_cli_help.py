@@ -93,7 +93,7 @@ def test_help_config_of_an_unknown_section_names_the_sections():
     proc = _probe("mmtrain.pretrain_gpt", "--help-config", "optimizer")
     assert proc.stderr.strip() == ("mmtrain.pretrain_gpt: config error: --help-config optimizer: no such config "
                                    "section; sections: parallel, data, optim, train, logging, checkpoint, model, "
-                                   "model.deepseek_v3, fp8, peft, peft.lora, dpo")
+                                   "model.deepseek_v3, model.gpt_oss, fp8, peft, peft.lora, dpo")
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY [] 2"
 
 

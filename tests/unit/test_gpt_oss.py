@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from mmtrain.config import ConfigError, GPTRunConfig, load_config, validate_gpt_config  # noqa: E402
-from mmtrain.config.gpt_oss_schema import GptOssConfig  # noqa: E402
+from mmtrain.models.gpt_oss.config import GptOssConfig  # noqa: E402
 from mmtrain.config.schema import ModelConfig  # noqa: E402
 from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
 from mmtrain.convert.checkpoint_io import read_full_state  # noqa: E402
@@ -32,54 +32,6 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_lay
              rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                               "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
 TEXT = "the quick brown fox jumps over the lazy dog"  # 43 byte ids: longer than every window here
-
-
-# ---------------------------------------------------------------- TEMPORARY until the shared window API lands
-# A dense stand-in for the shared attention's window/sinks API (issue #31 "Interfaces" §1), used only while
-# mmtrain.model.attention lacks it; removed when the `window` helper's implementation is on main.
-import inspect  # noqa: E402
-
-from mmtrain.model import kv_cache as _kv_cache  # noqa: E402
-from mmtrain.model.attention import CausalAttention as _Causal  # noqa: E402
-
-
-def _dense(q, k, v, visible, scale, sinks_H):
-    if k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    scores = (q.float() @ k.float().transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)).masked_fill(~visible, -1e30)
-    if sinks_H is not None:
-        sink = sinks_H.float()[None, :, None, None].expand(*scores.shape[:3], 1)
-        return (torch.cat((scores, sink), -1).softmax(-1)[..., :-1] @ v.float()).to(q.dtype)
-    return (scores.softmax(-1) @ v.float()).to(q.dtype)
-
-
-@pytest.fixture(autouse=True)
-def _window_api(monkeypatch):
-    if "window" in inspect.signature(_Causal.prepare).parameters:
-        return
-
-    def prepare(self, doc_ids_BS, window=None):
-        return doc_ids_BS, window
-
-    def call(self, q, k, v, prepared, scale=None, sinks_H=None, softcap=None):
-        doc_ids, window = prepared if prepared is not None else (None, None)
-        i = torch.arange(q.shape[2])
-        distance = i[:, None] - i[None, :]
-        visible = (distance >= 0) & ((distance < window) if window else True)
-        if doc_ids is not None:
-            visible = visible & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
-        return _dense(q, k, v, visible, scale, sinks_H)
-
-    def cached(q_BSHD, keys, values, key_index_T, positions_BS, scale=None, window=None, sinks_H=None,
-               softcap=None):
-        distance = positions_BS[:, None, :, None] - key_index_T[None, None, None, :]
-        visible = (distance >= 0) & ((distance < window) if window else True)
-        return _dense(q_BSHD.transpose(1, 2), keys, values, visible, scale, sinks_H).transpose(1, 2)
-
-    monkeypatch.setattr(_Causal, "prepare", prepare)
-    monkeypatch.setattr(_Causal, "__call__", call)
-    monkeypatch.setattr(_kv_cache, "cached_attention", cached, raising=False)
-# ---------------------------------------------------------------- end of the temporary stand-in
 
 
 def _hf_model(**overrides):
@@ -334,7 +286,8 @@ def test_the_20b_config_is_the_hf_shape_and_validates():
     (["parallel.tp=4"], r"model\.gpt_oss\.num_key_value_heads \(2\) must be divisible by parallel\.tp \(4\)"),
     (["parallel.ep=8", "parallel.dp=8"], r"model\.gpt_oss\.num_local_experts \(4\) must be divisible by "
                                          r"parallel\.ep \(8\)"),
-    (["model.num_experts=4"], r"model\.num_experts=4 is not a field of model\.family=gpt_oss"),
+    (["model.num_experts=4"], r"model\.num_experts=4 belongs to model family llama but model\.family=gpt_oss "
+                              r"ignores it"),
     (["peft.lora.rank=4", "peft.lora.targets=[up]"], r"up is not a linear of this model \(model\.family=gpt_oss\); "
                                                      r"choose from qkv, proj"),
 ], ids=["layer_types_len", "layer_type", "window", "kv_heads", "top_k", "cp", "tp", "ep", "llama_field", "lora"])

@@ -1,26 +1,17 @@
-"""The GPT-OSS family's registry members (``mmtrain.models.registry.ModelFamily``): stage builder, FLOPs, MoE flag,
-sharding spec, architecture fields and the Hugging Face bridge, on a run's ``ModelConfig`` (the shape is its
-``gpt_oss`` section); plus the named sizes the FLOP count uses."""
+"""The GPT-OSS family's registry record: ``FAMILY``, on its shape (``GptOssConfig``, ``model.gpt_oss``); and the
+named sizes its FLOP count uses."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from torch import nn
-
-from mmtrain.config.gpt_oss_schema import GptOssConfig
-from mmtrain.config.schema import ModelConfig
-from mmtrain.models.gpt_oss import hf_adapter, lora_export
+from mmtrain.models.family_record import HFAdapter, ModelFamily, lazy, lazy_values
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.models.gpt_oss.model import DecoderLayer, GptOssModel
-from mmtrain.models.gpt_oss.spec import gpt_oss_sharding_spec
-from mmtrain.models.spec import ShardingSpec
 
-STAGE_CLASS, BLOCK_CLASSES = GptOssModel, (DecoderLayer,)
-MODEL_TYPES = ("gpt_oss",)
+_HF, _LORA = "mmtrain.models.gpt_oss.hf_adapter", "mmtrain.models.gpt_oss.lora_export"
 
 
-# ------------------------------------------------------------------------------------------ sizes
 def count_parameters(cfg: GptOssConfig, active: bool = False) -> int:
     """Parameters of the whole model, biases and sinks included (embedding once when tied); ``active``: only the
     ``num_experts_per_tok`` experts a token uses, which is what the FLOPs follow."""
@@ -54,58 +45,17 @@ def flops_per_token(cfg: GptOssConfig, seq_length: int) -> float:
     return 6.0 * matmul + attention
 
 
-# ------------------------------------------------------------------------------------------ registry members
-def build_stage(m: ModelConfig, layer_range: tuple[int, int], pre: bool, post: bool, attention=None,
-                moe_dispatch=None, lora=None) -> nn.Module:
-    return GptOssModel(m.gpt_oss, layer_range, pre_process=pre, post_process=post, attention=attention,
-                       moe_dispatch=moe_dispatch, lora=lora)
+def _architecture(cfg: GptOssConfig) -> dict:
+    """Every shape field but naming and initialization, ``layer_types`` as the list it resolves to."""
+    shape = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("name", "init_std")}
+    shape["layer_types"] = [cfg.layer_type(i) for i in range(cfg.num_layers)]
+    return shape
 
 
-def run_flops_per_token(m: ModelConfig, seq_length: int) -> float:
-    return flops_per_token(m.gpt_oss, seq_length)
-
-
-def has_routed_experts(m: ModelConfig) -> bool:
-    return True  # every layer is MoE
-
-
-def sharding_spec(m: ModelConfig) -> ShardingSpec:
-    return gpt_oss_sharding_spec(m.gpt_oss)
-
-
-def architecture(m: ModelConfig) -> dict[str, Any]:
-    """The shape fields that change what the weights compute (not the name or the init), ``layer_types`` as
-    the list it resolves to."""
-    shape = dataclasses.asdict(m.gpt_oss)
-    for key in ("name", "init_std"):
-        shape.pop(key)
-    shape["layer_types"] = [m.gpt_oss.layer_type(i) for i in range(m.gpt_oss.num_layers)]
-    return {f"gpt_oss.{k}": v for k, v in shape.items()}
-
-
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    return ModelConfig(family="gpt_oss", gpt_oss=hf_adapter.config_from_hf(hf))
-
-
-def config_to_hf(m: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    return hf_adapter.config_to_hf(m.gpt_oss, base)
-
-
-def state_from_hf(tensors, m: ModelConfig):
-    return hf_adapter.state_dict_from_hf(tensors, m.gpt_oss)
-
-
-def state_to_hf(full, m: ModelConfig):
-    return hf_adapter.state_dict_to_hf(full, m.gpt_oss)
-
-
-def errors() -> tuple[type[Exception], ...]:
-    return (hf_adapter.HFAdapterError,)
-
-
-def merge_lora(full, m: ModelConfig, lora):
-    return lora_export.merge_lora(full, m.gpt_oss, lora)
-
-
-def lora_to_peft(full, m: ModelConfig, lora, base_model: str = ""):
-    return lora_export.peft_adapter(full, m.gpt_oss, lora, base_model)
+FAMILY = ModelFamily(
+    stage_class=GptOssModel, block_classes=(DecoderLayer,), flops_per_token=flops_per_token,
+    has_routed_experts=lambda cfg: True,  # every layer is MoE
+    architecture=_architecture, sharding_spec=lazy("mmtrain.models.gpt_oss.spec:gpt_oss_sharding_spec"),
+    hf=HFAdapter(("gpt_oss",), lazy(f"{_HF}:config_from_hf"), lazy(f"{_HF}:config_to_hf"),
+                 lazy(f"{_HF}:state_dict_from_hf"), lazy(f"{_HF}:state_dict_to_hf"),
+                 lazy_values(f"{_HF}:HFAdapterError"), lazy(f"{_LORA}:merge_lora"), lazy(f"{_LORA}:peft_adapter")))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mmtrain.config.gpt_oss_schema import GptOssConfig
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.model.lora import merged_tensors
 from mmtrain.models.gpt_oss.spec import LORA_LINEARS
 

@@ -28,11 +28,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mmtrain.config.gpt_oss_schema import GptOssConfig
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
-from mmtrain.model import kv_cache
-from mmtrain.model.kv_cache import StaticKVCache, decoded_rows
+from mmtrain.model.kv_cache import StaticKVCache, cached_attention, decoded_rows
 from mmtrain.model.layers import RMSNorm, apply_rope, compile_prenorm_block, set_prenorm_recompute
 from mmtrain.model.lora import add_lora_at, reset_dora_magnitudes
 from mmtrain.model.moe import Experts
@@ -122,8 +121,8 @@ class SinkAttention(nn.Module):
         B, S = q.shape[:2]
         cache.write(layer, slots_B, positions_BS, k, v)
         keys, values = cache.read(layer, slots_B, kv_len)
-        out = kv_cache.cached_attention(q, keys, values, cache.key_index[: keys.shape[2]], positions_BS,
-                                        scale=self.scale, window=self.window, sinks_H=self.sinks.float())
+        out = cached_attention(q, keys, values, cache.key_index[: keys.shape[2]], positions_BS, scale=self.scale,
+                               window=self.window, sinks_H=self.sinks.float())
         return self.proj(out.reshape(B, S, -1))
 
 

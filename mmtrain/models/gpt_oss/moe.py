@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmtrain.config.gpt_oss_schema import GptOssConfig
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.moe import Experts
 from mmtrain.models.contract import RoutedExpertsLayer

@@ -13,7 +13,7 @@ all their gradients are partial over TP. LoRA adapters (``qkv``, ``proj``) are p
 
 from __future__ import annotations
 
-from mmtrain.config.gpt_oss_schema import GptOssConfig
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.models.spec import ParamSpec, ShardingSpec, lora_adapter_entries
 
 _SP_PARTIAL = ParamSpec(tp_partial_grad="sequence_parallel")
