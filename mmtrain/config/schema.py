@@ -30,6 +30,9 @@ class ModelConfig:
     ffn_hidden_size: int = doc(176, "Inner width of the MLP (per gate for SwiGLU).", ge=1)
     num_attention_heads: int = doc(4, "Number of query heads.", ge=1)
     num_query_groups: int = doc(0, "Number of key/value heads for GQA/MQA; 0 means one per query head (MHA).", ge=0)
+    head_dim: int = doc(0, "Width of each attention head (queries, keys, values, RoPE); 0 means hidden_size / "
+                           "num_attention_heads. Qwen3 sets it apart from the width (Qwen3-0.6B: hidden 1024, "
+                           "16 heads of 128).", ge=0)
     vocab_size: int = doc(512, "Rows of the embedding table; must exceed every token id in the data.", ge=1)
     norm: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer kind.")
     norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.", gt=0)
@@ -48,6 +51,12 @@ class ModelConfig:
     moe_ffn_hidden_size: int = doc(0, "Inner width of each expert; 0 uses ffn_hidden_size.", ge=0)
     moe_router: Literal["softmax", "sigmoid"] = doc(
         "softmax", "softmax top-k (Mixtral) or sigmoid top-k with bias-based balancing (DeepSeek-V3).")
+    moe_norm_topk_prob: bool = doc(True, "Divide each token's top-k routing weights by their sum (Mixtral; "
+                                         "Qwen3-MoE's norm_topk_prob: true); false weighs the experts by the "
+                                         "router's probabilities as they are.")
+    moe_dense_layers: list[int] = doc([], "Mixture of experts: layers (0-based) that keep a dense MLP of "
+                                          "ffn_hidden_size instead of experts (Qwen3-MoE's mlp_only_layers and "
+                                          "decoder_sparse_step).", ge=0)
     moe_aux_loss_coeff: float = doc(0.01, "Weight of the load-balancing auxiliary loss (0 disables).", ge=0)
     moe_z_loss_coeff: float = doc(0.0, "Weight of the router z-loss (0 disables).", ge=0)
     moe_capacity_factor: float = doc(0.0, "Expert capacity as a multiple of the even share; 0 = dropless.", ge=0)
@@ -63,6 +72,15 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The width of one attention head: ``head_dim``, or hidden_size / num_attention_heads when 0."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` holds routed experts (an MoE model's layers but ``moe_dense_layers``)."""
+        return bool(self.num_experts) and index not in self.moe_dense_layers
 
     def shape(self) -> "ModelConfig | DeepseekV3Config":
         """The chosen family's shape: what family-neutral code reads ``name``, ``vocab_size``, ``hidden_size``

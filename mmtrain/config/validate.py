@@ -136,12 +136,12 @@ def _validate_fsdp_fp8(cfg) -> None:
     if f.recipe not in ("tensorwise", "delayed"):
         raise ConfigError(f"parallel.fsdp=true gathers FP8 weights with one scale per weight: fp8.recipe must be "
                           f"tensorwise or delayed (got {f.recipe}); or set parallel.fsdp=false")
-    head_dim = m.hidden_size // m.num_attention_heads
+    head_dim = m.attention_head_dim
     sizes = {"model.hidden_size": m.hidden_size,
              "model.num_attention_heads x head dim / parallel.tp": m.num_attention_heads * head_dim // tp,
              "(model.num_attention_heads + 2 x model.num_query_groups) x head dim / parallel.tp":
                  (m.num_attention_heads + 2 * m.kv_heads) * head_dim // tp}
-    if not m.num_experts:
+    if not all(m.moe_layer(i) for i in range(m.num_layers)):  # some layer has a dense MLP
         sizes["model.ffn_hidden_size / parallel.tp"] = m.ffn_hidden_size // tp
     for what, n in sizes.items():
         if n % 16:
@@ -155,15 +155,18 @@ def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:
     if m.deepseek_v3 != DeepseekV3Config():
         raise ConfigError(f"{mk}.deepseek_v3 is set but {mk}.family=llama ignores it; set {mk}.family=deepseek_v3 "
                           f"or remove the {mk}.deepseek_v3 section")
-    if m.hidden_size % m.num_attention_heads:
+    if not m.head_dim and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"{mk}.hidden_size ({m.hidden_size}) must be divisible by "
-                          f"{mk}.num_attention_heads ({m.num_attention_heads})")
+                          f"{mk}.num_attention_heads ({m.num_attention_heads}), or set {mk}.head_dim")
     if m.num_attention_heads % m.kv_heads:
         raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by "
                           f"{mk}.num_query_groups ({m.kv_heads})")
-    if (m.hidden_size // m.num_attention_heads) % 2:
+    if m.head_dim % 2:
+        raise ConfigError(f"{mk}.head_dim ({m.head_dim}) must be even for rotary embeddings")
+    if m.attention_head_dim % 2:
         raise ConfigError(f"head dim {mk}.hidden_size / {mk}.num_attention_heads = "
-                          f"{m.hidden_size // m.num_attention_heads} must be even for rotary embeddings")
+                          f"{m.attention_head_dim} must be even for rotary embeddings")
+    _check_dense_layers(m, mk)
     if m.num_attention_heads % p.tp:
         raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by "
                           f"parallel.tp ({p.tp})")
@@ -185,6 +188,23 @@ def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:
             raise ConfigError(f"{mk}.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
     elif p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model ({mk}.num_experts > 0)")
+
+
+def _check_dense_layers(m: ModelConfig, mk: str) -> None:
+    """``moe_dense_layers``: distinct layers of an MoE model, leaving at least one MoE layer."""
+    if not m.moe_dense_layers:
+        return
+    if not m.num_experts:
+        raise ConfigError(f"{mk}.moe_dense_layers is set but {mk}.num_experts=0 (every layer is dense already); "
+                          f"remove it or set {mk}.num_experts")
+    past = [i for i in m.moe_dense_layers if i >= m.num_layers]
+    if past:
+        raise ConfigError(f"{mk}.moe_dense_layers: layer {past[0]} is past the last layer ({mk}.num_layers="
+                          f"{m.num_layers}; layers count from 0)")
+    if len(set(m.moe_dense_layers)) != len(m.moe_dense_layers):
+        raise ConfigError(f"{mk}.moe_dense_layers lists a layer twice: {m.moe_dense_layers}")
+    if len(m.moe_dense_layers) == m.num_layers:
+        raise ConfigError(f"{mk}.moe_dense_layers lists every layer; for a dense model set {mk}.num_experts=0")
 
 
 def _check_deepseek_v3_shape(m: ModelConfig, p, mk: str) -> None:

@@ -102,10 +102,16 @@ def _llama_spec(m: ModelConfig) -> ShardingSpec:
 
 # Llama shape fields that change what the weights compute (not name, init_std, routing-bias or loss settings)
 LLAMA_ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                             "num_query_groups", "vocab_size", "norm", "norm_eps", "activation", "rope_theta",
-                             "rope_scaling_factor", "tie_embeddings", "add_bias", "qkv_bias", "qk_norm",
-                             "num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_router",
-                             "moe_shared_ffn_hidden_size")
+                             "num_query_groups", "head_dim", "vocab_size", "norm", "norm_eps", "activation",
+                             "rope_theta", "rope_scaling_factor", "tie_embeddings", "add_bias", "qkv_bias",
+                             "qk_norm", "num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_router",
+                             "moe_norm_topk_prob", "moe_dense_layers", "moe_shared_ffn_hidden_size")
+
+
+def _llama_architecture(m: ModelConfig) -> dict[str, Any]:
+    """``LLAMA_ARCHITECTURE_FIELDS`` of ``m``; ``head_dim`` as the model uses it (0 and the width it stands for
+    build the same weights)."""
+    return {k: m.attention_head_dim if k == "head_dim" else getattr(m, k) for k in LLAMA_ARCHITECTURE_FIELDS}
 
 
 def _llama_hf() -> HFAdapter:
@@ -127,7 +133,7 @@ def _llama_hf() -> HFAdapter:
             return getattr(lora_export, name)(*args)
         return call
 
-    return HFAdapter(("llama", "qwen2", "mixtral"), lazy("model_config_from_hf"),
+    return HFAdapter(("llama", "qwen2", "mixtral", "qwen3", "qwen3_moe"), lazy("model_config_from_hf"),
                      lazy("hf_config_from_model_config"), lazy("mmtrain_state_from_hf"),
                      lazy("hf_state_from_mmtrain"), errors, lora("merge_lora"), lora("peft_adapter"))
 
@@ -217,8 +223,8 @@ def register_family(name: str, family: ModelFamily) -> None:
 
 
 register_family("llama", ModelFamily(
-    _llama_stage, _llama_flops, lambda m: m.num_experts > 0, _llama_spec,
-    lambda m: {k: getattr(m, k) for k in LLAMA_ARCHITECTURE_FIELDS}, _llama_hf(), GPTModel, (TransformerBlock,)))
+    _llama_stage, _llama_flops, lambda m: any(m.moe_layer(i) for i in range(m.num_layers)), _llama_spec,
+    _llama_architecture, _llama_hf(), GPTModel, (TransformerBlock,)))
 register_family("deepseek_v3", ModelFamily(
     _deepseek_v3_stage, _deepseek_v3_flops, lambda m: m.deepseek_v3.first_k_dense_replace < m.deepseek_v3.num_layers,
     _deepseek_v3_spec, _deepseek_v3_architecture, _deepseek_v3_hf(), DeepseekV3Model, (DecoderLayer,)))
