@@ -230,6 +230,15 @@ def test_bundled_configs_have_the_real_shapes_and_validate(name):
     if active is not None:
         assert m.moe_top_k == 8 and m.moe_norm_topk_prob and not m.moe_dense_layers
         assert abs(count_parameters(m, active=True) / active - 1) < 0.01
+    # transformers' model of the shape the adapter writes (what bench/hf_family_baseline.py builds) is ours
+    transformers = pytest.importorskip("transformers")
+    fields = dict(model_family(m).hf.config_to_hf(m, None))
+    hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+        ours = model_family(m).build_stage(m, (0, m.num_layers), True, True)
+    assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if active else "Qwen3ForCausalLM")
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters()) == count_parameters(m)
 
 
 def test_real_qwen3_configs_read_as_the_bundled_ones():
