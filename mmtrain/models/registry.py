@@ -110,8 +110,9 @@ LLAMA_ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "nu
 
 def _llama_architecture(m: ModelConfig) -> dict[str, Any]:
     """``LLAMA_ARCHITECTURE_FIELDS`` of ``m``; ``head_dim`` as the model uses it (0 and the width it stands for
-    build the same weights)."""
-    return {k: m.attention_head_dim if k == "head_dim" else getattr(m, k) for k in LLAMA_ARCHITECTURE_FIELDS}
+    build the same weights), ``moe_dense_layers`` in order."""
+    resolved = {"head_dim": m.attention_head_dim, "moe_dense_layers": sorted(m.moe_dense_layers)}
+    return {k: resolved.get(k, getattr(m, k)) for k in LLAMA_ARCHITECTURE_FIELDS}
 
 
 def _llama_hf() -> HFAdapter:

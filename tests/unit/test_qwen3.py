@@ -191,6 +191,8 @@ def test_dense_layers_build_spec_flops_and_experts():
     all_moe = dataclasses.replace(cfg, moe_dense_layers=[])
     assert count_parameters(cfg, active=True) - count_parameters(all_moe, active=True) == 2 * (dense_layer - moe_layer)
     assert model_family(cfg).has_routed_experts(cfg)
+    reordered = dataclasses.replace(cfg, moe_dense_layers=[2, 0])  # the same model: a run may load its weights
+    assert model_family(cfg).architecture(cfg) == model_family(cfg).architecture(reordered)
     stage = GPTModel(cfg, layer_range=(2, 4))  # a pipeline stage: global indices decide
     assert [isinstance(b.mlp, MoELayer) for b in stage.layers.values()] == [False, True]
 
