@@ -7,6 +7,8 @@ through one ``run_distributed`` call (starting a process group costs more than t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -25,7 +27,8 @@ QWEN3 = ["model.num_layers=4", "model.hidden_size=32", "model.ffn_hidden_size=64
          "model.num_query_groups=2", "model.head_dim=16", "model.qk_norm=true", "model.vocab_size=64"]
 SHAPES = {"qwen3": [*QWEN3, "model.tie_embeddings=true"],
           "qwen3_moe": [*QWEN3, "model.num_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden_size=16",
-                        "model.moe_norm_topk_prob=false", "model.moe_dense_layers=[0]", "model.moe_aux_loss_coeff=1e-3"]}
+                        "model.moe_norm_topk_prob=false", "model.moe_dense_layers=[0]",
+                        "model.moe_aux_loss_coeff=1e-3"]}
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 LAYOUTS = [("qwen3", ["parallel.tp=2"]), ("qwen3", SP), ("qwen3", ["parallel.pp=2"]), ("qwen3", ["parallel.dp=2"]),
            ("qwen3_moe", ["parallel.dp=2", "parallel.ep=2"]), ("qwen3_moe", SP), ("qwen3_moe", ["parallel.pp=2"])]
@@ -89,8 +92,8 @@ def runs(tmp_path_factory):
     one_jobs = [("_train", (SHAPES[kind],)) for kind in SHAPES]
     one_jobs += [("_lora_from_hf", (str(tmp / kind / "base"), ids)) for kind in SHAPES]
     one = run_distributed(_run_jobs, 1, str(tmp / "one"), one_jobs, timeout_s=300.0)[0]
-    two = run_distributed(_run_jobs, 2, str(tmp / "two"), [("_train", ([*SHAPES[k], *layout],)) for k, layout in LAYOUTS],
-                          timeout_s=400.0)
+    two_jobs = [("_train", ([*SHAPES[k], *layout],)) for k, layout in LAYOUTS]
+    two = run_distributed(_run_jobs, 2, str(tmp / "two"), two_jobs, timeout_s=400.0)
     return {"reference": dict(zip(SHAPES, one[:2])), "layouts": [[per_rank[i] for per_rank in two]
                                                                  for i in range(len(LAYOUTS))],
             "lora": {kind: (tmp / kind, tmp / "one" / str(2 + i), hf[kind], logits)
@@ -126,7 +129,5 @@ def test_lora_from_hf_exports_merged_and_peft_adapter(runs, kind):
         assert (adapted - hf(ids).logits).abs().max() > 1e-3  # the adapters changed the model
     adapter = assert_exports_give_the_adapted_logits(folder, str(run_dir / "checkpoints"), ids, adapted)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["gate_proj", "up_proj", "down_proj"] if kind == "qwen3"
-                                                          else [])
-    import json
-
+                                                          else [])  # an MoE model: attention adapters only
     assert sorted(json.loads((adapter / "adapter_config.json").read_text())["target_modules"]) == sorted(targets)

@@ -310,7 +310,8 @@ def mmtrain_state_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig,
             experts = [f"{moe}experts.{e}." for e in range(cfg.num_experts)]
             out[ours + "mlp.experts.w_up"] = torch.stack(
                 [torch.cat([take(f"{x}{gate}.weight"), take(f"{x}{up}.weight")]).t() for x in experts]).contiguous()
-            out[ours + "mlp.experts.w_down"] = torch.stack([take(f"{x}{down}.weight").t() for x in experts]).contiguous()
+            out[ours + "mlp.experts.w_down"] = torch.stack(
+                [take(f"{x}{down}.weight").t() for x in experts]).contiguous()
         else:
             mlp = hf + "mlp."
             out[ours + "mlp.up.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
