@@ -37,6 +37,11 @@ CASES = {
     "qwen3_moe_sparse_step_mlp_only_raw_topk": ("qwen3_moe", dict(**MOE, decoder_sparse_step=2, mlp_only_layers=[3],
                                                                    norm_topk_prob=False)),
     "qwen3_moe_all_routed_norm_topk": ("qwen3_moe", dict(**MOE, norm_topk_prob=True)),
+    # windows shorter than the 40 test tokens (model.sliding_window): a model that ignored them would differ
+    "qwen3_sliding_window_every_layer": ("qwen3", dict(use_sliding_window=True, sliding_window=6,
+                                                        max_window_layers=0)),
+    "qwen3_moe_sliding_window": ("qwen3_moe", dict(**MOE, norm_topk_prob=True, use_sliding_window=True,
+                                                   sliding_window=7)),
 }
 
 
@@ -76,10 +81,15 @@ def test_compare_within_1e4_and_the_round_trip_is_exact(case, tmp_path, capsys):
     assert "logits: max |diff| = " in capsys.readouterr().out
     ours, cfg = _ours(tmp_path / "c")
     assert cfg.qk_norm and cfg.head_dim == 16 and cfg.attention_head_dim == 16
+    assert cfg.sliding_window == overrides.get("sliding_window", 0)
     ids = torch.randint(0, SMALL["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = hf(ids).logits
         assert (ours(ids) - theirs).abs().max().item() < 1e-4
+    if cfg.sliding_window:  # the window matters: the same weights without it differ
+        unwindowed, _ = _ours(tmp_path / "c", sliding_window=0)
+        with torch.no_grad():
+            assert (unwindowed(ids) - theirs).abs().max().item() > 1e-3
     if kind == "qwen3_moe":
         assert cfg.moe_ffn_hidden_size == 16 and cfg.moe_aux_loss_coeff == 0.001
         assert cfg.moe_norm_topk_prob == overrides["norm_topk_prob"]
@@ -99,7 +109,7 @@ def test_compare_within_1e4_and_the_round_trip_is_exact(case, tmp_path, capsys):
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     source = json.loads((tmp_path / "hf" / "config.json").read_text())
     for key in ("model_type", "head_dim", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob",
-                "moe_intermediate_size", "tie_word_embeddings", "use_sliding_window"):
+                "moe_intermediate_size", "tie_word_embeddings", "use_sliding_window", "sliding_window"):
         assert written.get(key) == source.get(key), key
     reloaded = type(hf).from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
@@ -259,15 +269,16 @@ def test_real_qwen3_configs_read_as_the_bundled_ones():
         assert model_family(read).architecture(read) == model_family(bundled).architecture(bundled), name
 
 
-def test_sliding_window_is_refused_in_one_line(tmp_path, capsys):
+def test_sliding_window_on_some_layers_only_is_refused_in_one_line(tmp_path, capsys):
     _random_hf("qwen3", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop("layer_types", None)  # the window's layers from max_window_layers: 2 of the 4
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "use_sliding_window": True,
-                                                             "sliding_window": 8}))
+                                                             "sliding_window": 8, "max_window_layers": 2}))
     capsys.readouterr()
     assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "use_sliding_window=True is not supported" in err, err
+    assert err.count("\n") == 1 and "use_sliding_window with both sliding and full layers" in err, err
     assert not (tmp_path / "c").exists()
     with pytest.raises(UnsupportedHFConfig, match="head_dim='16' must be an integer"):
         model_config_from_hf({**config, "head_dim": "16"})

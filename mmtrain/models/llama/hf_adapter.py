@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Qwen2 / Mixtral / Qwen3 / Qwen3-MoE <-> mmtrain: the config and parameter name mappings.
+"""Hugging Face Llama / Mistral / Qwen2 / Mixtral / Qwen3 / Qwen3-MoE <-> mmtrain: the config and parameter name
+mappings.
 
 Everything here works on *full* (unsharded) tensors keyed by name; splitting over TP/PP lives in
 ``checkpoint_io``. Our fused projections are concatenations of HF's separate ones, row-wise:
@@ -8,6 +9,9 @@ Experts are stacked and transposed: ``experts.w_up[e]`` = [gate | up]^T (D, 2F),
 (Mixtral's w1, w3, w2 under ``block_sparse_moe.``; Qwen3-MoE's gate_proj, up_proj, down_proj under ``mlp.``).
 Qwen3's per-head q/k RMSNorms are ``attn.q_norm`` / ``attn.k_norm`` (``qk_norm``); which HF model type a config
 is written as follows from the shape (``_hf_model_type_of``).
+Mistral is the Llama layout with a sliding window (``model.sliding_window``); Mixtral's, Qwen2's, Qwen3's and
+Qwen3-MoE's windows map to the same field when every layer has it (Qwen2's / Qwen3's ``use_sliding_window`` with all
+layers past ``max_window_layers``; Qwen3-MoE's ``use_sliding_window`` slides every layer).
 Before any tensor is mapped, the config's layer and expert counts and every shape it implies are checked against
 the tensors' shapes (``mmtrain.models.hf_shapes``): a contradiction is one ``UnsupportedHFConfig`` naming the key.
 """
@@ -22,12 +26,14 @@ import torch
 from mmtrain.config.schema import ModelConfig
 from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, indices
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mixtral", "qwen3", "qwen3_moe")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # an MoE layer's HF tensors: the module under the layer, and an expert's (gate, up, down) linears
 _MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
               "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+# model types whose window is switched on by use_sliding_window, and those of them with per-layer kinds
+_QWEN_WINDOW_TYPES, _LAYERED_WINDOW_TYPES = ("qwen2", "qwen3", "qwen3_moe"), ("qwen2", "qwen3")
 # The Llama-3 scaling constants our ``rope_frequencies`` implements (mmtrain/model/layers.py).
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -91,6 +97,35 @@ def _dense_layers_as_hf(cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any
     return {"decoder_sparse_step": 1, "mlp_only_layers": sorted(cfg.moe_dense_layers)}
 
 
+def _window_from_hf(hf: dict[str, Any], model_type: str) -> int:
+    """``model.sliding_window`` (0 = none) from Mistral's / Mixtral's ``sliding_window``, Qwen3-MoE's
+    ``use_sliding_window`` + ``sliding_window`` (every layer), or Qwen2's / Qwen3's ``use_sliding_window`` +
+    ``sliding_window`` on the layers ``layer_types`` (else ``max_window_layers``) marks."""
+    if model_type == "llama":
+        return 0  # LlamaForCausalLM has no window, whatever the file holds
+    if model_type in _QWEN_WINDOW_TYPES and not hf.get("use_sliding_window", False):
+        return 0  # transformers drops a Qwen window unless use_sliding_window
+    if hf.get("sliding_window") is None:
+        return 0
+    window = config_int(hf, "sliding_window", UnsupportedHFConfig)
+    if model_type not in _LAYERED_WINDOW_TYPES:
+        return window
+    layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        start = config_int(hf, "max_window_layers", UnsupportedHFConfig, minimum=0, default=28)
+        kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {"sliding_attention",
+                                                                                "full_attention"}:
+        raise UnsupportedHFConfig(f"layer_types={kinds!r} must list 'sliding_attention' or 'full_attention' for each "
+                                  f"of the {layers} layers")
+    if len(set(kinds)) > 1:
+        raise UnsupportedHFConfig("use_sliding_window with both sliding and full layers (layer_types / "
+                                  "max_window_layers) is not supported: mmtrain's model.sliding_window applies to "
+                                  "every layer")
+    return window if kinds[0] == "sliding_attention" else 0
+
+
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Our ``ModelConfig`` for an HF ``config.json`` mapping; raises ``UnsupportedHFConfig`` naming the key."""
     model_type = hf.get("model_type")
@@ -100,10 +135,6 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     _require(hf, "hidden_act", ("silu",), "silu")
     _require(hf, "attention_bias", (False,), False)  # Llama's bias on q/k/v *and* o: no mmtrain equivalent
     _require(hf, "mlp_bias", (False,), False)
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):  # real Qwen3 checkpoints: false (sliding_window unused)
-        _require(hf, "use_sliding_window", (False,), False)
-    if model_type == "mixtral":
-        _require(hf, "sliding_window", (None,), None)
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         config_int(hf, key, UnsupportedHFConfig)
     for key in ("num_key_value_heads", "head_dim"):  # absent or null: derived from the head count
@@ -141,6 +172,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        sliding_window=_window_from_hf(hf, model_type),
     )
     if model_type in _MOE_NAMES:  # softmax top-k; the aux loss weight as configured (output_router_logits: unused)
         cfg.num_experts = hf[experts_key]
@@ -154,12 +186,16 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def _hf_model_type_of(cfg: ModelConfig) -> str:
+def _hf_model_type_of(cfg: ModelConfig, base: dict[str, Any] | None = None) -> str:
+    """Qwen3-MoE (experts and q/k norms), Mixtral (experts), Qwen3 (q/k norms), Qwen2 (q/k/v biases), Mistral (a
+    window, or converted from a Mistral), else Llama."""
     if cfg.num_experts:
         return "qwen3_moe" if cfg.qk_norm else "mixtral"
     if cfg.qk_norm:
         return "qwen3"
-    return "qwen2" if cfg.qkv_bias else "llama"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window or (base or {}).get("model_type") == "mistral" else "llama"
 
 
 def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -178,7 +214,7 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
                                       f"equivalent; supported: {', '.join(map(repr, allowed))}")
     if cfg.num_experts and not cfg.qk_norm and cfg.moe_ffn_hidden_size not in (0, cfg.ffn_hidden_size):
         raise UnsupportedHFConfig("model.moe_ffn_hidden_size must be 0 or equal ffn_hidden_size for Mixtral")
-    model_type = _hf_model_type_of(cfg)
+    model_type = _hf_model_type_of(cfg, base)
     hf: dict[str, Any] = {}
     same_type = base and base.get("model_type") == model_type
     if same_type:
@@ -208,11 +244,19 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
         hf.update({"attention_bias": False})
     if model_type == "llama":
         hf.update({"mlp_bias": False})
-    if model_type in ("qwen3", "qwen3_moe"):
-        hf.update({"use_sliding_window": False, "sliding_window": None})
+    if model_type in ("mistral", "mixtral"):
+        hf["sliding_window"] = cfg.sliding_window or None
+    if model_type in _QWEN_WINDOW_TYPES:  # the window on every layer or on none (transformers reads layer_types first)
+        hf["use_sliding_window"] = bool(cfg.sliding_window)
+        if cfg.sliding_window:
+            hf["sliding_window"] = cfg.sliding_window
+        if cfg.sliding_window and model_type in _LAYERED_WINDOW_TYPES:
+            hf.update({"max_window_layers": 0, "layer_types": ["sliding_attention"] * cfg.num_layers})
+        elif "layer_types" in hf:
+            hf["layer_types"] = ["full_attention"] * cfg.num_layers
     if model_type == "mixtral":
         hf.update({"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k,
-                   "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "sliding_window": None})
+                   "router_aux_loss_coef": cfg.moe_aux_loss_coeff})
     if model_type == "qwen3_moe":  # "num_experts", the Hub's key (transformers 5 reads it as num_local_experts)
         hf.pop("num_local_experts", None)
         hf.update({"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k,
