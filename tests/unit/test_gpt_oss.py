@@ -16,13 +16,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from mmtrain.config import ConfigError, GPTRunConfig, load_config, validate_gpt_config  # noqa: E402
-from mmtrain.models.gpt_oss.config import GptOssConfig  # noqa: E402
 from mmtrain.config.schema import ModelConfig  # noqa: E402
 from mmtrain.convert.__main__ import main as convert_main  # noqa: E402
 from mmtrain.convert.checkpoint_io import read_full_state  # noqa: E402
 from mmtrain.convert.hf_files import read_hf_tensors  # noqa: E402
+from mmtrain.models.gpt_oss.config import GptOssConfig  # noqa: E402
 from mmtrain.models.gpt_oss.family import count_parameters  # noqa: E402
-from mmtrain.models.gpt_oss.hf_adapter import HFAdapterError, config_from_hf  # noqa: E402
+from mmtrain.models.gpt_oss.hf_adapter import config_from_hf  # noqa: E402
 from mmtrain.models.gpt_oss.model import GptOssModel, rope_inv_freq  # noqa: E402
 from mmtrain.models.gpt_oss.mxfp4 import Mxfp4Error, dequantize  # noqa: E402
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.config.loader import ConfigError
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.models.gpt_oss.mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, Mxfp4Error, dequantize
 from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, fixed, indices
 

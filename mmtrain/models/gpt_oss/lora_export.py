@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.model.lora import merged_tensors
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.models.gpt_oss.spec import LORA_LINEARS
 
 _HF_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",)}  # in a layer's self_attn

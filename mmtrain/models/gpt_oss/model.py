@@ -28,7 +28,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
 from mmtrain.model.kv_cache import StaticKVCache, cached_attention, decoded_rows
@@ -36,6 +35,7 @@ from mmtrain.model.layers import RMSNorm, apply_rope, compile_prenorm_block, set
 from mmtrain.model.lora import add_lora_at, reset_dora_magnitudes
 from mmtrain.model.moe import Experts
 from mmtrain.models.contract import LanguageStageDefaults
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.models.gpt_oss.moe import GptOssMoE
 from mmtrain.models.gpt_oss.spec import LORA_LINEARS, gpt_oss_sharding_spec
 from mmtrain.parallel.moe_dispatch import LocalDispatch

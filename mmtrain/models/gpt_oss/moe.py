@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.moe import Experts
 from mmtrain.models.contract import RoutedExpertsLayer
+from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.parallel.moe_dispatch import LocalDispatch, count_per_expert
 
 
