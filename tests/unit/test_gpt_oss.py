@@ -233,30 +233,43 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12], list(range(40, 57)), [30, 31, 7]]
 
 def test_greedy_decoding_equals_transformers_generate(tmp_path):
     """Our checkpoint (TP2 layout) -> mmtrain-to-hf; greedy KV-cache decoding of 4 rows at once equals
-    transformers' generate of each row, 16 new tokens (well past the window of 4)."""
+    transformers' generate of each row, and so does ``python -m mmtrain.generate`` (in-process) on a text
+    prompt: 24 new tokens each, well past the window of 4."""
+    from mmtrain.core.tokenizer import load_tokenizer
+    from mmtrain.generate import main as generate_main
     from mmtrain.inference.engine import DecodeEngine, generate
     from mmtrain.inference.loading import load_checkpoint_model
     from mmtrain.inference.sampling import SamplingParams
     from mmtrain.parallel import ParallelDims, init_distributed, shutdown_distributed
-    from tests.inference_helpers import tiny_checkpoint
+    from tests.inference_helpers import tiny_checkpoint, tiny_tokenizer
 
-    shape = GptOssConfig(vocab_size=96, hidden_size=48, num_layers=3, sliding_window=4, init_std=0.3,
+    shape = GptOssConfig(vocab_size=512, hidden_size=48, num_layers=3, sliding_window=4, init_std=0.3,
                          max_position_embeddings=256, yarn_factor=8.0, yarn_original_max_position_embeddings=32)
     ckpt = tiny_checkpoint(tmp_path / "ckpt", ModelConfig(family="gpt_oss", gpt_oss=shape), tp=2)
     assert convert_main(["mmtrain-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert type(hf).__name__ == "GptOssForCausalLM"
+
+    def hf_greedy(ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
     init_distributed()
     try:
         model, _ = load_checkpoint_model(ckpt, ParallelDims(1).build(), "cpu", torch.float32)
     finally:
         shutdown_distributed()
-    ours = generate(DecodeEngine(model, slots=4, max_len=64), PROMPTS, SamplingParams(max_new_tokens=16))
+    ours = generate(DecodeEngine(model, slots=4, max_len=64), PROMPTS, SamplingParams(max_new_tokens=24))
     for p, s in zip(PROMPTS, ours):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
-        assert s.token_ids == out[0, len(p):].tolist()
+        assert s.token_ids == hf_greedy(p)
+    tok = tiny_tokenizer(tmp_path / "tok")
+    prompt = "The quick brown fox jumps over the lazy dog."
+    assert generate_main(["--ckpt", str(ckpt), "--tokenizer", str(tok), "--prompt", prompt, "--max-new-tokens", "24",
+                          "--no-eod-stop", "--output", str(tmp_path / "out.jsonl")]) == 0
+    row = json.loads((tmp_path / "out.jsonl").read_text())
+    assert row["token_ids"] == hf_greedy(load_tokenizer(str(tok)).encode_batch([prompt])[0])
 
 
 # ------------------------------------------------------------------------------------------ configs
