@@ -200,8 +200,10 @@ class Gemma3Model(LanguageStageDefaults, nn.Module):
     ``init_weights``."""
 
     def __init__(self, cfg: Gemma3Config, layer_range: tuple[int, int] | None = None, pre_process: bool = True,
-                 post_process: bool = True, attention=None, lora=None) -> None:
+                 post_process: bool = True, attention=None, moe_dispatch=None, lora=None) -> None:
         super().__init__()
+        if moe_dispatch is not None:
+            raise ValueError("the gemma3 family has no mixture-of-experts layers: moe_dispatch must be None")
         self.cfg = cfg.check()
         start, end = layer_range or (0, cfg.num_layers)
         self.layer_range, self.pre_process, self.post_process = (start, end), pre_process, post_process
