@@ -143,7 +143,7 @@ def test_each_quirk_shows_in_the_logits(change):
             model = _ours(dataclasses.replace(cfg, rope_local_base_freq=cfg.rope_theta), state)
         elif change == "embedding_unscaled":
             model = _ours(cfg, state)
-            model.embed_scale = 1.0
+            model.embed_scale.fill_(1.0)
         elif change == "norms_without_offset":
             model = _ours(cfg, {k: v - 1 if k.endswith("norm.weight") else v for k, v in state.items()})
         else:

@@ -22,7 +22,6 @@ each. Sizes are read off the weights in ``forward``, so the TP plan's sharded li
 
 from __future__ import annotations
 
-import functools
 import zlib
 
 import torch
@@ -69,12 +68,6 @@ class GeGLU(MLP):
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
-
-
-@functools.lru_cache(maxsize=None)
-def _in_dtype(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to ``dtype`` (through fp32, as HF casts its fp32 scale buffer)."""
-    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
 
 
 class Gemma3Attention(nn.Module):
@@ -208,7 +201,6 @@ class Gemma3Model(LanguageStageDefaults, nn.Module):
         start, end = layer_range or (0, cfg.num_layers)
         self.layer_range, self.pre_process, self.post_process = (start, end), pre_process, post_process
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if pre_process else None
-        self.embed_scale = cfg.hidden_size ** 0.5
         self.attention = attention if attention is not None else CausalAttention()
         self.layers = nn.ModuleDict({str(i): Gemma3Block(cfg, i, self.attention) for i in range(start, end)})
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post_process else None
@@ -216,6 +208,8 @@ class Gemma3Model(LanguageStageDefaults, nn.Module):
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
         self.head = LossHead() if post_process else None  # the TP plan swaps in its vocab-parallel head
         self.sequence_parallel = False  # the layout a TP plan applied (resolves the spec's partial gradients)
+        # sqrt(hidden_size) in fp32, cast to the embedding's dtype when used (as HF's buffer is)
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32), persistent=False)
         self.register_buffer("inv_freq_local", rope_frequencies(cfg.head_dim, cfg.rope_local_base_freq),
                              persistent=False)
         self.register_buffer("inv_freq_global", global_rope_frequencies(cfg), persistent=False)
@@ -255,13 +249,26 @@ class Gemma3Model(LanguageStageDefaults, nn.Module):
     def embed_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """The embedding times sqrt(hidden_size) rounded to its dtype (what HF's scaled embedding computes)."""
         x = self.embed(tokens_BS)
-        return x * _in_dtype(self.embed_scale, x.dtype)
+        return x * self.embed_scale.to(x.dtype)
 
     def rotary(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, ...]]:
         """cos/sin by layer kind (True: local) for the kinds this stage holds."""
         local = {self.cfg.window(int(i)) is not None for i in self.layers}
         return {is_local: rope_cos_sin(position_ids_BS, self.inv_freq_local if is_local else self.inv_freq_global,
                                        dtype) for is_local in local}
+
+    def _masks(self, doc_ids_BS: torch.Tensor | None, position_ids_BS: torch.Tensor) -> dict:
+        """What the attention strategy prepares for each distinct window of this stage (None: causal), once per
+        micro-batch, outside the compiled blocks. Without documents a windowed mask is asked for one document
+        (ids of zeros): the strategy then builds it once here, not in every layer's call."""
+        out = {}
+        for window in sorted({self.cfg.window(int(i)) for i in self.layers}, key=lambda w: w or 0):
+            if window is None:
+                out[None] = self.attention.prepare(doc_ids_BS)
+            else:
+                ids = doc_ids_BS if doc_ids_BS is not None else torch.zeros_like(position_ids_BS)
+                out[window] = self.attention.prepare(ids, window=window)
+        return out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer (soft-capped when the config says) on the normalized hidden states: this rank's
@@ -282,9 +289,7 @@ class Gemma3Model(LanguageStageDefaults, nn.Module):
             B, S = inputs.shape[:2]  # token ids: the whole sequence even when x holds a sequence-parallel slice
             position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
         rotary = self.rotary(position_ids_BS, x.dtype)
-        windows = {self.cfg.window(int(i)) for i in self.layers}  # one mask per distinct window, outside the blocks
-        masks = {w: self.attention.prepare(doc_ids_BS) if w is None else self.attention.prepare(doc_ids_BS, window=w)
-                 for w in windows}
+        masks = self._masks(doc_ids_BS, position_ids_BS)
         for i, layer in self.layers.items():
             window = self.cfg.window(int(i))
             x = layer(x, *rotary[window is not None], masks[window])
