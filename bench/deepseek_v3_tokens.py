@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mmtrain.models.deepseek_v3.config import load_deepseek_v3_config  # noqa: E402
+from mmtrain.models.deepseek_v3.shape_file import load_deepseek_v3_config  # noqa: E402
 from mmtrain.models.deepseek_v3.flops import count_parameters, flops_per_token  # noqa: E402
 from mmtrain.models.deepseek_v3.model import DeepseekV3Model  # noqa: E402
 

@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mmtrain.config.deepseek_v3_schema import DeepseekV3Config  # noqa: E402
+from mmtrain.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from mmtrain.config.schema import ModelConfig  # noqa: E402
 from mmtrain.inference.engine import COMPILE_MODES, DecodeEngine, generate  # noqa: E402
 from mmtrain.inference.loading import prepare_for_decoding  # noqa: E402

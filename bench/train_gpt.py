@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config  # noqa: E402
 from mmtrain.data.documents import packed_document_inputs  # noqa: E402
-from mmtrain.models.llama.model import flops_per_token  # noqa: E402
+from mmtrain.models.registry import model_family  # noqa: E402
 from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed  # noqa: E402
 from mmtrain.train.loop import train_gpt  # noqa: E402
 from mmtrain.utils.atomic import atomic_write_text  # noqa: E402
@@ -123,8 +123,8 @@ def main() -> None:
     S = cfg.data.seq_length
     tps = gbs * S / dt / world
     m = cfg.model.shape()
-    per_token = flops_per_token(cfg.model, S)
-    causal_attention = 6.0 * m.num_layers * S * m.hidden_size  # the causal term of flops_per_token
+    per_token = model_family(cfg.model).flops_per_token(cfg.model, S)  # the family's own count (6N + attention)
+    causal_attention = 6.0 * m.num_layers * S * m.hidden_size  # the Llama shape's causal term (--packed rows)
     tflops = tps * per_token / 1e12
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     row = {"system": a.label, "layout": mesh.dims.describe(), "overrides": a.overrides,

@@ -56,7 +56,7 @@ _PUBLIC = {
     "find_checkpoint": "mmtrain.train.checkpoint", "CheckpointWriter": "mmtrain.train.checkpoint",
     "train_gpt": "mmtrain.train.loop",
     "VLMRunConfig": "mmtrain.config.vlm_run_schema", "VLMModelConfig": "mmtrain.config.vlm_schema",
-    "validate_vlm_config": "mmtrain.config.vlm_validate", "VLMModel": "mmtrain.model.vlm",
+    "validate_vlm_config": "mmtrain.config.vlm_validate", "VLMModel": "mmtrain.models.vlm",
     "build_vlm_stage": "mmtrain.train.build_vlm", "build_multimodal_loader": "mmtrain.data.multimodal_loader",
     "MultimodalBatch": "mmtrain.data.multimodal", "load_model_weights_only": "mmtrain.train.checkpoint_state",
     "train_vlm": "mmtrain.train.vlm_train",

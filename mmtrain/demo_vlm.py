@@ -49,7 +49,7 @@ def _caption_image(run_dir: Path, image_path: Path, max_new_tokens: int = 16) ->
     from mmtrain.config.vlm_run_schema import VLMRunConfig
     from mmtrain.data.multimodal import MultimodalTaskEncoder
     from mmtrain.data.multimodal_loader import settings_from_config
-    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.vlm import VLMModel
     from mmtrain.train.checkpoint_state import load_model_weights_only
 
     cfg = load_config(VLMRunConfig, run_dir / "config.yaml")

@@ -22,6 +22,7 @@ def pytest_sessionstart(session):
             return
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

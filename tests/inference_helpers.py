@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
+from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 from mmtrain.config.schema import ModelConfig
 from mmtrain.convert.checkpoint_io import write_weights_checkpoint
 from mmtrain.models.registry import model_family

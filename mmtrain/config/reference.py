@@ -61,7 +61,8 @@ def _section(lines: list[str], key: str, cls: type, help_text: str) -> None:
 def reference_markdown(root: type = GPTRunConfig, with_vlm: bool = True) -> str:
     lines = ["# Configuration reference", "",
              "Generated from `mmtrain/config/schema.py` (and `vlm_schema.py`, `media_schema.py`, "
-             "`vlm_run_schema.py`) by `python -m mmtrain.config.reference`; do not edit by hand.",
+             "`vlm_run_schema.py`; the model families' sections from `mmtrain/models/<family>/config.py`) by "
+             "`python -m mmtrain.config.reference`; do not edit by hand.",
              "Set any key in a YAML file (`section:` then `key: value`) or on the command line as `section.key=value`.",
              "A value outside its range (a list: each element; a mapping: each value), or a float that is NaN or "
              "infinite, is an error naming the key before anything starts.",

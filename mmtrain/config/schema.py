@@ -8,66 +8,46 @@ configuration reference in ``docs/`` is generated from it, so the text here is t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from mmtrain.config.deepseek_v3_schema import DEEPSEEK_V3_LORA_TARGETS, DeepseekV3Config
+from mmtrain.config.family_sections import family_name_type, section_class, with_family_sections
 from mmtrain.config.fields import doc
+from mmtrain.config.loader import ConfigError
+from mmtrain.models.families import FAMILY_PACKAGES, INLINE_FAMILY, FamilySection, unknown_family_message
 
 __all__ = ["doc"]  # re-exported: the other schema modules declare their fields with it
 
+InlineShape = section_class(INLINE_FAMILY)  # the inline (Llama) family's section: ModelConfig's own fields, model.*
+FamilyName = family_name_type()  # a str among the family table's names (mmtrain/models/families.py)
+
 
 @dataclass
-class ModelConfig:
-    """Shape of the decoder-only language model: a Llama-family shape (the fields below), or another family's
-    shape in its own section, chosen by ``family``."""
+class _FamilyChoice:
+    """``model.family``, first of the model section (a base class: dataclass fields of bases come first)."""
 
-    family: Literal["llama", "deepseek_v3"] = doc(
-        "llama", "Model family (mmtrain/models/<family>/): llama (the shape fields of this section) or "
-                 "deepseek_v3 (the shape is model.deepseek_v3; the Llama shape fields must then keep their defaults).")
-    name: str = doc("tiny", "Free-form name of the shape, shown in logs (e.g. llama3.2-1b).")
-    num_layers: int = doc(2, "Number of transformer blocks.", ge=1)
-    hidden_size: int = doc(64, "Width of the residual stream.", ge=1)
-    ffn_hidden_size: int = doc(176, "Inner width of the MLP (per gate for SwiGLU).", ge=1)
-    num_attention_heads: int = doc(4, "Number of query heads.", ge=1)
-    num_query_groups: int = doc(0, "Number of key/value heads for GQA/MQA; 0 means one per query head (MHA).", ge=0)
-    vocab_size: int = doc(512, "Rows of the embedding table; must exceed every token id in the data.", ge=1)
-    norm: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer kind.")
-    norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.", gt=0)
-    activation: Literal["swiglu", "gelu", "gelu_erf", "quick_gelu"] = doc(
-        "swiglu", "MLP activation: gated SiLU (Llama), GELU with the tanh approximation (gelu; SigLIP's "
-                  "gelu_pytorch_tanh), exact GELU (gelu_erf; Whisper) or x*sigmoid(1.702x) (quick_gelu; CLIP).")
-    rope_theta: float = doc(10000.0, "Base of the rotary position embedding frequencies.", gt=0)
-    rope_scaling_factor: float = doc(1.0, "Llama-3 style RoPE frequency scaling factor; 1.0 disables scaling.", gt=0)
-    tie_embeddings: bool = doc(False, "Share the input embedding and the output projection.")
-    add_bias: bool = doc(False, "Add biases to all attention and MLP linears.")
-    qkv_bias: bool = doc(False, "Add biases to the query/key/value projections only (Qwen2 style).")
-    qk_norm: bool = doc(False, "Normalize queries and keys per head before attention (Qwen3/OLMo2 style).")
-    init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.", ge=0)
-    num_experts: int = doc(0, "Mixture of experts: experts per MoE layer; 0 keeps a dense MLP.", ge=0)
-    moe_top_k: int = doc(2, "Experts each token is routed to.", ge=1)
-    moe_ffn_hidden_size: int = doc(0, "Inner width of each expert; 0 uses ffn_hidden_size.", ge=0)
-    moe_router: Literal["softmax", "sigmoid"] = doc(
-        "softmax", "softmax top-k (Mixtral) or sigmoid top-k with bias-based balancing (DeepSeek-V3).")
-    moe_aux_loss_coeff: float = doc(0.01, "Weight of the load-balancing auxiliary loss (0 disables).", ge=0)
-    moe_z_loss_coeff: float = doc(0.0, "Weight of the router z-loss (0 disables).", ge=0)
-    moe_capacity_factor: float = doc(0.0, "Expert capacity as a multiple of the even share; 0 = dropless.", ge=0)
-    moe_shared_ffn_hidden_size: int = doc(0, "Width of an always-on shared expert added to the routed ones; "
-                                             "0 = none.", ge=0)
-    moe_bias_update_rate: float = doc(1e-3, "Sigmoid router: per-step bias step towards balanced expert load.", ge=0)
-    moe_grouped_gemm: bool = doc(True, "Run experts as one grouped GEMM (torch._grouped_mm on Hopper, bf16); "
-                                       "else a loop over experts.")
+    family: FamilyName = doc(
+        INLINE_FAMILY, f"Model family, a name of the table in mmtrain/models/families.py: {INLINE_FAMILY} (the shape "
+                       "fields of this section) or another family (its shape is model.<family>; the fields of every "
+                       "other family, this section's own included, must then keep their defaults).")
 
-    deepseek_v3: DeepseekV3Config = field(default_factory=DeepseekV3Config, metadata={
-        "help": "The DeepSeek-V3-style shape (MLA attention, sigmoid-routed MoE), used when family is deepseek_v3."})
 
-    @property
-    def kv_heads(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
+@dataclass
+@with_family_sections
+class ModelConfig(InlineShape, _FamilyChoice):
+    """Shape of the decoder-only language model: the Llama family's shape (the fields below), or another
+    family's shape in its own section ``model.<family>``, chosen by ``family``."""
 
-    def shape(self) -> "ModelConfig | DeepseekV3Config":
-        """The chosen family's shape: what family-neutral code reads ``name``, ``vocab_size``, ``hidden_size``
-        and ``num_layers`` from."""
-        return self.deepseek_v3 if self.family == "deepseek_v3" else self
+    def shape(self) -> FamilySection:
+        """The chosen family's shape (this section for the Llama family, else ``model.<family>``): what
+        family-neutral code reads ``name``, ``vocab_size``, ``hidden_size`` and ``num_layers`` from, and checks
+        with ``check`` / ``check_layout``."""
+        if self.family not in FAMILY_PACKAGES:
+            raise ConfigError(unknown_family_message(self.family))
+        return self if self.family == INLINE_FAMILY else getattr(self, self.family)
+
+    def shape_prefix(self, model_key: str = "model") -> str:
+        """Where the chosen family's shape fields sit in the run config: ``model.`` or ``model.<family>.``."""
+        return f"{model_key}." if self.family == INLINE_FAMILY else f"{model_key}.{self.family}."
 
 
 @dataclass
@@ -243,37 +223,24 @@ class CheckpointConfig:
                              "checked).")
 
 
-LORA_TARGETS = ("qkv", "proj", "up", "down")  # the Llama block's linears (HF: q/k/v_proj, o_proj, gate/up_proj, down_proj)
-LLAMA_MOE_LORA_TARGETS = ("qkv", "proj")  # a Llama MoE block: attention only (its experts have no adapters)
-
-
 @dataclass
 class LoraConfig:
     """LoRA adapters on chosen linears; the base model is frozen (docs/post-training.md)."""
 
     rank: int = doc(0, "Adapter rank r; 0 turns LoRA off (full fine-tuning or pretraining).", ge=0)
     alpha: float = doc(16.0, "Scaling numerator: the adapter adds (alpha / rank) * B A x.", gt=0)
-    targets: list[str] = doc([], "Linears that get an adapter, by their name in a block; empty: all the family "
-                                 "allows. llama: qkv (fused q|k|v), proj (attention output), up (fused gate|up), "
-                                 "down (MoE models: qkv, proj). deepseek_v3: q_down, q_up (or q_proj without "
-                                 "q_lora_rank), kv_down, kv_up, proj, up, down (dense layers), shared_up, "
-                                 "shared_down (shared experts); routed experts have none.")
+    targets: list[str] = doc([], "Linears that get an adapter, by their name in a block; empty: all the family's "
+                                 "shape has (its section's lora_targets()). Per family in docs/post-training.md: "
+                                 "llama qkv (fused q|k|v), proj, up (fused gate|up), down (MoE models: qkv, proj); "
+                                 "deepseek_v3 q_down, q_up (or q_proj), kv_down, kv_up, proj, up, down, shared_up, "
+                                 "shared_down. Routed experts have none.")
     dora: bool = doc(False, "DoRA (peft's use_dora): each adapted linear's weight W + (alpha/rank) B A is "
                             "re-normalized per output feature and scaled by a trained magnitude vector that "
                             "starts at the row norms of W (docs/post-training.md, DoRA).")
 
     def targets_for(self, model: "ModelConfig") -> tuple[str, ...]:
-        """The targets this run adapts for ``model``: ``targets``, or the family's full list when empty."""
-        if self.targets:
-            return tuple(self.targets)
-        return allowed_lora_targets(model)
-
-
-def allowed_lora_targets(model: "ModelConfig") -> tuple[str, ...]:
-    """Every LoRA target ``model``'s family and shape have (in the family's order)."""
-    if model.family == "deepseek_v3":
-        return model.deepseek_v3.lora_targets()
-    return LLAMA_MOE_LORA_TARGETS if model.num_experts else LORA_TARGETS
+        """The targets this run adapts for ``model``: ``targets``, or all its family's shape allows when empty."""
+        return tuple(self.targets) if self.targets else model.shape().lora_targets()
 
 
 @dataclass

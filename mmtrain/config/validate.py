@@ -5,14 +5,14 @@ Each check names the keys involved and the values, so the fix is obvious from th
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 import importlib.util
 
-from mmtrain.config.deepseek_v3_schema import DeepseekV3Config
+from mmtrain.config.family_sections import families_with, section_fields
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.ranges import check_ranges
 from mmtrain.config.schema import GPTRunConfig, ModelConfig
+from mmtrain.models.families import family_names, unknown_family_message
 
 
 def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> None:
@@ -33,8 +33,9 @@ def _check_sampling(cfg: GPTRunConfig, mk: str) -> None:
     if t.sample_every % cfg.logging.log_every:
         raise ConfigError(f"train.sample_every ({t.sample_every}) must be a multiple of logging.log_every "
                           f"({cfg.logging.log_every}): samples are taken at logging steps")
-    if m.family != "llama" or p.pp > 1 or p.sequence_parallel or t.precision == "fp8":
-        raise ConfigError(f"train.sample_every needs {mk}.family=llama, parallel.pp=1, no "
+    if not m.shape().supports_train_sampling or p.pp > 1 or p.sequence_parallel or t.precision == "fp8":
+        able = " or ".join(families_with("supports_train_sampling"))
+        raise ConfigError(f"train.sample_every needs {mk}.family={able} (got {m.family}), parallel.pp=1, no "
                           "parallel.sequence_parallel and no fp8 (KV-cache decoding runs the whole model on each "
                           "rank's TP group); sample from a checkpoint with python -m mmtrain.generate instead")
 
@@ -48,13 +49,9 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if t.exit_at_step > t.steps:
         raise ConfigError(f"train.exit_at_step ({t.exit_at_step}) is past train.steps ({t.steps}); the run would "
                           "never stop there")
-    if m.family == "deepseek_v3":
-        _check_deepseek_v3_shape(m, p, mk)
-    else:
-        _check_llama_shape(m, p, mk)
-    layers_key = f"{mk}.deepseek_v3.num_layers" if m.family == "deepseek_v3" else f"{mk}.num_layers"
-    if m.shape().num_layers < p.pp * p.virtual_pp:
-        raise ConfigError(f"{layers_key} ({m.shape().num_layers}) must be >= parallel.pp * parallel.virtual_pp "
+    shape, sk = _check_model_shape(m, p, mk)
+    if shape.num_layers < p.pp * p.virtual_pp:
+        raise ConfigError(f"{sk}num_layers ({shape.num_layers}) must be >= parallel.pp * parallel.virtual_pp "
                           f"({p.pp} * {p.virtual_pp})")
     if p.virtual_pp > 1 and p.pp == 1:
         raise ConfigError("parallel.virtual_pp > 1 needs parallel.pp > 1")
@@ -86,8 +83,9 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
                           "this torch); use auto or dense")
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
-    if t.precision == "fp8" and m.family != "llama":
-        raise ConfigError(f"train.precision=fp8 supports {mk}.family=llama only (got {m.family}); use bf16")
+    if t.precision == "fp8" and not shape.supports_fp8:
+        raise ConfigError(f"train.precision=fp8 supports {mk}.family={' or '.join(families_with('supports_fp8'))} "
+                          f"only (got {m.family}); use bf16")
     if t.precision == "fp8":
         _validate_fp8(cfg, mk)
     lora = getattr(getattr(cfg, "peft", None), "lora", None)
@@ -150,79 +148,38 @@ def _validate_fsdp_fp8(cfg) -> None:
                               "the shape, or use parallel.fsdp=false or train.precision=bf16")
 
 
-def _check_llama_shape(m: ModelConfig, p, mk: str) -> None:
-    """A Llama-family shape against itself and the TP/EP layout; the DeepSeek section must be left alone."""
-    if m.deepseek_v3 != DeepseekV3Config():
-        raise ConfigError(f"{mk}.deepseek_v3 is set but {mk}.family=llama ignores it; set {mk}.family=deepseek_v3 "
-                          f"or remove the {mk}.deepseek_v3 section")
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"{mk}.hidden_size ({m.hidden_size}) must be divisible by "
-                          f"{mk}.num_attention_heads ({m.num_attention_heads})")
-    if m.num_attention_heads % m.kv_heads:
-        raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by "
-                          f"{mk}.num_query_groups ({m.kv_heads})")
-    if (m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError(f"head dim {mk}.hidden_size / {mk}.num_attention_heads = "
-                          f"{m.hidden_size // m.num_attention_heads} must be even for rotary embeddings")
-    if m.num_attention_heads % p.tp:
-        raise ConfigError(f"{mk}.num_attention_heads ({m.num_attention_heads}) must be divisible by "
-                          f"parallel.tp ({p.tp})")
-    if m.kv_heads % p.tp:
-        raise ConfigError(f"{mk}.num_query_groups ({m.kv_heads}) must be divisible by parallel.tp ({p.tp}); "
-                          "lower tp or use more key/value heads")
-    if m.ffn_hidden_size % p.tp:
-        raise ConfigError(f"{mk}.ffn_hidden_size ({m.ffn_hidden_size}) must be divisible by parallel.tp ({p.tp})")
-    if m.vocab_size % p.tp:
-        raise ConfigError(f"{mk}.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}); "
-                          "pad the vocabulary")
-    if m.num_experts:
-        if m.activation not in ("swiglu", "gelu"):
-            raise ConfigError(f"{mk}.activation={m.activation!r}: mixture-of-experts layers support swiglu and gelu")
-        if not 1 <= m.moe_top_k <= m.num_experts:
-            raise ConfigError(f"{mk}.moe_top_k ({m.moe_top_k}) must be between 1 and {mk}.num_experts "
-                              f"({m.num_experts})")
-        if m.num_experts % p.ep:
-            raise ConfigError(f"{mk}.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
-    elif p.ep > 1:
-        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model ({mk}.num_experts > 0)")
-
-
-def _check_deepseek_v3_shape(m: ModelConfig, p, mk: str) -> None:
-    """A DeepSeek-V3 shape (``{mk}.deepseek_v3``) against itself and the TP/EP layout; the Llama shape fields
-    must keep their defaults, so a value put there by mistake is not silently ignored."""
-    default = ModelConfig()
-    for f in dataclasses.fields(ModelConfig):
-        if f.name not in ("family", "deepseek_v3") and getattr(m, f.name) != getattr(default, f.name):
-            raise ConfigError(f"{mk}.{f.name}={getattr(m, f.name)!r} is a Llama-family field but {mk}.family="
-                              f"deepseek_v3; set the shape under {mk}.deepseek_v3 instead")
-    s, sk = m.deepseek_v3.check(prefix=f"{mk}.deepseek_v3."), f"{mk}.deepseek_v3"
-    if p.cp > 1:  # MLA's context-parallel attention is not wired yet (issue #17)
-        raise ConfigError(f"parallel.cp={p.cp} is not supported for {mk}.family=deepseek_v3 yet; use parallel.tp, "
-                          "parallel.pp, parallel.ep and data parallelism")
-    for key in ("num_attention_heads", "vocab_size", "intermediate_size"):
-        if getattr(s, key) % p.tp:
-            raise ConfigError(f"{sk}.{key} ({getattr(s, key)}) must be divisible by parallel.tp ({p.tp})")
-    if s.shared_intermediate_size % p.tp:
-        raise ConfigError(f"{sk}.n_shared_experts * {sk}.moe_intermediate_size ({s.shared_intermediate_size}) "
-                          f"must be divisible by parallel.tp ({p.tp})")
-    has_moe = s.first_k_dense_replace < s.num_layers
-    if p.ep > 1 and not has_moe:
-        raise ConfigError(f"parallel.ep={p.ep} needs MoE layers ({sk}.first_k_dense_replace < "
-                          f"{sk}.num_layers)")
-    if has_moe and s.n_routed_experts % p.ep:
-        raise ConfigError(f"{sk}.n_routed_experts ({s.n_routed_experts}) must be divisible by parallel.ep ({p.ep})")
+def _check_model_shape(m: ModelConfig, p, mk: str):
+    """The chosen family's shape against itself and the layout (the family's ``check`` / ``check_layout``,
+    context parallelism where it has none), and every other family's fields left at their defaults, so a value
+    put there by mistake is not silently ignored. Returns (the shape, the prefix of its keys)."""
+    if m.family not in family_names():
+        raise ConfigError(unknown_family_message(m.family, f"{mk}.family"))
+    sk = m.shape_prefix(mk)
+    for other in family_names():
+        if other == m.family:
+            continue
+        defaults = section_fields(ModelConfig(), other)
+        for key, value in section_fields(m, other).items():
+            if value != defaults[key]:
+                raise ConfigError(f"{mk}.{key}={value!r} belongs to model family {other} but {mk}.family="
+                                  f"{m.family} ignores it; set the shape under {sk.rstrip('.')} instead, or "
+                                  f"{mk}.family={other}")
+    shape = m.shape().check(prefix=sk)
+    if p.cp > 1 and not shape.supports_cp:
+        raise ConfigError(f"parallel.cp={p.cp} is not supported for {mk}.family={m.family} yet (it is for "
+                          f"{', '.join(families_with('supports_cp'))}); use parallel.tp, parallel.pp, parallel.ep "
+                          "and data parallelism")
+    shape.check_layout(p, prefix=sk)
+    return shape, sk
 
 
 def _validate_lora(cfg, lora, mk: str) -> None:
-    from mmtrain.config.schema import allowed_lora_targets
-
-    allowed = allowed_lora_targets(cfg.model)
+    allowed = cfg.model.shape().lora_targets()
     bad = [x for x in lora.targets if x not in allowed]
     if bad:
-        shape = f"{mk}.family={cfg.model.family}" + (", MoE" if cfg.model.family == "llama" and cfg.model.num_experts
-                                                     else "")
-        raise ConfigError(f"peft.lora.targets: {bad[0]} is not a linear of this model ({shape}); choose from "
-                          f"{', '.join(allowed)} (or leave targets empty for all of them)")
+        raise ConfigError(f"peft.lora.targets: {bad[0]} is not a linear of this model ({mk}.family="
+                          f"{cfg.model.family}); choose from {', '.join(allowed)} (or leave targets empty for all of "
+                          "them)")
     if cfg.train.precision == "fp8":
         raise ConfigError("peft.lora with train.precision=fp8 is not supported; use bf16")
 
@@ -269,9 +226,10 @@ def _validate_fp8(cfg, mk: str) -> None:
     if f.recipe in ("rowwise", "blockwise") and f.format != "e4m3":
         raise ConfigError(f"fp8.recipe={f.recipe} scales every operand in E4M3; set fp8.format=e4m3 "
                           f"(got {f.format})")
-    if f.bf16_first_layers + f.bf16_last_layers >= m.num_layers:
+    if f.bf16_first_layers + f.bf16_last_layers >= m.shape().num_layers:
         raise ConfigError(f"fp8.bf16_first_layers + fp8.bf16_last_layers ({f.bf16_first_layers} + "
-                          f"{f.bf16_last_layers}) leave no FP8 layer of {mk}.num_layers={m.num_layers}; "
+                          f"{f.bf16_last_layers}) leave no FP8 layer of {m.shape_prefix(mk)}num_layers="
+                          f"{m.shape().num_layers}; "
                           "lower them or use train.precision=bf16")
     if f.output_layer and f.backend == "te":
         raise ConfigError("fp8.output_layer=true is a native-backend option (Transformer Engine keeps the output "

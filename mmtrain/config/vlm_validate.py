@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mmtrain.config.family_sections import families_with
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.ranges import check_ranges
 from mmtrain.config.validate import check_language_run
@@ -17,9 +18,9 @@ def validate_vlm_config(cfg: VLMRunConfig, world_size: int | None = None) -> Non
     ``lr_scale``)."""
     p, d, media = cfg.parallel, cfg.data, cfg.media
     check_ranges(cfg)  # every numeric field, the VLM model's and media's included, named by its own key
-    if cfg.model.language.family != "llama":  # the VLM's language model is the Llama-family GPT
+    if not cfg.model.language.shape().vlm_language:  # a family the VLM can splice media into
         raise ConfigError(f"model.language.family={cfg.model.language.family}: a VLM run's language model must be "
-                          "model.language.family=llama")
+                          f"model.language.family={' or '.join(families_with('vlm_language'))}")
     if p.fsdp:
         raise ConfigError("parallel.fsdp=true is not supported for the VLM yet; use parallel.fsdp=false (the "
                           "distributed optimizer)")

@@ -23,9 +23,11 @@ import torch
 import yaml
 
 import mmtrain
+from mmtrain.config.family_sections import composed_families
 from mmtrain.config.loader import apply_mapping
 from mmtrain.config.schema import GPTRunConfig, LoraConfig, ModelConfig, ParallelConfig
 from mmtrain.model.lora import reset_dora_magnitudes
+from mmtrain.models.families import INLINE_FAMILY
 from mmtrain.models.registry import model_family
 from mmtrain.models.spec import ShardingSpec
 from mmtrain.parallel.global_chunks import (
@@ -179,15 +181,17 @@ def write_weights_checkpoint(root: str | Path, full: dict[str, torch.Tensor], cf
 
 
 def model_section(cfg: ModelConfig) -> dict[str, Any]:
-    """The ``model:`` section a run includes for ``cfg``: the chosen family's shape only. A Llama-family shape
-    leaves out the ``deepseek_v3`` block (unused, it would read as part of the model); a DeepSeek-V3 shape keeps
-    ``family``, ``name`` and its block (the Llama fields must keep their defaults then)."""
+    """The ``model:`` section a run includes for ``cfg``: the chosen family's shape only. The other families'
+    ``model.<family>`` blocks are left out (unused, they would read as part of the model); a family with its own
+    block keeps ``family``, ``name`` and that block (the inline family's fields must keep their defaults then)."""
     full = dataclasses.asdict(cfg)
-    if cfg.family != "deepseek_v3":
-        full.pop("deepseek_v3")
+    for other in composed_families():
+        if other != cfg.family:
+            full.pop(other)
+    if cfg.family == INLINE_FAMILY:
         return full
     defaults = dataclasses.asdict(ModelConfig())
-    return {k: v for k, v in full.items() if k in ("family", "name", "deepseek_v3") or v != defaults[k]}
+    return {k: v for k, v in full.items() if k in ("family", "name", cfg.family) or v != defaults[k]}
 
 
 def write_chunks_checkpoint(root: str | Path, chunks: list[Chunk], tp: int, pp: int, run_config: dict[str, Any],

@@ -19,7 +19,7 @@ import torch
 from mmtrain.convert.checkpoint_io import ConvertError, read_full_state
 from mmtrain.convert.hf_files import read_hf_config
 from mmtrain.convert.vlm_convert import part_module, read_vlm_checkpoint
-from mmtrain.model.vlm import VLMModel
+from mmtrain.models.vlm import VLMModel
 
 
 def _hf_model(hf_dir: str | Path, kind: str):

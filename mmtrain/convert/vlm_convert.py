@@ -28,7 +28,7 @@ from mmtrain.convert.checkpoint_io import (
 )
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors, write_hf_folder
 from mmtrain.model.vision import VisionEncoder
-from mmtrain.model.vlm import COMPONENTS, VLMModel
+from mmtrain.models.vlm import COMPONENTS, VLMModel
 from mmtrain.models import encoders_hf, llava_hf
 from mmtrain.parallel.pipeline import stage_layer_ranges
 

@@ -15,7 +15,6 @@ from a checkpoint the part's full tensors.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,9 @@ from mmtrain.convert.checkpoint_io import (
 from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors
 from mmtrain.convert.lazy_tensors import materialize
 from mmtrain.convert.vlm_convert import is_vlm_checkpoint, read_vlm_checkpoint, vlm_from_hf
-from mmtrain.model.vlm import VLMModel
+from mmtrain.models.vlm import VLMModel
 from mmtrain.models import encoders_hf, llava_hf
-from mmtrain.models.registry import LLAMA_ARCHITECTURE_FIELDS, family_for_hf, hf_errors
+from mmtrain.models.registry import family_for_hf, hf_errors, model_family
 from mmtrain.parallel.tensor import tp_shard_of
 
 # the fields of each part that change what its weights compute (a source must agree on every one)
@@ -42,7 +41,7 @@ _VISION_FIELDS = ("image_size", "patch_size", "hidden_size", "num_layers", "num_
                   "position_embedding", "rope_theta", "temporal_embedding")
 _AUDIO_FIELDS = ("n_mels", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_frames",
                  "norm_eps", "activation", "position_embedding")
-_FIELDS = {"vision": _VISION_FIELDS, "audio": _AUDIO_FIELDS, "language": LLAMA_ARCHITECTURE_FIELDS}
+_FIELDS = {"vision": _VISION_FIELDS, "audio": _AUDIO_FIELDS}
 
 
 def _part_cfg(cfg: VLMModelConfig, part: str):
@@ -97,17 +96,16 @@ def _strip_part(full: dict[str, torch.Tensor], part: str) -> dict[str, torch.Ten
 def _check_shape(part: str, source: str, ours, theirs) -> None:
     if part == "projector":
         return  # no config of its own: the tensor shapes are checked one by one
-    if part == "language" and ours.family != "llama":
-        differ = [k for k in asdict(ours)
-                  if k not in ("name", "init_std", "num_layers") and getattr(ours, k) != getattr(theirs, k)]
+    if part == "language":  # the fields that change what the weights compute: its family says which
+        run, src = ({"family": c.family, **model_family(c).architecture(c)} for c in (ours, theirs))
     else:
-        # the layer count may differ (a tower cut after its feature layer): extra or absent blocks are then the
-        # unused / missing tensors the report checks
-        differ = [k for k in _FIELDS[part] if k != "num_layers" and getattr(ours, k) != getattr(theirs, k)]
+        run, src = ({k: getattr(c, k) for k in _FIELDS[part]} for c in (ours, theirs))
+    # the layer count may differ (a tower cut after its feature layer): extra or absent blocks are then the
+    # unused / missing tensors the report checks
+    differ = [k for k in run if k.rsplit(".", 1)[-1] != "num_layers" and run[k] != src.get(k)]
     if differ:
         raise ConvertError(f"init.{part}={source} does not fit this run's model.{part}: "
-                           + "; ".join(f"model.{part}.{k}: run {getattr(ours, k)!r}, source {getattr(theirs, k)!r}"
-                                       for k in differ))
+                           + "; ".join(f"model.{part}.{k}: run {run[k]!r}, source {src.get(k)!r}" for k in differ))
 
 
 def _listed(name: str, prefixes: list[str]) -> bool:

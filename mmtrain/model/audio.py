@@ -22,7 +22,7 @@ from mmtrain.config.vlm_schema import AudioConfig
 from mmtrain.model.attention import BidirectionalAttention
 from mmtrain.model.layers import TransformerBlock
 from mmtrain.model.vision import WholeSequenceEncoder, init_by_name
-from mmtrain.models.llama.spec import encoder_sharding_spec
+from mmtrain.model.block_spec import encoder_sharding_spec
 
 
 def _sinusoids(length: int, dim: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 from mmtrain.config.vlm_schema import VisionConfig
 from mmtrain.model.attention import BidirectionalAttention
 from mmtrain.model.layers import TransformerBlock, make_norm
-from mmtrain.models.llama.spec import encoder_sharding_spec
+from mmtrain.model.block_spec import encoder_sharding_spec
 
 
 def _sincos_2d(grid: int, dim: int) -> torch.Tensor:

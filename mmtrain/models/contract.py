@@ -2,10 +2,10 @@
 FSDP, the expert-parallel plan and router-bias balancing, checkpoints, the HF bridge, the FLOP count, KV-cache
 decoding) may use of a model family.
 
-A family is a folder ``mmtrain/models/<family>/`` plus one ``register_family`` line in
-``mmtrain/models/registry.py`` (docs/adding-a-model-family.md). The registry record (``ModelFamily``) holds the
-config-level members: stage builder, FLOPs per token, MoE flag, sharding spec, architecture fields, HF adapter,
-and the stage and block classes, which implement the protocols below. Registering checks them
+A family is a folder ``mmtrain/models/<family>/`` plus one line in the family table ``mmtrain/models/families.py``
+(docs/adding-a-model-family.md). Its registry record (``ModelFamily`` in its ``family.py``) holds the
+config-level members: FLOPs per token, MoE flag, sharding spec, architecture fields, HF adapter, and the stage
+and block classes, which implement the protocols below. Registering (``mmtrain.models.registry``) checks them
 (``check_family_classes``: a missing method is a one-line ``FamilyContractError`` naming family, class and
 member); every built stage is checked for the attributes (``check_stage_attributes``). Shared code calls these
 members and nothing else of a family's modules: no ``hasattr`` dispatch, no branch on the family's name.
@@ -64,6 +64,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from mmtrain.models.families import FamilyContractError  # with the table: the config layer raises it too
+
 if TYPE_CHECKING:
     from mmtrain.models.spec import ShardingSpec
 
@@ -75,10 +77,6 @@ TENSOR_PARALLEL_METHODS = ("sharding_spec", "set_sequence_parallel", "swap_head"
 STAGE_METHODS = ("forward", "init_weights", "compile_head", "new_kv_cache", "decode", *TENSOR_PARALLEL_METHODS)
 STAGE_ATTRIBUTES = ("layers", "pre_process", "post_process")
 BLOCK_METHODS = ("forward", "set_recompute", "compile_parts", "decode")
-
-
-class FamilyContractError(TypeError):
-    """A family's record or classes lack a member of the contract (the message names family, class, member)."""
 
 
 class TensorParallelModel(Protocol):

@@ -1,4 +1,4 @@
-"""Hugging Face ``LlavaForConditionalGeneration`` <-> mmtrain's VLM (``mmtrain.model.vlm.VLMModel``), on full
+"""Hugging Face ``LlavaForConditionalGeneration`` <-> mmtrain's VLM (``mmtrain.models.vlm.VLMModel``), on full
 tensors: a CLIP or SigLIP tower (``mmtrain.models.encoders_hf``), the 2-layer GELU ``multi_modal_projector``
 (= ``projector.image``: no input norm, no pixel shuffle) and a Llama or Qwen2 text model (the Llama family's
 adapter, ``mmtrain.models.llama.hf_adapter``).

@@ -9,7 +9,6 @@ from torch import nn
 
 from mmtrain.config.schema import GPTRunConfig, ParallelConfig
 from mmtrain.model.attention_cp import attention_for
-from mmtrain.model.fp8 import Fp8Runtime, apply_fp8, resolve_fp8_backend
 from mmtrain.models.registry import model_family
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.expert import apply_expert_parallel, expert_dispatch
@@ -69,6 +68,8 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
     if has_experts:
         apply_expert_parallel(model, mesh.ep_group)
     if fp8_backend is not None:
+        from mmtrain.model.fp8 import apply_fp8  # FP8 runs only: its modules import torch._dynamo (~1 s)
+
         apply_fp8(model, cfg, mesh, fp8_backend)
     for block in model.layers.values():
         block.set_recompute(cfg.train.activation_checkpointing)
@@ -87,7 +88,11 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
     ``stage.fp8_runtime`` is set), with recompute/compile flags, on ``device``."""
     pp, stage, v = mesh.dims.pp, mesh.coord.pp, cfg.parallel.virtual_pp
     ranges = stage_layer_ranges(cfg.model.shape().num_layers, pp * v, cfg.parallel.pipeline_layers)
-    fp8_backend = resolve_fp8_backend(cfg, device) if cfg.train.precision == "fp8" else None
+    fp8_backend = None
+    if cfg.train.precision == "fp8":
+        from mmtrain.model.fp8 import resolve_fp8_backend  # FP8 runs only: its modules import torch._dynamo
+
+        fp8_backend = resolve_fp8_backend(cfg, device)
     chunks = []
     for c in range(v):
         vs = c * pp + stage
@@ -103,5 +108,7 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
         chunk.to(device)
     built = chunks[0] if v == 1 else StageChunks(chunks)
     if fp8_backend is not None:  # the step loop's handle: weight re-casts and delayed-scaling updates
+        from mmtrain.model.fp8 import Fp8Runtime
+
         built.fp8_runtime = Fp8Runtime(fp8_backend, cfg, chunks, mesh.tp_group)
     return built

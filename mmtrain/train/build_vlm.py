@@ -21,7 +21,7 @@ import torch
 
 from mmtrain.config.loader import ConfigError
 from mmtrain.model.attention_cp import attention_for
-from mmtrain.model.vlm import VLMModel
+from mmtrain.models.vlm import VLMModel
 from mmtrain.parallel.comm import split_seq
 from mmtrain.parallel.context import shard_sequence
 from mmtrain.parallel.dims import ParallelMesh

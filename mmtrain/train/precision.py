@@ -10,14 +10,17 @@ are gathered in FP8 for each use (``mmtrain.model.fp8_fsdp``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from mmtrain.model import fp8_fsdp, fp8_param_gather
-from mmtrain.model.fp8 import Fp8Runtime
 from mmtrain.parallel.dims import ParallelMesh
 from mmtrain.parallel.grad_buckets import GradBuckets
 from mmtrain.train.step_hooks import StepHooks
 from mmtrain.utils.log import get_logger
+
+if TYPE_CHECKING:  # the FP8 modules load only for FP8 runs: they import torch._dynamo (~1 s per process)
+    from mmtrain.model.fp8 import Fp8Runtime
 
 
 class Precision(StepHooks):
@@ -44,6 +47,8 @@ class Fp8Precision(Precision):
 
     def __init__(self, runtime: Fp8Runtime, cfg, mesh: ParallelMesh) -> None:
         self.runtime, self.mesh = runtime, mesh
+        from mmtrain.model import fp8_param_gather
+
         self.gathered = fp8_param_gather.gather_weights(runtime, cfg, mesh.size("dp_cp"))
         self.fsdp_gathered: list = []  # parallel.fsdp: set by fsdp_options
 
@@ -52,15 +57,21 @@ class Fp8Precision(Precision):
 
     def attach(self, dense_buckets: GradBuckets) -> None:
         if self.gathered:  # attaches itself to the buckets (gathers) and the runtime (no re-cast from partial BF16)
+            from mmtrain.model import fp8_param_gather
+
             fp8_param_gather.Fp8ParamGather(dense_buckets, self.runtime, self.mesh.tp_group)
 
     def fsdp_options(self, unit_params: set[int]) -> dict:
         # FSDP frees the blocks' BF16 weights between uses: their FP8 copies always come from an FP8 gather
+        from mmtrain.model import fp8_fsdp
+
         self.fsdp_gathered = fp8_fsdp.fsdp_gather_weights(self.runtime, unit_params)
         return {"separate_params": self.fsdp_gathered}
 
     def attach_fsdp(self, dense_buckets) -> None:
         if self.fsdp_gathered:
+            from mmtrain.model import fp8_fsdp
+
             fp8_fsdp.Fp8FsdpGather(dense_buckets, self.runtime, self.mesh.tp_group)
 
     def start(self) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config
-from mmtrain.models.deepseek_v3.config import load_deepseek_v3_config
+from mmtrain.models.deepseek_v3.shape_file import load_deepseek_v3_config
 from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.tensor import tp_shard_of

@@ -88,7 +88,7 @@ def test_llama_moe_allows_attention_targets_only():
     cfg = load_config(GPTRunConfig, None, llama)
     validate_gpt_config(cfg, 1)
     assert cfg.peft.lora.targets_for(cfg.model) == ("qkv", "proj")
-    with pytest.raises(ConfigError, match=r"up is not a linear of this model \(model\.family=llama, MoE\); "
+    with pytest.raises(ConfigError, match=r"up is not a linear of this model \(model\.family=llama\); "
                                           r"choose from qkv, proj"):
         validate_gpt_config(load_config(GPTRunConfig, None, [*llama, "peft.lora.targets=[qkv,up]"]), 1)
 

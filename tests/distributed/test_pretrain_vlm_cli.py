@@ -47,7 +47,7 @@ def _train(rank: int, world_size: int, run_dir: str, extra: list[str]):
 
 
 def _initial_state(extra: list[str]) -> dict[str, torch.Tensor]:
-    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.vlm import VLMModel
 
     cfg = _cfg("unused", extra)
     model = VLMModel(cfg.model)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.config.schema import ParallelConfig, TrainConfig
-from mmtrain.model.vlm import VLMModel
+from mmtrain.models.vlm import VLMModel
 from mmtrain.parallel import ParallelDims
 from mmtrain.parallel.pipeline import PipelineComm, one_f_one_b
 from mmtrain.parallel.tensor import allreduce_tp_partial_grads, tp_shard_of

@@ -73,7 +73,7 @@ def _scenario(rank: int, world_size: int, root: str):
     s1_losses, s1 = _train(rank, world_size, root, "s1", [*parts, "train.steps=20", "freeze=[vision, language]"])
     s2_losses, s2 = _train(rank, world_size, root, "s2", [f"init_from={root_p / 's1/checkpoints'}", "train.steps=2"])
     from mmtrain.convert.vlm_parts import load_vlm_parts
-    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.vlm import VLMModel
 
     errors = {}
     for name, layers, expect in (("unused", 1, {}), ("missing", 3, {}),

@@ -45,7 +45,7 @@ def _stored_chats(folder: Path) -> dict[str, dict]:
 
 def _run_and_recompute(rank: int, world_size: int, run_dir: str, blend: str, tok: str):
     from mmtrain.data.vlm_sources import build_vlm_batches
-    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.vlm import VLMModel
     from mmtrain.train.vlm_train import train_vlm
 
     cfg = _cfg(run_dir, blend, tok)

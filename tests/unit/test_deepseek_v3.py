@@ -16,7 +16,8 @@ if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV3ForCausalLM", allow_module_level=True)
 
 from mmtrain.config.loader import ConfigError  # noqa: E402
-from mmtrain.models.deepseek_v3.config import DeepseekV3Config, load_deepseek_v3_config  # noqa: E402
+from mmtrain.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
+from mmtrain.models.deepseek_v3.shape_file import load_deepseek_v3_config  # noqa: E402
 from mmtrain.models.deepseek_v3.flops import count_parameters, flops_per_token  # noqa: E402
 from mmtrain.models.deepseek_v3.hf_adapter import (HFAdapterError, config_from_hf, config_to_hf,  # noqa: E402
                                                    state_dict_from_hf, state_dict_to_hf)

@@ -192,7 +192,7 @@ def test_pipeline_stages_with_flex_equal_the_whole_dense_model(cpu_flex):
 
 
 def test_deepseek_latent_attention_takes_the_same_strategy(cpu_flex):
-    from mmtrain.models.deepseek_v3.config import load_deepseek_v3_config
+    from mmtrain.models.deepseek_v3.shape_file import load_deepseek_v3_config
     from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 
     cfg = load_deepseek_v3_config("configs/models/deepseek-v3-tiny.yaml", ["model.vocab_size=64"])
@@ -238,7 +238,7 @@ def test_auto_kernel_is_flex_on_cuda_and_dense_on_cpu():
 
 def test_vlm_packing_flex_equals_dense_loss_and_every_gradient(cpu_flex):
     """``data.mm_pack``: row 0 of the batch packs two image-caption samples (two document ids)."""
-    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.vlm import VLMModel
     from tests.vlm_helpers import make_batch, tiny_vlm_config
 
     batch = make_batch()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmtrain.models.registry import FAMILIES
+from mmtrain.models.families import FAMILY_PACKAGES
 from mmtrain.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,11 +54,15 @@ def test_deepseek_v3_trains_with_compile(tmp_path):
 
 # ------------------------------------------------------------------------------------ the contract itself
 def _toy_family(stage_class, block_class, build=None):
-    from mmtrain.models.registry import FAMILIES, ModelFamily
+    import importlib
 
-    llama = FAMILIES["llama"]  # any family's record members: only the classes differ
-    return ModelFamily(build or llama.build_stage, llama.flops_per_token, llama.has_routed_experts,
-                       llama.sharding_spec, llama.architecture, llama.hf, stage_class, (block_class,))
+    from mmtrain.models.families import INLINE_FAMILY
+    from mmtrain.models.registry import ModelFamily
+
+    # the inline (Llama) family's record members, as its family.py writes them: only the classes differ
+    record = importlib.import_module(f"{FAMILY_PACKAGES[INLINE_FAMILY]}.family").FAMILY
+    return ModelFamily(stage_class, (block_class,), record.flops_per_token, record.has_routed_experts,
+                       record.architecture, record.hf, record.sharding_spec, build)
 
 
 def test_registering_a_family_names_the_missing_member():
@@ -79,7 +83,7 @@ def test_registering_a_family_names_the_missing_member():
     with pytest.raises(FamilyContractError, match=r"^model family 'toy': NoRecompute lacks set_recompute "
                                                   r"\(mmtrain\.models\.contract\.FamilyBlock"):
         register_family("toy", _toy_family(GPTModel, NoRecompute))
-    with pytest.raises(FamilyContractError, match=r"model family 'llama' is registered twice"):
+    with pytest.raises(FamilyContractError, match=r"model family 'llama' is registered twice \(the table "):
         register_family("llama", _toy_family(GPTModel, TransformerBlock))
     assert "toy" not in FAMILIES
 
@@ -94,8 +98,8 @@ def test_a_built_stage_is_checked_for_the_contract_attributes():
     class Block(TransformerBlock):
         pass
 
-    def without_layers(*args, **kwargs):
-        stage = FAMILIES["llama"].build_stage(*args, **kwargs)
+    def without_layers(shape, layer_range, pre_process, post_process, attention, moe_dispatch, lora):
+        stage = GPTModel(shape, layer_range, pre_process=pre_process, post_process=post_process)
         del stage.layers
         return stage
 
@@ -113,7 +117,7 @@ def test_a_built_stage_is_checked_for_the_contract_attributes():
         FAMILIES.pop("toy_other_block", None)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILY_PACKAGES))
 def test_every_registered_family_keeps_the_contract(family):
     """Each family's default (tiny) shape, through the members the shared code calls: recompute modes give the
     same gradients, bad modes/scopes are one-line errors, the head swap sees the vocabulary size, the layout
@@ -176,7 +180,7 @@ def test_the_build_and_the_parallel_plans_read_no_undeclared_model_attributes():
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILY_PACKAGES))
 def test_every_registered_family_decodes_through_its_own_modules(family):
     """The contract's ``decode``: a prompt's prefill, then one token at a time through the cache, gives the logits
     of the family's uncached forward; a pipeline stage is refused in one line."""
@@ -199,3 +203,25 @@ def test_every_registered_family_decodes_through_its_own_modules(family):
     stage = model_family(cfg).build_stage(cfg, (0, n), True, False)
     with pytest.raises(UnsupportedModelError, match=r"needs a whole model .*no pipeline stages"):
         check_decodable(stage)
+
+
+def test_a_family_of_the_table_without_its_record_is_one_line(tmp_path, monkeypatch):
+    """The registry loads ``<package>.family``'s ``FAMILY`` when the family is first used: a package without the
+    module, or a module whose FAMILY is no ModelFamily, is one line naming the family."""
+    from mmtrain.models.contract import FamilyContractError
+    from mmtrain.models.registry import FAMILIES, family_named
+
+    package = tmp_path / "fake_record_family"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "family.py").write_text("FAMILY = None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(FAMILY_PACKAGES, "fake", "fake_record_family")
+    with pytest.raises(FamilyContractError, match=r"^model family 'fake': FAMILY is a NoneType, not a "
+                                                  r"mmtrain\.models\.family_record\.ModelFamily$"):
+        family_named("fake")
+    monkeypatch.setitem(FAMILY_PACKAGES, "fake", "fake_record_family.nested")
+    with pytest.raises(FamilyContractError, match=r"^model family 'fake': no module "
+                                                  r"fake_record_family\.nested\.family "):
+        family_named("fake")
+    assert "fake" not in FAMILIES

@@ -173,7 +173,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, m
 
 def test_vlm_prompt_with_an_image_equals_the_uncached_generate():
     from mmtrain.inference.vlm import vlm_prompt_embeds
-    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.vlm import VLMModel
     from tests.vlm_helpers import IMAGE_ID, tiny_vlm_config
 
     cfg = tiny_vlm_config(audio=False)

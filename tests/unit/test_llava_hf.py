@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mmtrain.model.vlm import VLMModel  # noqa: E402
+from mmtrain.models.vlm import VLMModel  # noqa: E402
 from mmtrain.models import llava_hf  # noqa: E402
 
 TOL = 1e-4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmtrain.config.schema import ModelConfig
-from mmtrain.models.deepseek_v3.config import load_deepseek_v3_config
+from mmtrain.models.deepseek_v3.shape_file import load_deepseek_v3_config
 from mmtrain.models.deepseek_v3.model import DeepseekV3Model
 from mmtrain.models.llama.model import GPTModel
 from mmtrain.models.llama.spec import llama_sharding_spec

@@ -70,7 +70,7 @@ def test_init_audio_from_a_whisper_folder(tmp_path):
     decoder is reported as left out, the other components as initialised."""
     pytest.importorskip("torchaudio")
     from mmtrain.convert.vlm_parts import load_vlm_parts, report_lines
-    from mmtrain.model.vlm import VLMModel
+    from mmtrain.models.vlm import VLMModel
     from mmtrain.models.encoders_hf import audio_config_from_hf
     from tests.vlm_helpers import tiny_vlm_config
 

@@ -11,7 +11,7 @@ from mmtrain.model.audio import AudioEncoder, pool_valid_frames
 from mmtrain.models.llama.model import GPTModel
 from mmtrain.model.projector import pixel_shuffle
 from mmtrain.model.vision import VisionEncoder, tile_image
-from mmtrain.model.vlm import (
+from mmtrain.models.vlm import (
     MediaPlaceholderError,
     VLMModel,
     splice_media,

@@ -14,7 +14,7 @@ from mmtrain.convert.hf_files import read_hf_config, read_hf_tensors  # noqa: E4
 from mmtrain.convert.lazy_tensors import LazyTensor, materialize  # noqa: E402
 from mmtrain.convert.vlm_convert import vlm_from_hf  # noqa: E402
 from mmtrain.convert.vlm_parts import read_part  # noqa: E402
-from mmtrain.model.vlm import VLMModel  # noqa: E402
+from mmtrain.models.vlm import VLMModel  # noqa: E402
 from mmtrain.parallel.tensor import tp_partition, tp_shard_of  # noqa: E402
 from tests.unit.test_llava_hf import make_llava  # noqa: E402
 

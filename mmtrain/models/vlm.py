@@ -2,7 +2,8 @@
 
 Components (parameter-name prefixes, used by freezing and per-component optimizer groups): ``vision``
 (``VisionEncoder``), ``audio`` (``AudioEncoder``, optional), ``projector`` (``projector.image`` and
-``projector.audio``), ``language`` (the unchanged ``GPTModel``; its own parameter names follow the prefix).
+``projector.audio``), ``language`` (the language model's family's unchanged stage, built through the registry;
+its own parameter names follow the prefix).
 
 Splicing: the task encoder (``mmtrain.data.multimodal``) writes ``tokens_per_image`` copies of
 ``image_token_id`` per image (``tokens_per_audio`` of ``audio_token_id`` per clip) and stacks the batch's
@@ -23,9 +24,9 @@ import torch
 from torch import nn
 
 from mmtrain.config.vlm_schema import VLMModelConfig
-from mmtrain.models.llama.model import GPTModel
 from mmtrain.model.projector import Projector
 from mmtrain.model.vision import VisionEncoder, init_by_name
+from mmtrain.models.registry import model_family
 from mmtrain.models.spec import REPLICATED, ShardingSpec, merge_specs
 
 IGNORE_INDEX = -100  # the task encoder's label of non-target positions
@@ -85,7 +86,7 @@ class VLMModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.pre_process, self.post_process = pre_process, post_process
-        lm_width = cfg.language.hidden_size
+        lm_width = cfg.language.shape().hidden_size
         self.vision = VisionEncoder(cfg.vision) if pre_process else None
         self.audio = None
         if pre_process and cfg.audio.enabled:
@@ -98,8 +99,8 @@ class VLMModel(nn.Module):
                 {"image": Projector(cfg.projector, cfg.vision.hidden_size, lm_width, cfg.projector.pixel_shuffle)})
             if cfg.audio.enabled:
                 self.projector["audio"] = Projector(cfg.projector, cfg.audio.hidden_size, lm_width)
-        self.language = GPTModel(cfg.language, layer_range, pre_process=pre_process, post_process=post_process,
-                                 attention=attention, moe_dispatch=moe_dispatch)
+        self.language = model_family(cfg.language).build_stage(cfg.language, layer_range, pre_process, post_process,
+                                                               attention=attention, moe_dispatch=moe_dispatch)
         # Set by the parallel plan (mmtrain.train.build_vlm): spliced full-sequence embeddings -> this rank's part.
         self.sequence_shard_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -118,7 +119,7 @@ class VLMModel(nn.Module):
     # ------------------------------------------------------------------------------------------ setup
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """The LM exactly as a ``GPTModel`` with this seed; encoders/projectors keyed by their full names."""
+        """The LM exactly as its family's stage alone with this seed; encoders/projectors keyed by their full names."""
         self.language.init_weights(seed)
         if self.vision is not None:
             self.vision.init_weights(seed)
