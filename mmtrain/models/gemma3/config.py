@@ -18,6 +18,7 @@ from typing import Literal
 
 from mmtrain.config.fields import doc
 from mmtrain.config.loader import ConfigError
+from mmtrain.models.families import FamilySection
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"  # HF's layer_types values
 # LoRA targets (mmtrain.models.gemma3.lora_export; HF module names there): the fused q|k|v projection, the
@@ -26,9 +27,16 @@ GEMMA3_LORA_TARGETS = ("qkv", "proj", "up", "down")
 
 
 @dataclass
-class Gemma3Config:
+class Gemma3Config(FamilySection):
     """Shape of a Gemma 3 text decoder: local sliding-window and global layers, q/k RMSNorm, (1 + w) RMSNorms
     around attention and MLP (four per block), GeGLU, the embedding scaled by sqrt(hidden_size)."""
+
+    # capabilities (mmtrain.models.families.FamilySection): no context-parallel sliding-window attention and no
+    # FP8 linears yet; the training loop's samples and the VLM take the Llama family only
+    supports_fp8 = False
+    supports_cp = False
+    supports_train_sampling = False
+    vlm_language = False
 
     name: str = doc("gemma3-tiny", "Free-form name of the shape, shown in logs.")
     vocab_size: int = doc(512, "Rows of the embedding table; must exceed every token id in the data.", ge=1)
@@ -113,14 +121,14 @@ class Gemma3Config:
         return self
 
     def check_layout(self, parallel, prefix: str = "") -> None:
-        """Raise ``ConfigError`` when the parallel layout cannot split this shape (naming the key)."""
-        if parallel.cp > 1:
-            raise ConfigError(f"parallel.cp={parallel.cp} is not supported for the gemma3 family (its sliding-window "
-                              "layers have no context-parallel attention yet); use parallel.tp, parallel.pp and "
-                              "data parallelism")
-        if parallel.ep > 1:
-            raise ConfigError(f"parallel.ep={parallel.ep} needs mixture-of-experts layers; gemma3 has none")
+        """Raise ``ConfigError`` when the parallel layout cannot split this shape (naming the key); context
+        parallelism is refused by the capability check (``supports_cp``)."""
         for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
             if getattr(self, key) % parallel.tp:
                 raise ConfigError(f"{prefix}{key} ({getattr(self, key)}) must be divisible by parallel.tp "
                                   f"({parallel.tp})")
+        if parallel.ep > 1:
+            raise ConfigError(f"parallel.ep={parallel.ep} needs mixture-of-experts layers; gemma3 has none")
+
+
+SECTION = Gemma3Config
