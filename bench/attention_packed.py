@@ -2,9 +2,11 @@
 with packed documents of 100-1,200 tokens: causal SDPA without a mask (the unmasked baseline), the dense-mask
 SDPA (the old path), mmtrain's FlexAttention block mask (compiled; the mask build timed separately, it runs
 once per micro-batch for all layers) and ``torch.nn.attention.varlen.varlen_attn`` (cu_seqlens; no GQA: K/V
-are expanded to 32 heads beforehand, outside the timing). One table, median of ``--iters`` timed calls.
+are expanded to 32 heads beforehand, outside the timing), and the flex block mask of a sliding window
+(``--window``, Mistral's) intersected with the documents and on its own (one document per row). One table, median
+of ``--iters`` timed calls.
 
-    python bench/attention_packed.py [--shapes 4x4096 1x16384 1x32768] [--dtype bf16] [--no-dense]
+    python bench/attention_packed.py [--shapes 4x4096 1x16384 1x32768] [--dtype bf16] [--no-dense] [--window 512]
 """
 
 from __future__ import annotations
@@ -57,14 +59,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-dense", action="store_true", help="skip the dense-mask row (S×S memory)")
+    ap.add_argument("--window", type=int, default=512, help="sliding window of the window columns (keys per query)")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     H, KV, D = a.heads, a.kv_heads, a.head_dim
     print(f"| shape | causal SDPA, no mask | dense-mask SDPA | flex block mask | flex mask build | varlen_attn "
+          f"| flex window {a.window} ∩ documents | flex window {a.window}, one document "
           f"| attention left by the documents |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     flex = FlexDocuments()
     for shape in a.shapes:
         B, S = (int(x) for x in shape.split("x"))
@@ -87,6 +91,11 @@ def main() -> None:
         block_mask = flex.mask(ids, ids, 0)
         flexed = (_time(step(lambda: flex.attend(q, k, v, block_mask, None)), a.iters, sync)
                   if dev.type == "cuda" else float("nan"))  # CPU flex has no backward
+        windowed = {}
+        for name, row_ids in (("documents", ids), ("one document", torch.zeros_like(ids))):
+            window_mask = flex.mask(row_ids, row_ids, 0, a.window)
+            windowed[name] = (_time(step(lambda m=window_mask: flex.attend(q, k, v, m, None)), a.iters, sync)
+                              if dev.type == "cuda" else float("nan"))
         varlen = float("nan")
         try:
             from torch.nn.attention.varlen import varlen_attn
@@ -104,7 +113,7 @@ def main() -> None:
         counts = torch.stack([torch.bincount(row, minlength=S) for row in ids.cpu()]).double()
         left = float((counts ** 2).sum() / (B * S * S))
         print(f"| {shape} | {causal:.2f} ms | {dense:.2f} ms | {flexed:.2f} ms | {build:.2f} ms | {varlen:.2f} ms "
-              f"| {left:.3f} |", flush=True)
+              f"| {windowed['documents']:.2f} ms | {windowed['one document']:.2f} ms | {left:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,11 @@ def assert_exports_give_the_adapted_logits(tmp_path: Path, ckpts: str, ids: torc
     from mmtrain.convert.__main__ import main as convert
 
     assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "merged")]) == 0
-    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()  # Llama or Mistral
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted, rtol=0, atol=1e-4)
     assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "adapter"), "--lora", "adapter"]) == 0
-    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(with_adapter(ids).logits, adapted, rtol=0, atol=1e-4)

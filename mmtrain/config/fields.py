@@ -1,6 +1,6 @@
 """``doc``: how every config dataclass declares a field (default, help text, numeric range).
 
-Its own module so that the family shapes the run schema embeds (``deepseek_v3_schema``) can use it without
+Its own module so that the family shapes the run schema embeds (``mmtrain.models.<family>.config``) can use it without
 importing the schema they are part of."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mmtrain.model.attention import CausalAttention
+from mmtrain.model.attention import CausalAttention, refuse_window_sinks_softcap
 from mmtrain.parallel.comm import gather_seq, gather_seq_no_reduce
 from mmtrain.parallel.context import zigzag_global_order
 
@@ -39,8 +39,10 @@ class ContextParallelAttention(CausalAttention):
         """(local start, global key length) of each local query chunk of ``c`` tokens."""
         return [(j * c, (g + 1) * c) for j, g in enumerate((self.rank, 2 * self.cp - 1 - self.rank))]
 
-    def prepare(self, doc_ids_BS: torch.Tensor | None) -> Any:
-        """Per local chunk, the document mask of its queries against the keys up to its end (None: causal)."""
+    def prepare(self, doc_ids_BS: torch.Tensor | None, window: int | None = None) -> Any:
+        """Per local chunk, the document mask of its queries against the keys up to its end (None: causal).
+        A sliding window is refused (``parallel.cp`` with a window is a config error)."""
+        refuse_window_sinks_softcap("context-parallel attention", window)
         if doc_ids_BS is None:
             return None
         kernel = self.kernel_for(doc_ids_BS.device)
@@ -50,7 +52,9 @@ class ContextParallelAttention(CausalAttention):
                  for start, kv_len in self._chunks(c)]
         return kernel, masks
 
-    def __call__(self, q, k, v, prepared: Any, scale: float | None = None) -> torch.Tensor:
+    def __call__(self, q, k, v, prepared: Any, scale: float | None = None, sinks_H: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+        refuse_window_sinks_softcap("context-parallel attention", None, sinks_H, softcap)
         # imported here: the module pulls in torch._dynamo (~1 s of every process start that never uses CP)
         from torch.nn.attention.bias import causal_lower_right
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmtrain.model.attention import CausalAttention
+from mmtrain.model.attention import CausalAttention, refuse_window_sinks_softcap
 from mmtrain.parallel.comm import gather_seq_no_reduce
 from mmtrain.parallel.context import zigzag_global_order
 
@@ -240,9 +240,11 @@ class RingContextParallelAttention(CausalAttention):
         self._flash = FlashBlocks()
         self._document_blocks: dict[int, DocumentBlocks] = {}  # per kernel: compiled blocks guard on the object
 
-    def prepare(self, doc_ids_BS: torch.Tensor | None) -> Any:
+    def prepare(self, doc_ids_BS: torch.Tensor | None, window: int | None = None) -> Any:
         """Per ring step, the document mask of each of its calls (None: causal). The ids of the whole
-        sequence are all-gathered once per micro-batch; the masks serve every layer."""
+        sequence are all-gathered once per micro-batch; the masks serve every layer. A sliding window is refused
+        (its "full" calls lift causality by an offset that is no true position)."""
+        refuse_window_sinks_softcap("ring context-parallel attention", window)
         if doc_ids_BS is None:
             return None
         kernel = self.kernel_for(doc_ids_BS.device)
@@ -269,7 +271,9 @@ class RingContextParallelAttention(CausalAttention):
             masks.append(step_masks)
         return masks
 
-    def __call__(self, q, k, v, prepared: Any, scale: float | None = None) -> torch.Tensor:
+    def __call__(self, q, k, v, prepared: Any, scale: float | None = None, sinks_H: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+        refuse_window_sinks_softcap("ring context-parallel attention", None, sinks_H, softcap)
         if q.shape[2] % 2:
             raise ValueError(f"ring attention needs the two zig-zag chunks of equal length, got {q.shape[2]} tokens")
         if prepared is None:

@@ -8,12 +8,17 @@ their own, the mask ``key index <= query position``). A slot is reused by overwr
 sequence's positions are never attended.
 
 The families' cached forwards (``decode`` of the family contract, ``mmtrain.models.contract``) write and read
-these; ``mmtrain.inference`` makes them through the model (``new_kv_cache``) and never looks inside a model.
+these and attend through ``cached_attention``, the one decode core (sliding window, sinks and softcap as in
+training, ``mmtrain.model.attention``); ``mmtrain.inference`` makes the caches through the model
+(``new_kv_cache``) and never looks inside a model.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from mmtrain.model.attention import apply_sinks, dense_attention_with_lse
 
 
 class StaticKVCache:
@@ -82,6 +87,31 @@ class LatentKVCache:
     def buffers(self) -> list[torch.Tensor]:
         """Every preallocated tensor (a compiled step marks them as static addresses)."""
         return list(self.entries)
+
+
+def cached_attention(q_BSHD: torch.Tensor, keys_BHTD: torch.Tensor, values_BHTD: torch.Tensor,
+                     key_index_T: torch.Tensor, positions_BS: torch.Tensor, scale: float | None = None,
+                     window: int | None = None, sinks_H: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """New queries (B, S, H, D) against cached keys/values (B, KV heads, T, D) whose positions are ``key_index_T``;
+    returns (B, S, H, D). Key t is visible to the query at position p iff key_index[t] <= p and, with a
+    ``window``, p - key_index[t] < window. ``scale``/``sinks_H``/``softcap`` as the training strategies take them.
+    Shapes are static and nothing depends on the data: one graph for a compiled / CUDA-graphed decode step (the
+    plain case is the SDPA call of the bare cache)."""
+    if window is None:  # the plain decode step's one comparison
+        visible = key_index_T[None, None, None, :] <= positions_BS[:, None, :, None]  # (B, 1, S, T)
+    else:
+        distance = positions_BS[:, None, :, None] - key_index_T[None, None, None, :]
+        visible = (distance >= 0) & (distance < window)
+    q = q_BSHD.transpose(1, 2)
+    keys, values = keys_BHTD.to(q.dtype), values_BHTD.to(q.dtype)
+    if sinks_H is None and softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+    else:
+        out, lse = dense_attention_with_lse(q, keys, values, visible, scale, softcap)
+        out = out if sinks_H is None else apply_sinks(out, lse, sinks_H)
+    return out.transpose(1, 2)
 
 
 def decoded_rows(x_BSD: torch.Tensor, last_index_B: torch.Tensor | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
-from mmtrain.model.kv_cache import StaticKVCache
+from mmtrain.model.kv_cache import StaticKVCache, cached_attention
 from mmtrain.model.mlp import MLP
 from mmtrain.model.moe import MoELayer
 from mmtrain.models.contract import check_compile_scope, check_recompute_mode
@@ -93,6 +93,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.attention = attention if attention is not None else CausalAttention()
+        self.window = cfg.sliding_window or None  # the cached attention's (decode); training's is prepared
 
     def project(self, x_BSD: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,10 +125,8 @@ class Attention(nn.Module):
         B, S = q.shape[:2]
         cache.write(layer, slots_B, positions_BS, k, v)
         keys, values = cache.read(layer, slots_B, kv_len)
-        visible = cache.key_index[: keys.shape[2]][None, None, None, :] <= positions_BS[:, None, :, None]  # (B,1,S,T)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=visible, enable_gqa=q.shape[2] != keys.shape[1])
-        return self.proj(out.transpose(1, 2).reshape(B, S, -1))
+        out = cached_attention(q, keys, values, cache.key_index[: keys.shape[2]], positions_BS, window=self.window)
+        return self.proj(out.reshape(B, S, -1))
 
     def new_kv_cache(self, num_layers: int, slots: int, max_len: int, dtype: torch.dtype,
                      device: torch.device | str) -> StaticKVCache:

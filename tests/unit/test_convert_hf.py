@@ -41,6 +41,8 @@ def _random_hf(kind: str, path, **overrides):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SMALL, **overrides}))
     elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**SMALL, **overrides}))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**SMALL, **overrides}))
     else:
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **{**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}))
@@ -67,6 +69,10 @@ CASES = {
     "llama_tied": ("llama", dict(tie_word_embeddings=True)),
     "qwen2_qkv_bias_tied": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
     "mixtral_moe": ("mixtral", dict()),
+    # windows shorter than the 24 test tokens: a model that ignored them would differ
+    "mistral_sliding_window": ("mistral", dict(sliding_window=5)),
+    "qwen2_sliding_window_every_layer": ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=0)),
+    "mixtral_sliding_window": ("mixtral", dict(sliding_window=7)),
 }
 
 
@@ -84,6 +90,7 @@ def test_logits_match_hf_and_round_trip_is_exact(case, tmp_path):
     assert (ours - theirs).abs().max().item() < 1e-4
     if "rope_scaling" in overrides:
         assert cfg.rope_scaling_factor == 8.0 and cfg.rope_theta == 500000.0
+    assert cfg.sliding_window == overrides.get("sliding_window", 0)
 
     mmtrain_to_hf(tmp_path / "ckpt", tmp_path / "back")
     original, back = read_hf_tensors(tmp_path / "hf"), read_hf_tensors(tmp_path / "back")
@@ -175,6 +182,11 @@ def test_hf_to_mmtrain_records_the_folders_tokenizer(tmp_path, capsys):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
     ({"head_dim": 16}, "head_dim"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0 must be an integer >= 1"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     "max_window_layers"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4,
+      "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
 ])
 def test_unsupported_hf_config_names_the_key(change, key):
     hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,

@@ -47,6 +47,9 @@ class LlamaShape(FamilySection):
     add_bias: bool = doc(False, "Add biases to all attention and MLP linears.")
     qkv_bias: bool = doc(False, "Add biases to the query/key/value projections only (Qwen2 style).")
     qk_norm: bool = doc(False, "Normalize queries and keys per head before attention (Qwen3/OLMo2 style).")
+    sliding_window: int = doc(0, "Sliding-window attention in every layer (Mistral): a query sees itself and the "
+                                 "sliding_window - 1 tokens before it (inside its document); 0 = full causal. Not "
+                                 "with parallel.cp > 1.", ge=0)
     init_std: float = doc(0.02, "Standard deviation of the normal weight initialization.", ge=0)
     num_experts: int = doc(0, "Mixture of experts: experts per MoE layer; 0 keeps a dense MLP.", ge=0)
     moe_top_k: int = doc(2, "Experts each token is routed to.", ge=1)
@@ -94,6 +97,9 @@ class LlamaShape(FamilySection):
         """Raise ``ConfigError`` when the layout cannot split this shape: heads, key/value heads, MLP width and
         vocabulary by ``parallel.tp``, experts by ``parallel.ep``."""
         p = parallel
+        if self.sliding_window and p.cp > 1:
+            raise ConfigError(f"parallel.cp={p.cp} is not supported with {prefix}sliding_window={self.sliding_window}: "
+                              "the context-parallel attention has no window; use parallel.cp=1 (tp, sp, pp, dp work)")
         if self.num_attention_heads % p.tp:
             raise ConfigError(f"{prefix}num_attention_heads ({self.num_attention_heads}) must be divisible by "
                               f"parallel.tp ({p.tp})")

@@ -1,4 +1,4 @@
-"""The Llama family's registry record (Llama / Qwen2 / Mixtral shapes): ``FAMILY``, on its shape (``ModelConfig``,
+"""The Llama family's registry record (Llama / Mistral / Qwen2 / Mixtral shapes): ``FAMILY``, on its shape (``ModelConfig``,
 whose own fields are the Llama shape)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from mmtrain.models.llama.model import GPTModel, flops_per_token
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                        "vocab_size", "norm", "norm_eps", "activation", "rope_theta", "rope_scaling_factor",
                        "tie_embeddings", "add_bias", "qkv_bias", "qk_norm", "num_experts", "moe_top_k",
-                       "moe_ffn_hidden_size", "moe_router", "moe_shared_ffn_hidden_size")
+                       "moe_ffn_hidden_size", "moe_router", "moe_shared_ffn_hidden_size", "sliding_window")
 _HF, _LORA = "mmtrain.models.llama.hf_adapter", "mmtrain.models.llama.lora_export"
 
 FAMILY = ModelFamily(
@@ -19,7 +19,7 @@ FAMILY = ModelFamily(
     has_routed_experts=lambda cfg: cfg.num_experts > 0,
     architecture=lambda cfg: {k: getattr(cfg, k) for k in ARCHITECTURE_FIELDS},
     sharding_spec=lazy("mmtrain.models.llama.spec:llama_sharding_spec"),
-    hf=HFAdapter(("llama", "qwen2", "mixtral"), lazy(f"{_HF}:model_config_from_hf"),
+    hf=HFAdapter(("llama", "mistral", "qwen2", "mixtral"), lazy(f"{_HF}:model_config_from_hf"),
                  lazy(f"{_HF}:hf_config_from_model_config"), lazy(f"{_HF}:mmtrain_state_from_hf"),
                  lazy(f"{_HF}:hf_state_from_mmtrain"), lazy_values(f"{_HF}:UnsupportedHFConfig"),
                  lazy(f"{_LORA}:merge_lora"), lazy(f"{_LORA}:peft_adapter")))

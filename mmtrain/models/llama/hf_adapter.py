@@ -1,10 +1,12 @@
-"""Hugging Face Llama / Qwen2 / Mixtral <-> mmtrain: the config mapping and the parameter name mapping.
+"""Hugging Face Llama / Mistral / Qwen2 / Mixtral <-> mmtrain: the config mapping and the parameter name mapping.
 
 Everything here works on *full* (unsharded) tensors keyed by name; splitting over TP/PP lives in
 ``checkpoint_io``. Our fused projections are concatenations of HF's separate ones, row-wise:
 ``attn.qkv`` = [q_proj | k_proj | v_proj] (heads in order, as HF stores them) and ``mlp.up`` =
 [gate_proj | up_proj]. Both sides use the rotate-half RoPE convention, so no row permutation is needed.
 Mixtral experts are stacked and transposed: ``experts.w_up[e]`` = [w1 | w3]^T (D, 2F), ``w_down[e]`` = w2^T.
+Mistral is the Llama layout with a sliding window (``model.sliding_window``); Mixtral's and Qwen2's windows map to
+the same field when every layer has it (Qwen2's ``use_sliding_window`` with all layers past ``max_window_layers``).
 Before any tensor is mapped, the config's layer and expert counts and every shape it implies are checked against
 the tensors' shapes (``mmtrain.models.hf_shapes``): a contradiction is one ``UnsupportedHFConfig`` naming the key.
 """
@@ -18,8 +20,9 @@ import torch
 from mmtrain.config.schema import ModelConfig
 from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, indices
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mixtral")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
 # The Llama-3 scaling constants our ``rope_frequencies`` implements (mmtrain/model/layers.py).
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -55,6 +58,34 @@ def _require(hf: dict[str, Any], key: str, allowed: tuple, default: Any = None) 
         raise UnsupportedHFConfig(f"{key}={value!r} is not supported; supported: {', '.join(map(repr, allowed))}")
 
 
+def _window_from_hf(hf: dict[str, Any], model_type: str) -> int:
+    """``model.sliding_window`` (0 = none) from Mistral's / Mixtral's ``sliding_window`` or Qwen2's
+    ``use_sliding_window`` + ``sliding_window`` on the layers ``layer_types`` (else ``max_window_layers``) marks."""
+    if model_type == "llama":
+        return 0  # LlamaForCausalLM has no window, whatever the file holds
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        return 0  # transformers drops Qwen2's window unless use_sliding_window
+    if hf.get("sliding_window") is None:
+        return 0
+    window = config_int(hf, "sliding_window", UnsupportedHFConfig)
+    if model_type != "qwen2":
+        return window
+    layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        start = config_int(hf, "max_window_layers", UnsupportedHFConfig, minimum=0, default=28)
+        kinds = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {"sliding_attention",
+                                                                                "full_attention"}:
+        raise UnsupportedHFConfig(f"layer_types={kinds!r} must list 'sliding_attention' or 'full_attention' for each "
+                                  f"of the {layers} layers")
+    if len(set(kinds)) > 1:
+        raise UnsupportedHFConfig("use_sliding_window with both sliding and full layers (layer_types / "
+                                  "max_window_layers) is not supported: mmtrain's model.sliding_window applies to "
+                                  "every layer")
+    return window if kinds[0] == "sliding_attention" else 0
+
+
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Our ``ModelConfig`` for an HF ``config.json`` mapping; raises ``UnsupportedHFConfig`` naming the key."""
     model_type = hf.get("model_type")
@@ -64,10 +95,6 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     _require(hf, "hidden_act", ("silu",), "silu")
     _require(hf, "attention_bias", (False,), False)  # Llama's bias on q/k/v *and* o: no mmtrain equivalent
     _require(hf, "mlp_bias", (False,), False)
-    if model_type == "qwen2":
-        _require(hf, "use_sliding_window", (False,), False)
-    if model_type == "mixtral":
-        _require(hf, "sliding_window", (None,), None)
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         config_int(hf, key, UnsupportedHFConfig)
     for key in ("num_key_value_heads", "head_dim"):  # absent or null: derived from the head count
@@ -98,6 +125,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scaling_factor=factor,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
+        sliding_window=_window_from_hf(hf, model_type),
     )
     if model_type == "mixtral":
         cfg.num_experts = hf["num_local_experts"]
@@ -107,10 +135,13 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def _hf_model_type_of(cfg: ModelConfig) -> str:
+def _hf_model_type_of(cfg: ModelConfig, base: dict[str, Any] | None) -> str:
+    """Mixtral (experts), Qwen2 (q/k/v biases), Mistral (a window, or converted from a Mistral), else Llama."""
     if cfg.num_experts:
         return "mixtral"
-    return "qwen2" if cfg.qkv_bias else "llama"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window or (base or {}).get("model_type") == "mistral" else "llama"
 
 
 def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -125,7 +156,7 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
                                       f"supported: {', '.join(map(repr, allowed))}")
     if cfg.num_experts and cfg.moe_ffn_hidden_size not in (0, cfg.ffn_hidden_size):
         raise UnsupportedHFConfig("model.moe_ffn_hidden_size must be 0 or equal ffn_hidden_size for Mixtral")
-    model_type = _hf_model_type_of(cfg)
+    model_type = _hf_model_type_of(cfg, base)
     hf: dict[str, Any] = {}
     if base and base.get("model_type") == model_type:
         hf.update({k: v for k, v in base.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")})
@@ -152,9 +183,18 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
                   else int(LLAMA3_ROPE["original_max_position_embeddings"] * cfg.rope_scaling_factor))
     if model_type == "llama":
         hf.update({"attention_bias": False, "mlp_bias": False})
+    if model_type in ("mistral", "mixtral"):
+        hf["sliding_window"] = cfg.sliding_window or None
+    if model_type == "qwen2":  # the window on every layer or on none (transformers reads layer_types first)
+        hf["use_sliding_window"] = bool(cfg.sliding_window)
+        if cfg.sliding_window:
+            hf.update({"sliding_window": cfg.sliding_window, "max_window_layers": 0,
+                       "layer_types": ["sliding_attention"] * cfg.num_layers})
+        elif "layer_types" in hf:
+            hf["layer_types"] = ["full_attention"] * cfg.num_layers
     if model_type == "mixtral":
         hf.update({"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k,
-                   "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "sliding_window": None})
+                   "router_aux_loss_coef": cfg.moe_aux_loss_coeff})
     return hf
 
 

@@ -119,10 +119,10 @@ class GPTModel(LanguageStageDefaults, nn.Module):
         ``inputs_embeds``: (B, S, D) used instead of embedding ``inputs`` (a VLM's spliced text+media embeddings).
         ``doc_ids_BS``: document index of each token of packed sequences; attention then stays inside documents
         (pair it with position ids that restart at each document); the attention strategy turns them into its
-        mask once here, outside the (compiled) blocks.
+        mask once here, outside the (compiled) blocks; ``cfg.sliding_window`` restricts every layer's queries to the
+        keys of that window (with or without documents).
         Returns per-token losses (B, S) on the last stage when ``labels_BS`` is given, else logits (last stage)
         or hidden states (other stages)."""
-        attn_mask = self.attention.prepare(doc_ids_BS)
         if inputs_embeds is not None:
             x = inputs_embeds
         else:
@@ -133,6 +133,10 @@ class GPTModel(LanguageStageDefaults, nn.Module):
             # the full length: under sequence parallelism x holds only this rank's part of the sequence
             B, S = (inputs if inputs_embeds is None else inputs_embeds).shape[:2]
             position_ids_BS = torch.arange(S, device=x.device).expand(B, S)
+        window = self.cfg.sliding_window or None
+        if window and doc_ids_BS is None and window < position_ids_BS.shape[1]:
+            doc_ids_BS = torch.zeros_like(position_ids_BS)  # one document: the window's mask built once, here
+        attn_mask = self.attention.prepare(doc_ids_BS, window)
         cos, sin = rope_cos_sin(position_ids_BS, self.inv_freq, x.dtype)
         for layer in self.layers.values():
             x = layer(x, cos, sin, attn_mask)
