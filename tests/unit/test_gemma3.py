@@ -41,24 +41,6 @@ CASES = {
 SEQ = 30  # longer than every window above: a model ignoring the window differs
 
 
-class _WindowedDense:
-    """PENDING the window helper's shared strategy (Interfaces §1): a dense reference with its call signature."""
-
-    def prepare(self, doc_ids_BS, window=None):
-        return doc_ids_BS, window
-
-    def __call__(self, q, k, v, prepared, scale=None, sinks_H=None, softcap=None):
-        doc_ids, window = prepared
-        i = torch.arange(q.shape[2])
-        mask = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < window) if window else True)
-        if doc_ids is not None:
-            mask = mask & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-        s = s if softcap is None else torch.tanh(s / softcap) * softcap
-        return s.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-
-
 def _local_layers(cfg: Gemma3Config) -> list[int]:
     return [i for i, kind in enumerate(cfg.layer_kinds()) if kind == LOCAL]
 
@@ -83,7 +65,7 @@ def _ids(batch: int = 2, length: int = SEQ, seed: int = 1) -> torch.Tensor:
 
 
 def _ours(cfg: Gemma3Config, state: dict, attention=None) -> Gemma3Model:
-    model = Gemma3Model(cfg, attention=attention or _WindowedDense())
+    model = Gemma3Model(cfg, attention=attention or CausalAttention(documents="dense"))
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -154,10 +136,10 @@ def test_each_quirk_shows_in_the_logits(change):
 def test_attention_soft_capping_is_applied_when_set():
     """attn_logit_softcapping (refused from HF configs: transformers' Gemma 3 ignores it) caps our scores."""
     cfg = dataclasses.replace(Gemma3Config(), init_std=0.5)
-    model = Gemma3Model(cfg, attention=_WindowedDense())
+    model = Gemma3Model(cfg, attention=CausalAttention(documents="dense"))
     model.init_weights(0)
     capped = Gemma3Model(dataclasses.replace(cfg, attn_logit_softcapping=0.5),
-                         attention=_WindowedDense())
+                         attention=CausalAttention(documents="dense"))
     capped.load_state_dict(model.state_dict())
     ids = _ids(1, 20)
     with torch.no_grad():

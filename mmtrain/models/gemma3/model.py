@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
-from mmtrain.model.kv_cache import StaticKVCache, decoded_rows
+from mmtrain.model.kv_cache import StaticKVCache, cached_attention, decoded_rows
 from mmtrain.model.layers import apply_rope, compile_prenorm_block, rope_cos_sin, rope_frequencies, set_prenorm_recompute
 from mmtrain.model.lora import add_lora_at, reset_dora_magnitudes
 from mmtrain.model.mlp import MLP
@@ -116,8 +116,8 @@ class Gemma3Attention(nn.Module):
         B, S = q.shape[:2]
         cache.write(layer, slots_B, positions_BS, k, v)
         keys, values = cache.read(layer, slots_B, kv_len)
-        out = cached_attention(q, keys.to(q.dtype), values.to(q.dtype), cache.key_index[: keys.shape[2]],
-                               positions_BS, scale=self.scale, window=self.window, softcap=self.softcap)
+        out = cached_attention(q, keys, values, cache.key_index[: keys.shape[2]], positions_BS, scale=self.scale,
+                               window=self.window, softcap=self.softcap)
         return self.proj(out.reshape(B, S, -1))
 
 
@@ -160,23 +160,6 @@ class Gemma3Block(nn.Module):
         ``forward``."""
         attn = self.attn.forward_cached(self.attn_norm(x), cos, sin, cache, layer, slots_B, positions_BS, kv_len)
         return self._mlp(x + self.post_attn_norm(attn))
-
-
-def cached_attention(q_BSHD, keys_BHTD, values_BHTD, key_index_T, positions_BS, scale=None, window=None,
-                     sinks_H=None, softcap=None):
-    """PENDING: the shared decode core of mmtrain.model.kv_cache (the window helper's); replaced on merge."""
-    visible = key_index_T[None, None, None, :] <= positions_BS[:, None, :, None]
-    if window is not None:
-        visible = visible & (positions_BS[:, None, :, None] - key_index_T[None, None, None, :] < window)
-    q = q_BSHD.transpose(1, 2)
-    k, v = keys_BHTD, values_BHTD
-    if q.shape[1] != k.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    scores = (q.float() @ k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return (probs @ v.float()).to(q.dtype).transpose(1, 2)
 
 
 def global_rope_frequencies(cfg: Gemma3Config) -> torch.Tensor:
