@@ -64,8 +64,8 @@ def _ids(batch: int = 2, length: int = SEQ, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, SMALL["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _ours(cfg: Gemma3Config, state: dict, attention=None) -> Gemma3Model:
-    model = Gemma3Model(cfg, attention=attention or CausalAttention(documents="dense"))
+def _ours(cfg: Gemma3Config, state: dict) -> Gemma3Model:
+    model = Gemma3Model(cfg, attention=CausalAttention(documents="dense"))
     model.load_state_dict(state, strict=True)
     return model.eval()
 
