@@ -122,9 +122,9 @@ def main() -> None:
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * mesh.dims.dp
     S = cfg.data.seq_length
     tps = gbs * S / dt / world
-    m = cfg.model.shape()
-    per_token = model_family(cfg.model).flops_per_token(cfg.model, S)  # the family's own count (6N + attention)
-    causal_attention = 6.0 * m.num_layers * S * m.hidden_size  # the Llama shape's causal term (--packed rows)
+    flops = model_family(cfg.model).flops_per_token
+    per_token = flops(cfg.model, S)  # the family's own count (6N + attention)
+    causal_attention = per_token - flops(cfg.model, 0)  # its causal term (linear in S; --packed rows)
     tflops = tps * per_token / 1e12
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     row = {"system": a.label, "layout": mesh.dims.describe(), "overrides": a.overrides,

@@ -34,7 +34,7 @@ def assert_exports_give_the_adapted_logits(tmp_path: Path, ckpts: str, ids: torc
     from mmtrain.convert.__main__ import main as convert
 
     assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "merged")]) == 0
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()  # Llama or Mistral
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()  # the family's class
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted, rtol=0, atol=1e-4)
     assert convert(["mmtrain-to-hf", "--ckpt", ckpts, "--out", str(tmp_path / "adapter"), "--lora", "adapter"]) == 0

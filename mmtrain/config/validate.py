@@ -134,12 +134,12 @@ def _validate_fsdp_fp8(cfg) -> None:
     if f.recipe not in ("tensorwise", "delayed"):
         raise ConfigError(f"parallel.fsdp=true gathers FP8 weights with one scale per weight: fp8.recipe must be "
                           f"tensorwise or delayed (got {f.recipe}); or set parallel.fsdp=false")
-    head_dim = m.hidden_size // m.num_attention_heads
+    head_dim = m.attention_head_dim
     sizes = {"model.hidden_size": m.hidden_size,
              "model.num_attention_heads x head dim / parallel.tp": m.num_attention_heads * head_dim // tp,
              "(model.num_attention_heads + 2 x model.num_query_groups) x head dim / parallel.tp":
                  (m.num_attention_heads + 2 * m.kv_heads) * head_dim // tp}
-    if not m.num_experts:
+    if not all(m.moe_layer(i) for i in range(m.num_layers)):  # some layer has a dense MLP
         sizes["model.ffn_hidden_size / parallel.tp"] = m.ffn_hidden_size // tp
     for what, n in sizes.items():
         if n % 16:

@@ -40,10 +40,11 @@ def _linear_entries(prefix: str, kind: str, bias: bool, parts: tuple[int, ...] =
     return out
 
 
-def block_entries(cfg: ModelConfig, prefix: str) -> dict[str, ParamSpec]:
+def block_entries(cfg: ModelConfig, prefix: str, routed: bool | None = None) -> dict[str, ParamSpec]:
     """Entries of one ``mmtrain.model.layers.TransformerBlock`` built from ``cfg`` (``prefix``: ``layers.<i>``);
-    the VLM's encoders are made of the same blocks."""
-    hd = cfg.hidden_size // cfg.num_attention_heads
+    the VLM's encoders are made of the same blocks. ``routed``: its MLP is the MoE layer (default: the model has
+    experts; the decoder's layers say ``cfg.moe_layer(i)``)."""
+    hd = cfg.attention_head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.kv_heads * hd
     out: dict[str, ParamSpec] = {}
     out.update(norm_entries(f"{prefix}.attn_norm", cfg, SP_PARTIAL))
@@ -54,7 +55,7 @@ def block_entries(cfg: ModelConfig, prefix: str) -> dict[str, ParamSpec]:
         for which in ("q_norm", "k_norm"):
             out.update(norm_entries(f"{prefix}.attn.{which}", cfg, ParamSpec(tp_partial_grad="always")))
     gated = cfg.activation == "swiglu"
-    if not cfg.num_experts:
+    if not (bool(cfg.num_experts) if routed is None else routed):
         f = cfg.ffn_hidden_size
         out.update(_linear_entries(f"{prefix}.mlp.up", "column", cfg.add_bias, (f, f) if gated else ()))
         out.update(_linear_entries(f"{prefix}.mlp.down", "row", cfg.add_bias))

@@ -84,7 +84,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, attention=None) -> None:
         super().__init__()
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = cfg.attention_head_dim
         self.q_size = cfg.num_attention_heads * self.head_dim
         self.kv_size = cfg.kv_heads * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.add_bias or cfg.qkv_bias)
@@ -176,14 +176,17 @@ class TransformerBlock(nn.Module):
     """Pre-norm block. ``attention``: the attention strategy (default causal); an encoder block passes
     ``BidirectionalAttention()`` and keeps the same parameter layout, so the TP plan shards it the same way.
     ``moe_dispatch``: the MoE layer's token-dispatch strategy (``mmtrain.parallel.moe_dispatch``; default local)
-    when ``cfg.num_experts``."""
+    when ``cfg.num_experts``. ``routed``: whether this block's MLP is the MoE layer (default: the model has
+    experts; a decoder passes ``cfg.moe_layer(index)``, so ``moe_dense_layers`` keep a dense MLP)."""
 
-    def __init__(self, cfg: ModelConfig, attention=None, moe_dispatch: LocalDispatch | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, attention=None, moe_dispatch: LocalDispatch | None = None,
+                 routed: bool | None = None) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, attention)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MoELayer(cfg, moe_dispatch) if cfg.num_experts else MLP(cfg)
+        routed = bool(cfg.num_experts) if routed is None else routed
+        self.mlp = MoELayer(cfg, moe_dispatch) if routed else MLP(cfg)
         self.recompute = "none"  # "full": keep only the block's input and recompute the rest in backward
 
     def set_recompute(self, mode: str) -> None:

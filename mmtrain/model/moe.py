@@ -56,14 +56,14 @@ class _Router(nn.Module):
         if c.moe_router == "softmax":
             probs = logits.softmax(dim=-1)
             weights, ids = probs.topk(c.moe_top_k, dim=-1)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
             balance_probs = probs
         else:
             scores = logits.sigmoid()
             ids = (scores + self.expert_bias).topk(c.moe_top_k, dim=-1).indices
             weights = scores.gather(1, ids)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
             balance_probs = scores / scores.sum(dim=-1, keepdim=True)
+        if c.moe_norm_topk_prob:  # Mixtral always; Qwen3-MoE as its config says
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         load = count_per_expert(ids.flatten(), c.num_experts)
         aux = logits.new_zeros(())
         if c.moe_aux_loss_coeff:  # Switch balance loss E * sum_i f_i * P_i, times the tokens of the micro-batch

@@ -69,6 +69,7 @@ CASES = {
     "llama_tied": ("llama", dict(tie_word_embeddings=True)),
     "qwen2_qkv_bias_tied": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
     "mixtral_moe": ("mixtral", dict()),
+    "llama_head_dim_apart_from_width": ("llama", dict(head_dim=16)),  # 4 heads of 16 in a width of 32
     # windows shorter than the 24 test tokens: a model that ignored them would differ
     "mistral_sliding_window": ("mistral", dict(sliding_window=5)),
     "qwen2_sliding_window_every_layer": ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=0)),
@@ -181,7 +182,12 @@ def test_hf_to_mmtrain_records_the_folders_tokenizer(tmp_path, capsys):
     ({"model_type": "gemma"}, "model_type"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"head_dim": 16}, "head_dim"),
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     "max_window_layers"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+      "decoder_sparse_step": 2, "mlp_only_layers": [1]}, "leave no MoE layer"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+      "mlp_only_layers": [5]}, "mlp_only_layers"),
     ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0 must be an integer >= 1"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
      "max_window_layers"),
@@ -233,13 +239,17 @@ def test_training_checkpoint_with_data_and_expert_parallel_ranks_merges(tmp_path
     assert sorted(merged) == sorted(full) and all(torch.equal(merged[n], full[n]) for n in full)
 
 
-@pytest.mark.parametrize("field,value", [("norm", "layernorm"), ("activation", "gelu"), ("qk_norm", True)])
-def test_mmtrain_model_without_hf_equivalent_is_refused(field, value):
+@pytest.mark.parametrize("field,value,shape", [
+    ("norm", "layernorm", {}), ("activation", "gelu", {}),
+    ("qkv_bias", True, {"qk_norm": True}),  # Qwen3 has no q/k/v biases
+    ("moe_dense_layers", [0], {"num_experts": 4}), ("moe_norm_topk_prob", False, {"num_experts": 4}),  # Mixtral
+])
+def test_mmtrain_model_without_hf_equivalent_is_refused(field, value, shape):
     from mmtrain.config.schema import ModelConfig
     from mmtrain.models.llama.hf_adapter import hf_config_from_model_config
 
     with pytest.raises(UnsupportedHFConfig, match=f"model.{field}"):
-        hf_config_from_model_config(ModelConfig(**{field: value}))
+        hf_config_from_model_config(ModelConfig(**{field: value, **shape}))
 
 
 # ------------------------------------------------ configs that contradict their weights (issue #29 item 9)

@@ -22,7 +22,8 @@ MOE_LORA_TARGETS = ("qkv", "proj")  # a Llama MoE block: attention only (its exp
 
 @dataclass
 class LlamaShape(FamilySection):
-    """Shape of a Llama-family decoder (Llama / Qwen2 / Mixtral): the fields of ``model.*``."""
+    """Shape of a Llama-family decoder (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE): the fields of
+    ``model.*``."""
 
     supports_fp8 = True
     supports_cp = True
@@ -35,6 +36,9 @@ class LlamaShape(FamilySection):
     ffn_hidden_size: int = doc(176, "Inner width of the MLP (per gate for SwiGLU).", ge=1)
     num_attention_heads: int = doc(4, "Number of query heads.", ge=1)
     num_query_groups: int = doc(0, "Number of key/value heads for GQA/MQA; 0 means one per query head (MHA).", ge=0)
+    head_dim: int = doc(0, "Width of each attention head (queries, keys, values, RoPE); 0 means hidden_size / "
+                           "num_attention_heads. Qwen3 sets it apart from the width (Qwen3-0.6B: hidden 1024, "
+                           "16 heads of 128).", ge=0)
     vocab_size: int = doc(512, "Rows of the embedding table; must exceed every token id in the data.", ge=1)
     norm: Literal["rmsnorm", "layernorm"] = doc("rmsnorm", "Normalization layer kind.")
     norm_eps: float = doc(1e-5, "Epsilon of the normalization layers.", gt=0)
@@ -56,6 +60,12 @@ class LlamaShape(FamilySection):
     moe_ffn_hidden_size: int = doc(0, "Inner width of each expert; 0 uses ffn_hidden_size.", ge=0)
     moe_router: Literal["softmax", "sigmoid"] = doc(
         "softmax", "softmax top-k (Mixtral) or sigmoid top-k with bias-based balancing (DeepSeek-V3).")
+    moe_norm_topk_prob: bool = doc(True, "Divide each token's top-k routing weights by their sum (Mixtral; "
+                                         "Qwen3-MoE's norm_topk_prob: true); false weighs the experts by the "
+                                         "router's probabilities as they are.")
+    moe_dense_layers: list[int] = doc([], "Mixture of experts: layers (0-based) that keep a dense MLP of "
+                                          "ffn_hidden_size instead of experts (Qwen3-MoE's mlp_only_layers and "
+                                          "decoder_sparse_step).", ge=0)
     moe_aux_loss_coeff: float = doc(0.01, "Weight of the load-balancing auxiliary loss (0 disables).", ge=0)
     moe_z_loss_coeff: float = doc(0.0, "Weight of the router z-loss (0 disables).", ge=0)
     moe_capacity_factor: float = doc(0.0, "Expert capacity as a multiple of the even share; 0 = dropless.", ge=0)
@@ -69,21 +79,33 @@ class LlamaShape(FamilySection):
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
+    @property
+    def attention_head_dim(self) -> int:
+        """The width of one attention head: ``head_dim``, or hidden_size / num_attention_heads when 0."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` holds routed experts (an MoE model's layers but ``moe_dense_layers``)."""
+        return bool(self.num_experts) and index not in self.moe_dense_layers
+
     def lora_targets(self) -> tuple[str, ...]:
         """The block linears LoRA may adapt: all four, or attention only in a mixture-of-experts model."""
         return MOE_LORA_TARGETS if self.num_experts else LORA_TARGETS
 
     def check(self, prefix: str = "model.") -> "LlamaShape":
         """Raise ``ConfigError`` naming the first impossible field (``prefix`` + name); returns self."""
-        if self.hidden_size % self.num_attention_heads:
+        if not self.head_dim and self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"{prefix}hidden_size ({self.hidden_size}) must be divisible by "
-                              f"{prefix}num_attention_heads ({self.num_attention_heads})")
+                              f"{prefix}num_attention_heads ({self.num_attention_heads}), or set {prefix}head_dim")
         if self.num_attention_heads % self.kv_heads:
             raise ConfigError(f"{prefix}num_attention_heads ({self.num_attention_heads}) must be divisible by "
                               f"{prefix}num_query_groups ({self.kv_heads})")
-        if (self.hidden_size // self.num_attention_heads) % 2:
+        if self.head_dim % 2:
+            raise ConfigError(f"{prefix}head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.attention_head_dim % 2:
             raise ConfigError(f"head dim {prefix}hidden_size / {prefix}num_attention_heads = "
-                              f"{self.hidden_size // self.num_attention_heads} must be even for rotary embeddings")
+                              f"{self.attention_head_dim} must be even for rotary embeddings")
+        self._check_dense_layers(prefix)
         if self.num_experts:
             if self.activation not in ("swiglu", "gelu"):
                 raise ConfigError(f"{prefix}activation={self.activation!r}: mixture-of-experts layers support "
@@ -92,6 +114,23 @@ class LlamaShape(FamilySection):
                 raise ConfigError(f"{prefix}moe_top_k ({self.moe_top_k}) must be between 1 and "
                                   f"{prefix}num_experts ({self.num_experts})")
         return self
+
+    def _check_dense_layers(self, prefix: str) -> None:
+        """``moe_dense_layers``: distinct layers of an MoE model, leaving at least one MoE layer."""
+        if not self.moe_dense_layers:
+            return
+        if not self.num_experts:
+            raise ConfigError(f"{prefix}moe_dense_layers is set but {prefix}num_experts=0 (every layer is dense "
+                              f"already); remove it or set {prefix}num_experts")
+        past = [i for i in self.moe_dense_layers if i >= self.num_layers]
+        if past:
+            raise ConfigError(f"{prefix}moe_dense_layers: layer {past[0]} is past the last layer ({prefix}num_layers="
+                              f"{self.num_layers}; layers count from 0)")
+        if len(set(self.moe_dense_layers)) != len(self.moe_dense_layers):
+            raise ConfigError(f"{prefix}moe_dense_layers lists a layer twice: {self.moe_dense_layers}")
+        if len(self.moe_dense_layers) == self.num_layers:
+            raise ConfigError(f"{prefix}moe_dense_layers lists every layer; for a dense model set "
+                              f"{prefix}num_experts=0")
 
     def check_layout(self, parallel, prefix: str = "model.") -> None:
         """Raise ``ConfigError`` when the layout cannot split this shape: heads, key/value heads, MLP width and

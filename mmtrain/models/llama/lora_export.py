@@ -23,7 +23,7 @@ _TARGETS = {"qkv": ("attn.qkv", "self_attn.", ("q_proj", "k_proj", "v_proj")),
 
 
 def _part_sizes(cfg: ModelConfig, target: str) -> list[int] | None:
-    hd = cfg.hidden_size // cfg.num_attention_heads
+    hd = cfg.attention_head_dim
     if target == "qkv":
         return [cfg.num_attention_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]
     if target == "up":

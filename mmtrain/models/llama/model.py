@@ -45,7 +45,8 @@ class GPTModel(LanguageStageDefaults, nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if pre_process else None
         self.attention = attention if attention is not None else CausalAttention()
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, self.attention, moe_dispatch=moe_dispatch)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, self.attention, moe_dispatch=moe_dispatch,
+                                                              routed=cfg.moe_layer(i))
                                      for i in range(start, end)})
         self.norm = make_norm(cfg) if post_process else None
         # A tied last stage that does not hold the embedding keeps its own copy, kept equal by the trainer.
@@ -53,8 +54,8 @@ class GPTModel(LanguageStageDefaults, nn.Module):
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_output else None
         self.head = (head or LossHead()) if post_process else None
         self.sequence_parallel = False  # the layout the TP plan applied (resolves the spec's partial gradients)
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling_factor),
+        self.register_buffer("inv_freq", rope_frequencies(cfg.attention_head_dim, cfg.rope_theta,
+                                                           cfg.rope_scaling_factor),
                              persistent=False)
         self.lora = lora if lora is not None and lora.rank else None
         if self.lora is not None:
@@ -179,23 +180,23 @@ class GPTModel(LanguageStageDefaults, nn.Module):
 
 def count_parameters(cfg: ModelConfig, active: bool = False) -> int:
     """Parameters of the whole model (embedding counted once when tied); ``active``: only the experts a token
-    uses (top-k), which is what the FLOPs follow. Biases are not counted."""
+    uses (top-k), which is what the FLOPs follow. Biases are not counted; q/k norms are."""
     d, f, v, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers
-    hd = d // cfg.num_attention_heads
+    hd = cfg.attention_head_dim
     attn = d * (cfg.num_attention_heads * hd + 2 * cfg.kv_heads * hd) + cfg.num_attention_heads * hd * d
+    attn += 2 * hd if cfg.qk_norm else 0
     per_mlp = 3 if cfg.activation == "swiglu" else 2
-    if cfg.num_experts:
-        fe = cfg.moe_ffn_hidden_size or f
-        experts = cfg.moe_top_k if active else cfg.num_experts
-        mlp = d * fe * per_mlp * experts + cfg.num_experts * d + d * cfg.moe_shared_ffn_hidden_size * per_mlp
-    else:
-        mlp = d * f * per_mlp
-    block = attn + mlp + 2 * d
-    return L * block + v * d * (1 if cfg.tie_embeddings else 2) + d
+    fe = cfg.moe_ffn_hidden_size or f
+    experts = cfg.moe_top_k if active else cfg.num_experts
+    routed = d * fe * per_mlp * experts + cfg.num_experts * d + d * cfg.moe_shared_ffn_hidden_size * per_mlp
+    moe_layers = sum(cfg.moe_layer(i) for i in range(L))  # the others (moe_dense_layers) keep a dense MLP
+    mlps = moe_layers * routed + (L - moe_layers) * d * f * per_mlp
+    return L * (attn + 2 * d) + mlps + v * d * (1 if cfg.tie_embeddings else 2) + d
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token: 6 * (non-embedding params + output layer) + causal attention (12·L·S·d / 2)."""
+    """Training FLOPs per token: 6 * (non-embedding params + output layer) + causal attention: QK^T and AV over
+    half the sequence on average, 6 * 2 * L * S * (heads * head_dim) / 2 (= 6·L·S·d when head_dim * heads = d)."""
     d, v, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     dense = count_parameters(cfg, active=True) - v * d * (1 if cfg.tie_embeddings else 2) + v * d
-    return 6.0 * dense + 6.0 * L * seq_length * d
+    return 6.0 * dense + 6.0 * L * seq_length * cfg.num_attention_heads * cfg.attention_head_dim

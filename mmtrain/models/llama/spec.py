@@ -19,7 +19,7 @@ def llama_sharding_spec(cfg: ModelConfig, lora=None) -> ShardingSpec:
     pipeline stage's copy); ``lora`` (a ``LoraConfig`` with rank > 0): also the adapters of its targets."""
     out: dict[str, ParamSpec] = {"embed.weight": ParamSpec("vocab")}
     for i in range(cfg.num_layers):
-        block = block_entries(cfg, f"layers.{i}")
+        block = block_entries(cfg, f"layers.{i}", routed=cfg.moe_layer(i))
         out.update(block)
         if lora is not None and lora.rank:
             for target in lora.targets_for(cfg):
