@@ -15,6 +15,7 @@ from __future__ import annotations
 FAMILY_PACKAGES: dict[str, str] = {
     "llama": "mmtrain.models.llama",
     "deepseek_v3": "mmtrain.models.deepseek_v3",
+    "gemma3": "mmtrain.models.gemma3",
     "gpt_oss": "mmtrain.models.gpt_oss",
 }
 INLINE_FAMILY = "llama"
