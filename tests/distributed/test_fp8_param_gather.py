@@ -25,10 +25,10 @@ FP8_COPIES = ("w_a", "w_b", "w_a_inv", "w_b_inv")
 
 
 def _runs(rank: int, world_size: int, run_dir: str):
-    from mmtrain.train import build
+    from mmtrain.model import fp8  # the build imports resolve_fp8_backend from it when it runs
     from mmtrain.train.loop import train_gpt
 
-    build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
+    fp8.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
     lines = capture_log_messages()
     runs = {"bf16_gather": ["fp8.param_gather=false"],
             "fp8_gather": ["fp8.param_gather=true", "checkpoint.save_every=2", "checkpoint.async_save=true"],

@@ -38,10 +38,10 @@ def _expected_copies(m, tp_group) -> list[torch.Tensor]:
 
 
 def _runs(rank: int, world_size: int, run_dir: str):
-    from mmtrain.train import build
+    from mmtrain.model import fp8  # the build imports resolve_fp8_backend from it when it runs
     from mmtrain.train.loop import train_gpt
 
-    build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
+    fp8.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
     eager_compile = torch.compile
     out = {}
     saved = f"{run_dir}/fsdp/checkpoints/step_00000001"

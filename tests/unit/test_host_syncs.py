@@ -40,9 +40,9 @@ def _count_reads(rank: int, world_size: int, run_dir: str, extra: list[str], mod
     for name in READS:
         setattr(torch.Tensor, name, wrap(name))
     if "train.precision=fp8" in extra:
-        from mmtrain.train import build
+        from mmtrain.model import fp8  # the build imports resolve_fp8_backend from it when it runs
 
-        build.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
+        fp8.resolve_fp8_backend = lambda cfg, device: "native"  # the CPU stands in for the GPU (emulated FP8)
     cfg = load_config(GPTRunConfig, model_file, [*base, f"logging.run_dir={run_dir}", *extra])
     mesh = ParallelDims.from_config(cfg.parallel, world_size).build()
     result = loop.train_gpt(cfg, mesh, torch.device("cpu"))

@@ -94,7 +94,7 @@ def _record_training(ckpt: Path, seq_length: int, tokenizer: dict) -> None:
     reseal_checkpoint(meta_path.parent)  # an edit on purpose: sealed again (rehash), else loading refuses it
 
 
-@pytest.fixture(scope="module", params=["sentencepiece", "tokenizer.json"])
+@pytest.fixture(scope="module")
 def setup(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("lmeval")
     spm = train_sentencepiece(tmp / "tok") if request.param == "sentencepiece" else build_hf_bpe(tmp / "tok")
@@ -122,6 +122,7 @@ def _resps(result: dict, task: str) -> list:
     return [s["filtered_resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
 
 
+@pytest.mark.parametrize("setup", ["sentencepiece", "tokenizer.json"], indirect=True)
 def test_scores_equal_the_hf_model_on_the_exported_weights(setup, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
