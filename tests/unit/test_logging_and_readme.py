@@ -50,3 +50,21 @@ def test_quickstart_has_exactly_two_commands_and_ci_runs_the_second():
                              text=True, check=True).stdout.strip()
     assert printed == commands[1]
     assert "readme_command.py 2" in (REPO / ".ci" / "run").read_text()
+
+
+def test_console_log_goes_to_stdout_as_it_is_at_each_record(capsys):
+    """Logging set up while stdout was redirected, then that stream closed: later records go to the stdout of
+    their time, with no '--- Logging error ---' on stderr (it broke another test's reading of stderr)."""
+    import contextlib
+    import io
+
+    from mmtrain.utils.log import get_logger, setup_logging
+
+    earlier = io.StringIO()
+    with contextlib.redirect_stdout(earlier):
+        setup_logging(0)
+        get_logger("train").info("first")
+    earlier.close()
+    get_logger("train").info("second")
+    printed = capsys.readouterr()
+    assert "second" in printed.out and "Logging error" not in printed.err
