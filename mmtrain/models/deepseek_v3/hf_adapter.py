@@ -25,6 +25,7 @@ import torch
 from mmtrain.config.loader import ConfigError
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
 from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, indices
+from mmtrain.models.hf_tensors import TakenTensors, embedding_norm_and_head
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 # (our field, HF key); every one must be present in config.json
@@ -209,21 +210,8 @@ def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: DeepseekV3Confi
     tensors in either expert layout, after ``check_hf_weights``. Every HF tensor is used or the call fails
     naming it."""
     check_hf_weights(hf_tensors, cfg)
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf_tensors:
-            raise HFAdapterError(f"HF state dict lacks {name!r}")
-        used.add(name)
-        return hf_tensors[name]
-
-    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        out["output.weight"] = take("lm_head.weight")
-    elif "lm_head.weight" in hf_tensors:  # in-memory tied models list the shared tensor twice
-        if not torch.equal(take("lm_head.weight"), out["embed.weight"]):
-            raise HFAdapterError("lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings "
-                                 "is true; set tie_word_embeddings=false in config.json")
+    take = TakenTensors(hf_tensors, HFAdapterError)
+    out = embedding_norm_and_head(take, cfg.tie_word_embeddings)
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         for mine, theirs in _attention_names(cfg).items():
@@ -246,11 +234,11 @@ def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: DeepseekV3Confi
                                                             for x in experts]).contiguous()
         s = hf + "mlp.shared_experts."
         if not cfg.n_shared_experts:  # transformers still builds a zero-width shared MLP
-            used.update(n for n in hf_tensors if n.startswith(s) and hf_tensors[n].numel() == 0)
+            take.used.update(n for n in hf_tensors if n.startswith(s) and hf_tensors[n].numel() == 0)
         else:
             out[ours + "mlp.shared.up.weight"] = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")])
             out[ours + "mlp.shared.down.weight"] = take(s + "down_proj.weight")
-    extra = sorted(set(hf_tensors) - used)
+    extra = take.unused()
     mtp = re.compile(r"model\.layers\.(\d+)\.")
     if drop_mtp_layers:
         extra = [n for n in extra if not ((m := mtp.match(n)) and int(m.group(1)) >= cfg.num_layers)]
@@ -284,13 +272,7 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: DeepseekV3Config,
     safetensors files) or ``module`` (the fused tensors of ``DeepseekV3ForCausalLM.state_dict()``)."""
     if experts_layout not in ("checkpoint", "module"):
         raise HFAdapterError(f"experts_layout={experts_layout!r}; use 'checkpoint' or 'module'")
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in state:
-            raise HFAdapterError(f"state dict lacks {name!r}")
-        used.add(name)
-        return state[name]
+    take = TakenTensors(state, HFAdapterError, "state dict")
 
     out = {"model.embed_tokens.weight": take("embed.weight"), "model.norm.weight": take("norm.weight")}
     if not cfg.tie_word_embeddings:
@@ -322,7 +304,7 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: DeepseekV3Config,
             gate, up = take(ours + "mlp.shared.up.weight").split([sf, sf])
             out.update({s + "gate_proj.weight": gate.contiguous(), s + "up_proj.weight": up.contiguous(),
                         s + "down_proj.weight": take(ours + "mlp.shared.down.weight")})
-    extra = sorted(set(state) - used)
+    extra = take.unused()
     if extra:
         raise HFAdapterError(f"state dict has {extra[0]!r}, which DeepseekV3ForCausalLM does not hold")
     return out

@@ -25,6 +25,7 @@ import torch
 from mmtrain.config.loader import ConfigError
 from mmtrain.models.gemma3.config import GLOBAL, LOCAL, Gemma3Config
 from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, indices
+from mmtrain.models.hf_tensors import TakenTensors, embedding_norm_and_head
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 MODEL_TYPE = "gemma3_text"
@@ -190,28 +191,15 @@ def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: Gemma3Config) -
     """Full tensors of ``Gemma3Model(cfg)`` from full HF tensors, after ``check_hf_weights``. Every HF tensor is used
     or the call fails naming it."""
     check_hf_weights(hf_tensors, cfg)
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf_tensors:
-            raise HFAdapterError(f"HF state dict lacks {name!r}")
-        used.add(name)
-        return hf_tensors[name]
-
-    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        out["output.weight"] = take("lm_head.weight")
-    elif "lm_head.weight" in hf_tensors:  # in-memory tied models list the shared tensor twice
-        if not torch.equal(take("lm_head.weight"), out["embed.weight"]):
-            raise HFAdapterError("lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings is "
-                                 "true; set tie_word_embeddings=false in config.json")
+    take = TakenTensors(hf_tensors, HFAdapterError)
+    out = embedding_norm_and_head(take, cfg.tie_word_embeddings)
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         for mine, theirs in _NAMES.items():
             out[ours + mine] = take(hf + theirs)
         out[ours + "attn.qkv.weight"] = torch.cat([take(hf + n) for n in _QKV])
         out[ours + "mlp.up.weight"] = torch.cat([take(hf + n) for n in _UP])
-    extra = sorted(set(hf_tensors) - used)
+    extra = take.unused()
     if extra:
         raise HFAdapterError(f"HF state dict has {extra[0]!r} ({len(extra)} unused tensors), which "
                              f"{ARCHITECTURE} of this config.json does not hold")
@@ -221,13 +209,7 @@ def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: Gemma3Config) -
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: Gemma3Config) -> dict[str, torch.Tensor]:
     """HF tensors (``Gemma3ForCausalLM``'s names) from our full tensors; every one of ours is used or the call
     fails naming it."""
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in state:
-            raise HFAdapterError(f"state dict lacks {name!r}")
-        used.add(name)
-        return state[name]
+    take = TakenTensors(state, HFAdapterError, "state dict")
 
     out = {"model.embed_tokens.weight": take("embed.weight"), "model.norm.weight": take("norm.weight")}
     if not cfg.tie_word_embeddings:
@@ -241,7 +223,7 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: Gemma3Config) -> dict[
             out[hf + name] = part.contiguous()
         for name, part in zip(_UP, take(ours + "mlp.up.weight").split([cfg.intermediate_size] * 2)):
             out[hf + name] = part.contiguous()
-    extra = sorted(set(state) - used)
+    extra = take.unused()
     if extra:
         raise HFAdapterError(f"state dict has {extra[0]!r}, which {ARCHITECTURE} does not hold")
     return out

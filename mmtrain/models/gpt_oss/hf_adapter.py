@@ -25,6 +25,7 @@ from mmtrain.config.loader import ConfigError
 from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.models.gpt_oss.mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, Mxfp4Error, dequantize
 from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, fixed, indices
+from mmtrain.models.hf_tensors import TakenTensors, embedding_norm_and_head
 
 ARCHITECTURE = "GptOssForCausalLM"
 # config.json keys that must be there (the sizes) and their smallest values; HF's defaults fill in the others
@@ -224,21 +225,8 @@ def state_dict_from_hf(hf_tensors: dict[str, Any], cfg: GptOssConfig) -> dict[st
     """Full tensors of ``GptOssModel(cfg)`` (its ``state_dict`` names) from full HF tensors, after
     ``check_hf_weights``. Every HF tensor is used or the call fails naming it."""
     check_hf_weights(hf_tensors, cfg)
-    used: set[str] = set()
-
-    def take(name: str):
-        if name not in hf_tensors:
-            raise HFAdapterError(f"HF state dict lacks {name!r}")
-        used.add(name)
-        return hf_tensors[name]
-
-    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        out["output.weight"] = take("lm_head.weight")
-    elif "lm_head.weight" in hf_tensors:  # in-memory tied models list the shared tensor twice
-        if not torch.equal(take("lm_head.weight"), out["embed.weight"]):
-            raise HFAdapterError("lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings "
-                                 "is true; set tie_word_embeddings=false in config.json")
+    take = TakenTensors(hf_tensors, HFAdapterError)
+    out = embedding_norm_and_head(take, cfg.tie_word_embeddings)
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         for mine, theirs in _ATTENTION.items():
@@ -252,7 +240,7 @@ def state_dict_from_hf(hf_tensors: dict[str, Any], cfg: GptOssConfig) -> dict[st
         x = hf + "mlp.experts."
         out[ours + "mlp.experts.w_up"] = _experts(take, hf_tensors, x, "gate_up_proj")
         out[ours + "mlp.experts.w_down"] = _experts(take, hf_tensors, x, "down_proj")
-    extra = sorted(set(hf_tensors) - used)
+    extra = take.unused()
     if extra:
         raise HFAdapterError(f"HF state dict has {extra[0]!r} ({len(extra)} unused tensors), which this model does "
                              "not hold")
@@ -277,13 +265,7 @@ def _check_shapes(out: dict[str, torch.Tensor], cfg: GptOssConfig) -> None:
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: GptOssConfig) -> dict[str, torch.Tensor]:
     """HF tensors (dense experts: no MXFP4) from our full tensors."""
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in state:
-            raise HFAdapterError(f"state dict lacks {name!r}")
-        used.add(name)
-        return state[name]
+    take = TakenTensors(state, HFAdapterError, "state dict")
 
     out = {"model.embed_tokens.weight": take("embed.weight"), "model.norm.weight": take("norm.weight")}
     if not cfg.tie_word_embeddings:
@@ -303,7 +285,7 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: GptOssConfig) -> dict[
             out[a + "o_proj.bias"] = take(ours + "attn.proj.bias")
         out[hf + "mlp.experts.gate_up_proj"] = take(ours + "mlp.experts.w_up")
         out[hf + "mlp.experts.down_proj"] = take(ours + "mlp.experts.w_down")
-    extra = sorted(set(state) - used)
+    extra = take.unused()
     if extra:
         raise HFAdapterError(f"state dict has {extra[0]!r}, which GptOssForCausalLM does not hold")
     return out
