@@ -118,8 +118,23 @@ class FamilyStage(TensorParallelModel, Protocol):
 
 
 class LanguageStageDefaults:
-    """The tensor-parallel members of ``FamilyStage`` as a language model with ``cfg.vocab_size`` and an optional
-    ``head`` (None off the last pipeline stage) implements them: a family's stage class may inherit them."""
+    """The tensor-parallel members of ``FamilyStage``, and its output layer, as a language model with
+    ``cfg.vocab_size``, an ``embed`` and an optional ``output`` linear (None: tied to the embedding) and ``head``
+    (None off the last pipeline stage) implements them: a family's stage class may inherit them and override
+    what differs (soft-capped logits, an FP8 head's compiled loss)."""
+
+    def output_weight(self):
+        """The output layer's weight: its own, or the embedding's when tied."""
+        return self.output.weight if self.output is not None else self.embed.weight
+
+    def logits(self, x):
+        """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
+        return self.head.logits(x, self.output_weight())
+
+    def compile_head(self) -> None:
+        """The family contract's head hook: the cross-entropy (fuses the fp32 upcast, log-softmax and backward)."""
+        if self.head is not None:
+            self.head.compile_loss()
 
     def set_sequence_parallel(self, sequence_parallel: bool) -> None:
         """The layout the TP plan applied: the spec's partial gradients follow it."""

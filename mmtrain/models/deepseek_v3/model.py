@@ -314,18 +314,6 @@ class DeepseekV3Model(LanguageStageDefaults, nn.Module):
                 module.expert_bias.zero_()
         reset_dora_magnitudes(self)  # DoRA magnitudes: the row norms of the weights just set
 
-    def output_weight(self) -> torch.Tensor:
-        return self.output.weight if self.output is not None else self.embed.weight
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
-        return self.head.logits(x, self.output_weight())
-
-    def compile_head(self) -> None:
-        """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy."""
-        if self.head is not None:
-            self.head.compile_loss()
-
     def rotary(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the positions (with YaRN's attention factor), as every layer's ``attn`` takes them."""
         return rope_cos_sin(position_ids_BS, self.inv_freq, self.cfg.yarn_attention_factor(), dtype)

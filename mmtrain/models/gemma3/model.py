@@ -223,11 +223,6 @@ class Gemma3Model(LanguageStageDefaults, nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
         reset_dora_magnitudes(self)
 
-    def compile_head(self) -> None:
-        """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy."""
-        if self.head is not None:
-            self.head.compile_loss()
-
     # ------------------------------------------------------------------------------------------ forward
     def embed_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """The embedding times sqrt(hidden_size) rounded to its dtype (what HF's scaled embedding computes)."""
@@ -256,7 +251,7 @@ class Gemma3Model(LanguageStageDefaults, nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer (soft-capped when the config says) on the normalized hidden states: this rank's
         vocabulary shard under TP (the cap is elementwise)."""
-        logits = self.head.logits(x, self.output.weight if self.output is not None else self.embed.weight)
+        logits = self.head.logits(x, self.output_weight())
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -225,18 +225,6 @@ class GptOssModel(LanguageStageDefaults, nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * scale)
         reset_dora_magnitudes(self)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.output.weight if self.output is not None else self.embed.weight
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The output layer on the normalized hidden states: this rank's vocabulary shard under TP."""
-        return self.head.logits(x, self.output_weight())
-
-    def compile_head(self) -> None:
-        """The family contract's head hook: the cross-entropy."""
-        if self.head is not None:
-            self.head.compile_loss()
-
     def rotary(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(position_ids_BS, self.inv_freq, self.cfg.yarn_attention_factor(), dtype)
 

@@ -99,9 +99,6 @@ class GPTModel(LanguageStageDefaults, nn.Module):
         """The output layer's FP8 matmul (``fp8.output_layer``), or None."""
         return self.head.matmul if self.head is not None else None
 
-    def output_weight(self) -> torch.Tensor:
-        return self.output.weight if self.output is not None else self.embed.weight
-
     def compile_head(self) -> None:
         """The family contract's head hook (``mmtrain.models.contract.FamilyStage``): the cross-entropy (fuses the
         fp32 upcast, log-softmax and backward); with an FP8 output layer the whole ``head_loss``, so its casts of
@@ -147,10 +144,6 @@ class GPTModel(LanguageStageDefaults, nn.Module):
         if labels_BS is None:
             return self.head.full_logits(self.logits(x))
         return self.head_loss(x, labels_BS)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The output layer on the (normalized) hidden states: this rank's vocabulary shard under TP."""
-        return self.head.logits(x, self.output_weight())
 
     # ------------------------------------------------------------------------------------------ decoding
     def new_kv_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> StaticKVCache:
