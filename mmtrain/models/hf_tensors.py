@@ -40,3 +40,18 @@ def embedding_norm_and_head(take: TakenTensors, tied: bool) -> dict[str, torch.T
         raise take.error("lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings is true; "
                          "set tie_word_embeddings=false in config.json")
     return out
+
+
+def check_mapped_shapes(out: Mapping[str, torch.Tensor], build_model, error: type[Exception]) -> None:
+    """Our mapped tensors against the shapes of ``build_model()``, built on the meta device (no memory): a tensor
+    of another shape means config.json and the weights disagree (one line naming the tensor); a tensor the model
+    has but ``out`` lacks is a gap in the adapter's mapping."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in build_model().state_dict().items()}
+    for name, shape in expected.items():
+        if name in out and tuple(out[name].shape) != shape:
+            raise error(f"tensor for {name} has shape {tuple(out[name].shape)}, the config implies {shape}; "
+                        "config.json and the weights disagree")
+    missing = sorted(set(expected) - set(out))
+    if missing:  # a bug here, not in the input: every expected name has a mapping
+        raise error(f"no HF tensor mapped to {missing[0]!r}")

@@ -25,7 +25,7 @@ from mmtrain.config.loader import ConfigError
 from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.models.gpt_oss.mxfp4 import BYTES_PER_BLOCK, VALUES_PER_BLOCK, Mxfp4Error, dequantize
 from mmtrain.models.hf_shapes import Shapes, Size, check_count, check_shapes, config_int, fixed, indices
-from mmtrain.models.hf_tensors import TakenTensors, embedding_norm_and_head
+from mmtrain.models.hf_tensors import TakenTensors, check_mapped_shapes, embedding_norm_and_head
 
 ARCHITECTURE = "GptOssForCausalLM"
 # config.json keys that must be there (the sizes) and their smallest values; HF's defaults fill in the others
@@ -248,19 +248,11 @@ def state_dict_from_hf(hf_tensors: dict[str, Any], cfg: GptOssConfig) -> dict[st
     return out
 
 
-def _check_shapes(out: dict[str, torch.Tensor], cfg: GptOssConfig) -> None:
-    """Compare against the shapes a freshly built model has (built on the meta device: no memory)."""
+def _check_shapes(out: dict[str, torch.Tensor], cfg) -> None:
+    """The mapped tensors against the shapes of a model built from ``cfg`` (the model module loads only when a conversion runs)."""
     from mmtrain.models.gpt_oss.model import GptOssModel
 
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in GptOssModel(cfg).state_dict().items()}
-    for name, shape in expected.items():
-        if name in out and tuple(out[name].shape) != shape:
-            raise HFAdapterError(f"tensor for {name} has shape {tuple(out[name].shape)}, the config implies {shape}; "
-                                 "config.json and the weights disagree")
-    missing = sorted(set(expected) - set(out))
-    if missing:  # a bug here, not in the input: every expected name has a mapping
-        raise HFAdapterError(f"no HF tensor mapped to {missing[0]!r}")
+    check_mapped_shapes(out, lambda: GptOssModel(cfg), HFAdapterError)
 
 
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: GptOssConfig) -> dict[str, torch.Tensor]:
