@@ -69,6 +69,18 @@ class Sequence:
         return len(self.prompt_ids) if self._detok is None else self._detok.prompt_end
 
 
+def check_request(prompt_tokens: int, params: SamplingParams, max_len: int) -> None:
+    """Raise ``SamplingError`` for bad parameters, ``ContextLengthError`` when a prompt of ``prompt_tokens`` plus
+    ``params.max_new_tokens`` exceeds ``max_len`` positions (or the prompt is empty): what an engine refuses."""
+    params.check()
+    if prompt_tokens == 0:
+        raise ContextLengthError("the prompt is empty (at least one token is needed)")
+    need = prompt_tokens + params.max_new_tokens
+    if need > max_len:
+        raise ContextLengthError(f"prompt of {prompt_tokens} tokens + {params.max_new_tokens} new "
+                                 f"tokens = {need} exceeds the context of {max_len} positions")
+
+
 # inductor options of the compiled decode step (CUDA graphs are added on a GPU): "reduce-overhead" is
 # torch.compile's mode of that name; "coordinate-descent" also tunes each generated kernel's launch
 # configuration; "max-autotune" also benchmarks matmul kernels against cuBLAS (minutes of compilation)
@@ -149,15 +161,9 @@ class DecodeEngine:
     def check(self, seq: Sequence) -> None:
         """Raise ``ContextLengthError`` when the prompt plus ``max_new_tokens`` exceeds ``max_len`` (or the prompt
         is empty), ``SamplingError`` for bad parameters. Reads nothing the engine changes (any thread may call it)."""
-        seq.params.check()
         if seq.prompt_embeds is not None and self._peers is not None:
             raise UnsupportedModelError("prompt embeddings (a VLM prompt) are not served tensor-parallel")
-        need = len(seq.prompt_ids) + seq.params.max_new_tokens
-        if not seq.prompt_ids:
-            raise ContextLengthError("the prompt is empty (at least one token is needed)")
-        if need > self.max_len:
-            raise ContextLengthError(f"prompt of {len(seq.prompt_ids)} tokens + {seq.params.max_new_tokens} new "
-                                     f"tokens = {need} exceeds the context of {self.max_len} positions")
+        check_request(len(seq.prompt_ids), seq.params, self.max_len)
 
     @property
     def busy(self) -> bool:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API on FastAPI: ``POST /v1/completions``, ``POST /v1/chat/completions`` (a 400 saying
 how to give a chat template when the server has none), server-sent-event streaming, ``GET /v1/models``, ``GET /health``.
 
-Handlers only check and wait: the model runs in the engine thread (``server_engine.EngineThread``), and
-tokenizing, detokenizing and chat rendering run in worker threads, so a large request never holds up the event
-loop (``/health``, the running streams). A body over ``max_request_bytes`` is refused (413) before more of it is
+Handlers only check and wait: the model runs in the engine (``engine_client``: its thread in this process, or
+its own process), tokenizing and chat rendering run in worker threads, so a large request never holds up the
+event loop (``/health``, the running streams). A stream sends one event per engine step that gave it text, or
+fewer, larger ones when it falls behind (all its text waiting at once); the event's bytes around its text are
+encoded once per stream. A body over ``max_request_bytes`` is refused (413) before more of it is
 read. Every refusal is a 4xx with OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``
 (``openai_errors``); nothing a client sends stops the server or another client's request. A client that goes
 away, streaming or not, frees its slot at the next step. Once the engine has stopped (a tensor-parallel failure,
@@ -24,7 +26,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mmtrain.core.chat_template import ChatPrompts
 from mmtrain.core.chat_tokens import ChatTemplateError, RenderError
 from mmtrain.core.tokenizer import Tokenizer
-from mmtrain.inference.engine import ContextLengthError, Sequence
+from mmtrain.inference.engine import ContextLengthError
+from mmtrain.inference.engine_client import Completion, EngineClient, ThreadEngineClient
 from mmtrain.inference.openai_errors import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, install_error_handlers
 from mmtrain.inference.openai_errors import error_response as _error
 from mmtrain.inference.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -39,7 +42,7 @@ _PREFIX_CHARS_PER_POSITION = 16
 
 
 class _Api:
-    def __init__(self, engine: EngineThread, tokenizer: Tokenizer, model_name: str,
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
                  chat: ChatPrompts | None) -> None:
         self.engine, self.tokenizer, self.model_name, self.chat = engine, tokenizer, model_name, chat
         self.created = int(time.time())
@@ -48,7 +51,7 @@ class _Api:
     def encode_prompt(self, text: str) -> list[int]:
         """``text``'s token ids (in a worker thread); raises ContextLengthError without tokenizing all of a text
         whose first part already exceeds the context."""
-        context = self.engine.engine.max_len
+        context = self.engine.max_len
         head = context * _PREFIX_CHARS_PER_POSITION
         if len(text) > head:
             n = len(self.tokenizer.encode(text[:head]))
@@ -59,16 +62,16 @@ class _Api:
 
     def check_length(self, n: int) -> None:
         """Raise ContextLengthError for a prompt of ``n`` tokens that leaves no room for a new one."""
-        context = self.engine.engine.max_len
+        context = self.engine.max_len
         if n >= context:
             raise ContextLengthError(f"the prompt has {n} tokens; the context is {context} positions (prompt + "
                                      "max_tokens)")
 
     def start(self, prompt_ids: list[int], req, max_tokens: int | None,
-              stop_ids: tuple[int, ...] = ()) -> tuple[Sequence, asyncio.Queue]:
+              stop_ids: tuple[int, ...] = ()) -> Completion:
         """Check and submit one request (``stop_ids``: more ids that end it, a chat template's end of turn);
-        raises SamplingError / ContextLengthError for a 400."""
-        context = self.engine.engine.max_len
+        raises SamplingError / ContextLengthError for a 400, EngineStopped for a 503."""
+        context = self.engine.max_len
         n = len(prompt_ids)
         self.check_length(n)
         if max_tokens is None:
@@ -78,15 +81,10 @@ class _Api:
                                      f"{context} positions")
         params = SamplingParams(max_tokens, req.temperature, req.top_k, req.top_p, req.seed,
                                 tuple(dict.fromkeys(self.stop_ids + stop_ids)), req.stop_strings())
-        loop, out = asyncio.get_running_loop(), asyncio.Queue()
-        seq = Sequence(prompt_ids, params, decode=self.tokenizer.decode,
-                       on_token=lambda s, text, done: self.engine.deliver(loop, out, (text, done)))
-        self.engine.check(seq)
-        self.engine.submit(seq)
-        return seq, out
+        return self.engine.start(prompt_ids, params)
 
-    def usage(self, seq: Sequence) -> dict:
-        n, m = len(seq.prompt_ids), len(seq.token_ids)
+    def usage(self, completion: Completion) -> dict:
+        n, m = len(completion.prompt_ids), completion.completion_tokens
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 
@@ -94,24 +92,38 @@ def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-async def _collect(seq: Sequence, out: asyncio.Queue, request: Request) -> bool:
-    """Wait until ``seq`` has finished (True), or until its client disconnects (False): then it is cancelled and
-    its slot is freed at the engine's next step, as a stream's is."""
-    finished = asyncio.ensure_future(_until_done(out))
+_TEXT_MARK = "\x00mmtrain text\x00"  # stands for a chunk's text while its event's bytes are encoded once
+
+
+class _Events:
+    """A stream's SSE events from ``chunk(text, finish_reason, first)`` (its chunk object). An event with text and
+    no finish reason after the first is the one-time encoding of a chunk with a marker for its text, the marker
+    replaced by the text's JSON string: per event, one string encoded instead of the whole object."""
+
+    def __init__(self, chunk) -> None:
+        self.chunk = chunk
+        head, mark, tail = _sse(chunk(_TEXT_MARK, None, False)).partition(json.dumps(_TEXT_MARK).encode())
+        self.parts = (head, tail) if mark else None
+
+    def event(self, text: str, finish_reason: str | None, first: bool) -> bytes:
+        if self.parts is not None and text and finish_reason is None and not first:
+            return self.parts[0] + json.dumps(text, ensure_ascii=False).encode() + self.parts[1]
+        return _sse(self.chunk(text, finish_reason, first))
+
+
+async def _collect(completion: Completion, engine: EngineClient, request: Request) -> bool:
+    """Wait until ``completion`` has finished (True), or until its client disconnects (False): then it is
+    cancelled and its slot is freed at the engine's next step, as a stream's is."""
+    finished = asyncio.ensure_future(completion.wait())
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         finished.cancel()
         gone.cancel()
-        if not seq.finished:
-            seq.cancelled = True
-    return seq.finished and not seq.cancelled
-
-
-async def _until_done(out: asyncio.Queue) -> None:
-    while not (await out.get())[1]:
-        pass
+        if not completion.finished:
+            engine.cancel(completion)
+    return completion.finished
 
 
 async def _disconnect(request: Request) -> None:
@@ -120,25 +132,17 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _drain(out: asyncio.Queue, text: str, done: bool) -> tuple[str, bool]:
-    """``text`` and every piece already waiting on ``out`` after it, as one piece."""
-    pieces = [text]
-    while not done and not out.empty():
-        more, done = out.get_nowait()
-        pieces.append(more)
-    return "".join(pieces), done
-
-
-async def _stream(seq: Sequence, out: asyncio.Queue, chunk, final_usage) -> AsyncIterator[bytes]:
+async def _stream(completion: Completion, engine: EngineClient, chunk, final_usage) -> AsyncIterator[bytes]:
     """SSE events: one chunk per piece of text, the last with the finish reason, then ``[DONE]``. Pieces that
     arrived while the previous event was being sent go out together, so a busy server sends fewer, larger
     events instead of falling behind the decode steps."""
+    events = _Events(chunk)
     try:
         first = True
         while True:
-            text, done = _drain(out, *await out.get())
+            text, done = await completion.next_text()
             if text or done or first:
-                yield _sse(chunk(text, seq.finish_reason if done else None, first))
+                yield events.event(text, completion.finish_reason if done else None, first)
                 first = False
             if done:
                 break
@@ -146,8 +150,8 @@ async def _stream(seq: Sequence, out: asyncio.Queue, chunk, final_usage) -> Asyn
             yield _sse(final_usage())
         yield b"data: [DONE]\n\n"
     finally:
-        if not seq.finished:
-            seq.cancelled = True  # the client went away: free the slot at the next step
+        if not completion.finished:
+            engine.cancel(completion)  # the client went away: free the slot at the next step
 
 
 _NO_TEMPLATE = ("this server has no chat template (its tokenizer has none: no chat_template.jinja, no chat_template "
@@ -155,10 +159,13 @@ _NO_TEMPLATE = ("this server has no chat template (its tokenizer has none: no ch
                 "the rendered prompt to /v1/completions")
 
 
-def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat: ChatPrompts | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI app serving ``engine`` (``chat``: the chat template's prompts; without it chat requests get a
-    400 saying how to give one). A request body of more than ``max_request_bytes`` gets a 413."""
+def build_app(engine: EngineClient | EngineThread, tokenizer: Tokenizer, model_name: str,
+              chat: ChatPrompts | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``EngineThread`` of this process is reached through a
+    ``ThreadEngineClient``; ``chat``: the chat template's prompts; without it chat requests get a 400 saying how to
+    give one). A request body of more than ``max_request_bytes`` gets a 413."""
+    if isinstance(engine, EngineThread):
+        engine = ThreadEngineClient(engine, tokenizer.decode)
     app = FastAPI(title="mmtrain", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     install_error_handlers(app)
@@ -188,7 +195,7 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
         try:
             if isinstance(req.prompt, list):
                 api.check_length(len(req.prompt))
-                vocab = engine.engine.model.cfg.vocab_size
+                vocab = engine.vocab_size
                 if any(not 0 <= t < vocab for t in req.prompt):
                     return _error(400, f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
                 if req.echo and max(req.prompt, default=0) > tokenizer.max_id:
@@ -197,7 +204,7 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
                 ids, prompt_text = req.prompt, None  # echoed as decoded, up to where the completion's text begins
             else:
                 ids, prompt_text = await asyncio.to_thread(api.encode_prompt, req.prompt), req.prompt
-            seq, out = api.start(ids, req, req.max_tokens or 16)
+            completion = api.start(ids, req, req.max_tokens or 16)
         except (SamplingError, ContextLengthError) as exc:
             return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
         except EngineStopped as exc:
@@ -209,7 +216,7 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
             engine has handed back text (a token-id prompt may end inside a character the completion completes)."""
             if not req.echo:
                 return ""
-            return prompt_text if prompt_text is not None else tokenizer.decode(ids[:seq.prompt_text_end])
+            return prompt_text if prompt_text is not None else tokenizer.decode(ids[:completion.prompt_text_end])
 
         def body(text, finish):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
@@ -219,13 +226,13 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
                 return body((echo() if first else "") + text, finish)
             usage = None
             if (req.stream_options or {}).get("include_usage"):
-                usage = lambda: {**body("", None), "choices": [], "usage": api.usage(seq)}  # noqa: E731
-            return StreamingResponse(_stream(seq, out, chunk, usage), media_type="text/event-stream")
-        if not await _collect(seq, out, request):
+                usage = lambda: {**body("", None), "choices": [], "usage": api.usage(completion)}  # noqa: E731
+            return StreamingResponse(_stream(completion, engine, chunk, usage), media_type="text/event-stream")
+        if not await _collect(completion, engine, request):
             return _error(400, "the client disconnected")  # nobody reads it
-        if seq.finish_reason == "error":
+        if completion.finish_reason == "error":
             return _error(500, "generating this completion failed; see the server log")
-        return {**body(echo() + seq.text, seq.finish_reason), "usage": api.usage(seq)}
+        return {**body(echo() + completion.text, completion.finish_reason), "usage": api.usage(completion)}
 
     if chat is None:  # the route exists: a client is told how to give a template, not a bare 404
         @app.post("/v1/chat/completions")
@@ -245,7 +252,7 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
             except (ChatTemplateError, RenderError) as exc:
                 return _error(400, str(exc), "messages")
             try:
-                seq, out = api.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, chat_stop_ids)
+                completion = api.start(prompt_ids, req, req.max_completion_tokens or req.max_tokens, chat_stop_ids)
             except (SamplingError, ContextLengthError) as exc:
                 return _error(400, str(exc), "max_tokens" if isinstance(exc, ContextLengthError) else None)
             except EngineStopped as exc:
@@ -262,14 +269,14 @@ def build_app(engine: EngineThread, tokenizer: Tokenizer, model_name: str, chat:
                 usage = None
                 if (req.stream_options or {}).get("include_usage"):
                     def usage():
-                        return {**head("chat.completion.chunk"), "choices": [], "usage": api.usage(seq)}
-                return StreamingResponse(_stream(seq, out, chunk, usage), media_type="text/event-stream")
-            if not await _collect(seq, out, request):
+                        return {**head("chat.completion.chunk"), "choices": [], "usage": api.usage(completion)}
+                return StreamingResponse(_stream(completion, engine, chunk, usage), media_type="text/event-stream")
+            if not await _collect(completion, engine, request):
                 return _error(400, "the client disconnected")  # nobody reads it
-            if seq.finish_reason == "error":
+            if completion.finish_reason == "error":
                 return _error(500, "generating this completion failed; see the server log")
-            return {**head("chat.completion"), "usage": api.usage(seq),
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": seq.text},
-                                 "finish_reason": seq.finish_reason, "logprobs": None}]}
+            return {**head("chat.completion"), "usage": api.usage(completion),
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
+                                 "finish_reason": completion.finish_reason, "logprobs": None}]}
 
     return app

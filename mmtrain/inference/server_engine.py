@@ -1,10 +1,11 @@
 """The serving side of the decode engine: one thread owns the model and its cache and loops — take new requests,
 one engine step (their prefill joins the running batch), hand tokens back — so concurrent requests are decoded
-together (continuous batching) while the HTTP event loop never runs model code.
+together (continuous batching) while the HTTP side never runs model code.
 
 Requests arrive through a thread-safe queue; tokens go back through each request's ``on_token`` callback, which
-the HTTP side points at ``deliver``: the step's tokens reach their asyncio queues in one ``call_soon_threadsafe``
-per event loop and step. A request whose own work fails (its prefill, its
+the HTTP side points at ``deliver``: after each step every sink (an event loop in this process, or the pipe to
+the HTTP frontend's process: ``engine_client``) receives that step's updates in one call, whatever their number.
+A request whose own work fails (its prefill, its
 draw, its text: ``DecodeEngine``) ends alone with an error; a decode step that fails ends the requests it held with
 an error; either way the thread keeps serving — in one process. Under tensor parallelism (an engine
 with peers, ``step_broadcast``) the other ranks may be inside that step's collectives, so a failed step, or a peer
@@ -15,7 +16,6 @@ tells them to return.
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 from collections.abc import Callable
@@ -45,7 +45,7 @@ class EngineThread:
         self.failure: str | None = None  # why the thread stopped serving, after a fatal failure
         self._lock = threading.Lock()  # a submit sees the failure, or its sequence is failed with the others
         self._inbox: queue.Queue[Sequence | None] = queue.Queue()
-        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
+        self._outbox: dict[Callable[[list], None], list] = {}  # sink -> this step's items for it
         self._thread = threading.Thread(target=self._loop, name="mmtrain-engine", daemon=True)
         self._stopping = False
         self.steps = 0
@@ -62,23 +62,22 @@ class EngineThread:
                 raise EngineStopped(self.failure or "the server is shutting down")
             self._inbox.put(seq)
 
-    def deliver(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, item: object) -> None:
-        """From the engine thread (an ``on_token`` callback): put ``item`` on ``out``, an asyncio queue of ``loop``,
-        after the current step; one wake-up of each event loop per step, whatever the number of tokens."""
-        self._outbox.append((loop, out, item))
+    def deliver(self, sink: Callable[[list], None], item: object) -> None:
+        """From the engine thread (an ``on_token`` callback): hand ``item`` to ``sink`` after the current step. Each
+        sink is called once per step with the step's items for it, in order; a sink handles its own failures (a
+        closed event loop, a frontend gone) and never raises."""
+        items = self._outbox.get(sink)
+        if items is None:
+            self._outbox[sink] = [item]
+        else:
+            items.append(item)
 
     def _flush(self) -> None:
         if not self._outbox:
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, out, item in self._outbox:
-            by_loop.setdefault(loop, []).append((out, item))
-        self._outbox = []
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: its clients are gone
-                pass
+        outbox, self._outbox = self._outbox, {}
+        for sink, items in outbox.items():
+            sink(items)
 
     def warmup(self, steps: int = 4, timeout_s: float = 1800.0) -> None:
         """Decode a throwaway sequence in the engine thread and wait for it: a compiled decode step compiles
@@ -167,8 +166,3 @@ def _log_ends(log, ended: list[Sequence]) -> None:
         elif s.finish_reason == "cancelled":
             log.info(f"a client went away after {len(s.token_ids)} of {s.params.max_new_tokens} new tokens; "
                      "its slot is free")
-
-
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for out, item in items:
-        out.put_nowait(item)
