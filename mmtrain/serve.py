@@ -129,18 +129,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
-    """Rank 0: the HTTP server and the scheduler; the other ranks (under torchrun: tensor-parallel, TP = the
+    """Rank 0: the scheduler, and the HTTP server in a process it starts; the other ranks (under torchrun: tensor-parallel, TP = the
     number of processes) repeat its model calls on their shards until it stops."""
     import signal
-
-    import uvicorn
+    from functools import partial
 
     from mmtrain.convert.checkpoint_io import ConvertError
     from mmtrain.core.tokenizer import TokenizerError
     from mmtrain.core.chat_tokens import ChatTemplateError
     from mmtrain.inference.decoder import UnsupportedModelError
     from mmtrain.inference.memory import CacheSizeError
-    from mmtrain.inference.openai_app import build_app
+    from mmtrain.inference.frontend_process import FrontendError, serve_with_frontend
     from mmtrain.inference.prompts import PromptError
     from mmtrain.inference.server_engine import EngineThread
     from mmtrain.inference.step_broadcast import PeerLostError, StepChannel, StepLeader, follow
@@ -186,27 +185,24 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
             return 1
         return 0
     name = args.model_name or checkpoint_display_name(args.ckpt)
-    server: uvicorn.Server | None = None
+    engine = EngineThread(decode_engine)
+    port = listener.getsockname()[1]
+    layout = f"tensor-parallel over {world} ranks" if world > 1 else "one model process"
 
-    def stop_server(message: str) -> None:  # from the engine thread: a tensor-parallel rank failed
-        if server is not None:
-            server.should_exit = True
-    engine = EngineThread(decode_engine, on_fatal=stop_server)
-    stop_signals: list[int] = []
+    def ready(frontend_pid: int) -> None:
+        get_logger("serve").info(f"serving {name!r} on http://{_url_host(args.host)}:{port} (pid {os.getpid()}, "
+                                 f"{layout}); the HTTP frontend is pid {frontend_pid}")
     try:
         if args.compile:
             engine.warmup()  # compiles (minutes) before the server answers, not on the first request
-        app = build_app(engine, served.tokenizer, name, served.renderer, args.max_request_bytes)
-        port = listener.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again for the handler it
-        # found: this one records it, so the engine (and the followers) stop cleanly and the exit code is 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
-        layout = f"tensor-parallel over {world} ranks" if world > 1 else "one process"
-        get_logger("serve").info(f"serving {name!r} on http://{_url_host(args.host)}:{port} "
-                                 f"(pid {os.getpid()}, {layout})")
-        server.run(sockets=[listener])
+        # the app runs in a process of its own (frontend_process): SIGINT / SIGTERM here stop it gracefully, then
+        # the engine (and the followers); the exit code is then 0
+        serve_with_frontend(engine, served.tokenizer.decode, partial(frontend_parts, args.tokenizer,
+                                                                     args.chat_template),
+                            name, args.max_request_bytes, listener, on_ready=ready)
+    except FrontendError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         engine.close()
         listener.close()
@@ -214,6 +210,15 @@ def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
         print(f"{PROG}: error: {engine.failure}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def frontend_parts(tokenizer_path, chat_template: str):
+    """(tokenizer, ChatPrompts or None): what the HTTP frontend's process loads for itself (``frontend_process``;
+    the engine's process has checked both already)."""
+    from mmtrain.core.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    return tokenizer, chat_prompts(tokenizer, tokenizer_path, chat_template)
 
 
 def _listen(host: str, port: int):
