@@ -1,13 +1,17 @@
-"""The server under load: 32 concurrent streaming clients (spread over --client-processes processes), Llama-3.2-1B shapes (random weights), bf16, 128-token
-prompts (token ids), 256 new tokens each, greedy.
+"""The server under load: 32 concurrent streaming clients (spread over --client-processes processes), Llama-3.2-1B
+shapes (random weights), bf16, 128-token prompts (token ids), 256 new tokens each, greedy.
 
     python bench/serve_load.py [--clients 32] [--prompt 128] [--new 256] [--no-compile] [--tiny] [--device cpu]
+                               [--in-process] [--null-model]
 
-Starts ``python bench/serve_load.py --serve`` (the FastAPI app of ``mmtrain.serve`` over a random-weight model
-with a token-id "tokenizer": text is the ids, so no tokenizer file is needed) in a child process, so the clients
-do not share its interpreter; waits for /health; runs one warm-up round (compilation and CUDA-graph capture in
-the engine thread), then the timed round. Reports throughput (new tokens/s over the round), time to first token
-and per-token latency (gaps between a stream's tokens) percentiles; one JSON line, then a table.
+Starts ``python bench/serve_load.py --serve`` in a child process, laid out as ``python -m mmtrain.serve`` is (the
+engine thread in the child, the FastAPI app in a frontend process it starts: ``mmtrain.inference.frontend_process``;
+``--in-process``: the app beside the engine thread in the child) over a random-weight model with a token-id
+"tokenizer" (text is the ids, so no tokenizer file is needed), so the clients do not share its interpreter; waits
+for /health; runs one warm-up round (compilation and CUDA-graph capture in the engine thread), then the timed
+round. Reports throughput (new tokens/s over the round), time to first token and per-token latency (gaps between
+a stream's tokens) percentiles, and the SSE events received per token; one JSON line, then a table.
+``--null-model``: the model's calls cost nothing, so what is measured is the serving path's own ceiling.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,20 +49,72 @@ class IdsTokenizer:
         return "".join(f" {i}" for i in ids)
 
 
-def serve(a) -> None:
-    import uvicorn
+def null_step_engine(model, slots: int, max_len: int):
+    """A ``DecodeEngine`` whose model calls are replaced by "the next token is the last + 1": every host part of a
+    step (sampling, stops, text, delivery) runs as usual, the model costs nothing, so what the server then delivers
+    is the ceiling of its own serving path."""
+    from mmtrain.inference.engine import DecodeEngine
 
+    class NullStepEngine(DecodeEngine):
+        def decode_forward(self) -> torch.Tensor:
+            return _next_logits(self._last[:, 0], self.model.cfg.vocab_size)
+
+        def prefill_forward(self, tokens_BS, slots_B, last_B) -> torch.Tensor:
+            return _next_logits(tokens_BS[torch.arange(len(last_B)), last_B], self.model.cfg.vocab_size)
+
+    return NullStepEngine(model, slots, max_len)
+
+
+def _next_logits(tokens_B: torch.Tensor, vocab: int) -> torch.Tensor:
+    logits = torch.zeros(len(tokens_B), vocab)
+    logits[torch.arange(len(tokens_B)), (tokens_B + 1) % vocab] = 1.0
+    return logits
+
+
+def build_engine(a):
+    """The child's ``EngineThread``: the bench model (or the null one), warmed up; and the model's vocabulary."""
     from bench.generate import build_model
     from mmtrain.inference.engine import DecodeEngine
-    from mmtrain.inference.openai_app import build_app
     from mmtrain.inference.server_engine import EngineThread
 
     device = torch.device(a.device)
     model = build_model(a.tiny, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    engine = EngineThread(DecodeEngine(model, a.clients, a.prompt + a.new, compile=not a.no_compile))
+    if a.null_model:
+        engine = EngineThread(null_step_engine(model, a.clients, a.prompt + a.new))
+    else:
+        engine = EngineThread(DecodeEngine(model, a.clients, a.prompt + a.new, compile=not a.no_compile))
     engine.warmup()
-    app = build_app(engine, IdsTokenizer(model.cfg.vocab_size), "bench")
-    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
+    return engine, model.cfg.vocab_size
+
+
+def ids_frontend_parts(vocab: int):
+    """The frontend's (tokenizer, chat template): the token-id tokenizer, no template."""
+    return IdsTokenizer(vocab), None
+
+
+def serve(a, parts=ids_frontend_parts, on_ready=None) -> None:
+    """The child: ``mmtrain.serve``'s layout (the app in a frontend process; ``parts`` builds its tokenizer there),
+    or with ``--in-process`` the app and the engine thread in this process."""
+    engine, vocab = build_engine(a)
+    listener = socket.create_server(("127.0.0.1", a.port), backlog=2048)
+    try:
+        if a.in_process:
+            import uvicorn
+
+            from mmtrain.inference.openai_app import build_app
+
+            if on_ready is not None:
+                on_ready(engine, os.getpid())
+            app = build_app(engine, IdsTokenizer(vocab), "bench")
+            uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
+        else:
+            from mmtrain.inference.frontend_process import serve_with_frontend
+
+            serve_with_frontend(engine, IdsTokenizer(vocab).decode, partial(parts, vocab), "bench", 1 << 22,
+                                listener, on_ready=on_ready and partial(on_ready, engine))
+    finally:
+        engine.close()
+        listener.close()
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -66,12 +123,13 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _streams(url: str, prompts: list[list[int]], new: int) -> list[tuple[float, list[float]]]:
-    """Stream one completion per prompt concurrently; per stream its start and each token's arrival time."""
+    """Stream one completion per prompt concurrently; per stream its start, each token's arrival time and the
+    number of events that brought text."""
     import httpx
 
     async def one(client, ids):
         t0 = time.perf_counter()
-        stamps = []
+        stamps, events = [], 0
         body = {"model": "bench", "prompt": ids, "max_tokens": new, "temperature": 0, "stream": True}
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             resp.raise_for_status()
@@ -79,7 +137,8 @@ async def _streams(url: str, prompts: list[list[int]], new: int) -> list[tuple[f
                 if line.startswith("data: {"):
                     text = json.loads(line[6:])["choices"][0]["text"]
                     stamps += [time.perf_counter()] * len(text.split())  # one id per token
-        return t0, stamps
+                    events += bool(text)
+        return t0, stamps, events
 
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -99,21 +158,21 @@ def _round(pool, procs: int, url: str, clients: int, prompt: int, new: int, voca
     start = time.perf_counter() + 0.5
     futures = [pool.submit(_client_process, url, prompts[i::procs], new, start) for i in range(procs)]
     results = [r for f in futures for r in f.result()]
-    end = max((s[-1] for _, s in results if s), default=start)
-    tokens = sum(len(s) for _, s in results)
-    ttft = [s[0] - t0 for t0, s in results if s]
-    gaps = [b - a for _, s in results for a, b in zip(s, s[1:])]
+    end = max((s[-1] for _, s, _ in results if s), default=start)
+    tokens = sum(len(s) for _, s, _ in results)
+    ttft = [s[0] - t0 for t0, s, _ in results if s]
+    gaps = [b - a for _, s, _ in results for a, b in zip(s, s[1:])]
     ms = lambda xs, q: round(1000 * _pct(xs, q), 2)  # noqa: E731
     return {"system": "mmtrain-serve", "clients": clients, "client_processes": procs, "prompt": prompt,
-            "new_tokens": new, "completion_tokens": tokens, "all_answered": all(len(s) == new for _, s in results),
+            "new_tokens": new, "completion_tokens": tokens, "all_answered": all(len(s) == new for _, s, _ in results),
+            "tokens_per_event": round(tokens / max(1, sum(e for _, _, e in results)), 2),
             "s": round(end - start, 3), "tokens_per_s": round(tokens / (end - start)),
             "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p90": ms(ttft, 90), "ttft_ms_p99": ms(ttft, 99),
             "token_ms_p50": ms(gaps, 50), "token_ms_p90": ms(gaps, 90), "token_ms_p99": ms(gaps, 99),
             "token_ms_mean": round(1000 * statistics.fmean(gaps), 2) if gaps else None}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
@@ -121,21 +180,28 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny model (a CPU check of the script)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--null-model", action="store_true",
+                    help="the model's calls cost nothing (next token = last + 1): the serving path's own ceiling")
+    ap.add_argument("--in-process", action="store_true",
+                    help="the app and the engine thread in one process (the frontend process's layout otherwise)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--client-processes", type=int, default=4,
                     help="processes the clients are spread over (one Python process parsing every stream's "
                          "events falls behind the server; real clients are many processes)")
-    a = ap.parse_args()
-    if a.serve:
-        return serve(a)
+
+
+def run(a, script: Path, child_extra: list[str] = (), before=None, after=None) -> dict:
+    """Start ``script --serve`` (the server child), run the warm-up round and the timed one; ``before(pid)`` and
+    ``after(pid)`` are called around the timed round. Returns its row."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    child_args = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", str(a.clients),
-                  "--prompt", str(a.prompt), "--new", str(a.new), "--device", a.device]
-    child_args += ["--tiny"] * a.tiny + ["--no-compile"] * a.no_compile
+    child_args = [sys.executable, str(script), "--serve", "--port", str(port), "--clients", str(a.clients),
+                  "--prompt", str(a.prompt), "--new", str(a.new), "--device", a.device, *child_extra]
+    child_args += ["--tiny"] * a.tiny + ["--no-compile"] * a.no_compile + ["--null-model"] * a.null_model
+    child_args += ["--in-process"] * a.in_process
     child = subprocess.Popen(child_args, env={**os.environ, "PYTHONPATH": str(REPO) + os.pathsep
                                               + os.environ.get("PYTHONPATH", "")})
     url = f"http://127.0.0.1:{port}"
@@ -158,15 +224,29 @@ def main() -> None:
             t0 = time.perf_counter()
             _round(pool, procs, url, a.clients, a.prompt, a.warmup_new, vocab, seed=1)  # also starts the workers
             warm = time.perf_counter() - t0
+            if before is not None:
+                before(child.pid)
             row = _round(pool, procs, url, a.clients, a.prompt, a.new, vocab, seed=2)
+            if after is not None:
+                after(child.pid)
         row["warmup_s"] = round(warm, 1)
-        print(json.dumps(row), flush=True)
-        print("\n| clients (processes) | new tokens/s | TTFT p50/p90/p99 ms | per-token p50/p90/p99 ms |\n|---|---|---|---|")
-        print(f"| {row['clients']} ({row['client_processes']}) | {row['tokens_per_s']} | {row['ttft_ms_p50']} / {row['ttft_ms_p90']} / "
-              f"{row['ttft_ms_p99']} | {row['token_ms_p50']} / {row['token_ms_p90']} / {row['token_ms_p99']} |")
+        return row
     finally:
         child.terminate()
         child.wait(timeout=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_options(ap)
+    a = ap.parse_args()
+    if a.serve:
+        return serve(a)
+    row = run(a, Path(__file__))
+    print(json.dumps(row), flush=True)
+    print("\n| clients (processes) | new tokens/s | TTFT p50/p90/p99 ms | per-token p50/p90/p99 ms |\n|---|---|---|---|")
+    print(f"| {row['clients']} ({row['client_processes']}) | {row['tokens_per_s']} | {row['ttft_ms_p50']} / {row['ttft_ms_p90']} / "
+          f"{row['ttft_ms_p99']} | {row['token_ms_p50']} / {row['token_ms_p90']} / {row['token_ms_p99']} |")
 
 
 if __name__ == "__main__":
