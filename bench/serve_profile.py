@@ -148,7 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     serve_load.add_options(ap)
     ap.add_argument("--cprofile", action="store_true", help="also split the two threads' time by part (cProfile)")
-    ap.add_argument("--top", type=int, default=0, help="with --cprofile: also print each thread's N costliest functions")
+    ap.add_argument("--top", type=int, default=0,
+                    help="with --cprofile: also print each thread's N costliest functions")
     ap.add_argument("--thread-file", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:

@@ -1,7 +1,8 @@
 """Command line: ``python -m mmtrain.serve --ckpt CKPT --tokenizer TOK [--host 127.0.0.1] [--port 8000]``: an
-OpenAI-compatible HTTP server (FastAPI + uvicorn, ``mmtrain.inference.openai_app``) over one process's model,
-with continuous batching in ``--slots`` KV-cache slots of ``--context`` positions; under ``torchrun
---nproc_per_node N`` the model is tensor-parallel over the N ranks (rank 0 serves, ``inference.step_broadcast``).
+OpenAI-compatible HTTP server (FastAPI + uvicorn, ``mmtrain.inference.openai_app``, in a frontend process of its
+own: ``inference.frontend_process``) over one process's model, with continuous batching in ``--slots`` KV-cache
+slots of ``--context`` positions; under ``torchrun --nproc_per_node N`` the model is tensor-parallel over the N
+ranks (rank 0 serves, ``inference.step_broadcast``).
 Needs ``pip install 'mmtrain[serve]'``. Exit codes: 0 stopped (SIGINT / SIGTERM to rank 0), 1 a rank failed or
 stopped answering, 2 a bad argument, a port in use (found before the model loads), a tokenizer or checkpoint, or a
 KV cache larger than the device's free memory (one line on stderr)."""
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, dev, rank: int, world: int) -> int:
-    """Rank 0: the scheduler, and the HTTP server in a process it starts; the other ranks (under torchrun: tensor-parallel, TP = the
-    number of processes) repeat its model calls on their shards until it stops."""
+    """Rank 0: the scheduler, and the HTTP server in a process it starts; the other ranks (under torchrun:
+    tensor-parallel, TP = the number of processes) repeat its model calls on their shards until it stops."""
     import signal
     from functools import partial
 

@@ -7,9 +7,9 @@ Two ways to reach the engine:
 
 - ``ThreadEngineClient``: an ``EngineThread`` in this process (tests, an app embedded in another program). The
   HTTP side's Python and the engine's then take turns on one interpreter lock.
-- ``PipeEngineClient``: the engine in another process (``python -m mmtrain.serve``, ``frontend_process``), over
-  two pipes: submissions and cancellations one way, one message per engine step the other. The engine's process
-  never waits for the HTTP side's JSON, HTTP framing and socket writes.
+- ``ProcessEngineClient``: the engine in another process (``python -m mmtrain.serve``, ``frontend_process``), over a
+  socket pair (``MessageChannel``): submissions and cancellations one way, one message per engine step the other.
+  The engine's process never waits for the HTTP side's JSON, HTTP framing and socket writes.
 
 An update is ``(rid, text, done, finish_reason, completion_tokens, prompt_text_end)``: the request's new text,
 whether it has ended and, as of this step, why, its completion's tokens and how many prompt tokens have their text
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import pickle
+import socket
+import struct
 from collections.abc import Callable
 
 from mmtrain.inference.engine import Sequence, check_request
@@ -28,6 +31,46 @@ from mmtrain.inference.server_engine import EngineStopped, EngineThread
 
 SUBMIT, CANCEL = "submit", "cancel"  # the frontend's messages to the engine's process
 UPDATES, STOPPED = "updates", "stopped"  # the engine's process's messages to the frontend
+
+
+class MessageChannel:
+    """Pickled messages over one end of a socket pair (between this program's own two processes), each behind its
+    length. ``receive`` takes everything that has arrived in one system call: a reader in a thread beside a busy
+    one waits for the interpreter lock once per wake-up, not twice per message."""
+
+    _LENGTH = struct.Struct("<Q")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._pending = bytearray()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.sock.sendall(self._LENGTH.pack(len(data)) + data)
+
+    def receive(self) -> list:
+        """The complete messages among the bytes that have arrived (waits for some; possibly none is complete
+        yet). Raises EOFError once the other end has closed."""
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise EOFError("the other process closed its end")
+        pending = self._pending
+        pending += chunk
+        messages, at, size = [], 0, self._LENGTH.size
+        while len(pending) - at >= size:
+            (n,) = self._LENGTH.unpack_from(pending, at)
+            if len(pending) - at - size < n:
+                break
+            messages.append(pickle.loads(memoryview(pending)[at + size:at + size + n]))
+            at += size + n
+        del pending[:at]
+        return messages
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class Completion:
@@ -178,15 +221,15 @@ class ThreadEngineClient(EngineClient):
         completion._handle.cancelled = True
 
 
-class PipeEngineClient(EngineClient):
-    """The engine in another process: ``requests`` (this side writes) and ``updates`` (this side reads) are the
-    pipe ends ``frontend_process`` gives. ``on_stop(message)``: called once when the engine stops serving or its
-    process goes away (the frontend then shuts down). ``attach`` the event loop before serving."""
+class ProcessEngineClient(EngineClient):
+    """The engine in another process, over ``channel`` (``frontend_process``'s socket pair: submissions and
+    cancellations out, a step's updates in). ``on_stop(message)``: called once when the engine stops serving or
+    its process goes away (the frontend then shuts down). ``attach`` the event loop before serving."""
 
-    def __init__(self, max_len: int, vocab_size: int, requests, updates,
+    def __init__(self, max_len: int, vocab_size: int, channel: MessageChannel,
                  on_stop: Callable[[str], None] | None = None) -> None:
         super().__init__(max_len, vocab_size)
-        self.requests, self.updates, self.on_stop = requests, updates, on_stop
+        self.channel, self.on_stop = channel, on_stop
         self._failure: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -197,23 +240,24 @@ class PipeEngineClient(EngineClient):
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the engine's messages on ``loop`` (whenever its pipe has some: no thread)."""
         self._loop = loop
-        loop.add_reader(self.updates.fileno(), self._read)
+        loop.add_reader(self.channel.fileno(), self._read)
 
     def _read(self) -> None:
         try:
-            while self.updates.poll():
-                kind, payload = self.updates.recv()
-                if kind == UPDATES:
-                    self.receive(payload)
-                else:
-                    self._stopped(payload)
-                    return
+            messages = self.channel.receive()
         except (EOFError, OSError):
             self._stopped("the engine's process went away")
+            return
+        for kind, payload in messages:
+            if kind == UPDATES:
+                self.receive(payload)
+            else:
+                self._stopped(payload)
+                return
 
     def _stopped(self, message: str) -> None:
         if self._loop is not None:
-            self._loop.remove_reader(self.updates.fileno())
+            self._loop.remove_reader(self.channel.fileno())
         if self._failure is None:
             self._failure = message
             self._end_all()
@@ -222,13 +266,13 @@ class PipeEngineClient(EngineClient):
 
     def _submit(self, completion: Completion, params: SamplingParams) -> None:
         try:
-            self.requests.send((SUBMIT, completion.rid, completion.prompt_ids, params))
+            self.channel.send((SUBMIT, completion.rid, completion.prompt_ids, params))
         except OSError:
             self._stopped("the engine's process went away")
             raise EngineStopped(self._failure) from None
 
     def _cancel(self, completion: Completion) -> None:
         try:
-            self.requests.send((CANCEL, completion.rid))
+            self.channel.send((CANCEL, completion.rid))
         except OSError:
             pass  # the engine is gone: nothing to free

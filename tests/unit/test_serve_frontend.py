@@ -133,3 +133,28 @@ async def _fatal_beside_a_running_stream(url: str) -> list:
                     if len(events) == 1:
                         fatal = await _ask(client, url, dict(prompt=FATAL, max_tokens=40, stream=True))
         return [(r.status_code, events), fatal]
+
+
+def test_the_message_channel_reads_every_message_that_has_arrived_at_once():
+    import socket
+    import threading
+
+    from mmtrain.inference.engine_client import MessageChannel
+
+    mine, theirs = socket.socketpair()
+    sender, receiver = MessageChannel(mine), MessageChannel(theirs)
+    sent = [("submit", i, list(range(i)), None) for i in range(5)] + [("big", "x" * (3 << 20))] + [("cancel", 9)]
+    for message in sent[:5]:
+        sender.send(message)
+    assert receiver.receive() == sent[:5]  # five messages, one read
+    writer = threading.Thread(target=lambda: [sender.send(m) for m in sent[5:]])  # larger than one read
+    writer.start()
+    got = []
+    while len(got) < 2:
+        got += receiver.receive()
+    writer.join()
+    assert got == sent[5:]
+    sender.close()
+    with pytest.raises(EOFError):
+        receiver.receive()
+    receiver.close()

@@ -203,5 +203,6 @@ def test_one_requests_error_or_disconnect_ends_it_alone(tokenizer_path):
     assert "".join(_texts(ok.events(), False)) == "abc" and ok.events()[-1]["choices"][0]["finish_reason"] == "length"
     assert failing.messages[0]["status"] == 500 and "failed" in json.loads(failing.body)["error"]["message"]
     assert failing_stream.events()[-1]["choices"][0]["finish_reason"] == "error"
-    sent = [json.loads(e.removeprefix("data: ")) for e in dropped.body.decode().split("\n\n") if e.startswith("data: {")]
+    sent = [json.loads(e.removeprefix("data: ")) for e in dropped.body.decode().split("\n\n")
+            if e.startswith("data: {")]
     assert _texts(sent, False) == ["a"]  # nothing after it went away
