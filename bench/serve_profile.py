@@ -8,9 +8,9 @@ The server child is serve_load.py's. Around the timed round the parent reads eve
 run-queue wait from /proc/PID/task/TID/schedstat (the kernel's own counters: nothing runs in the server to take
 them), so those numbers are an unprofiled server's. The child names its engine thread and the event loop's
 process in a file. ``--cprofile`` also runs cProfile in the engine thread and the event loop during the timed
-round (SIGUSR1 / SIGUSR2 from the parent start and stop it) and prints each one's time by part: our SSE code,
-Starlette/FastAPI, uvicorn + h11 + socket writes, asyncio, the model, the engine's bookkeeping, detokenization,
-delivery. cProfile slows what it profiles and counts a call that waits for the interpreter lock (a torch op,
+round (SIGUSR1 / SIGUSR2 from the parent start and stop it) and prints each one's time by part (``PARTS``):
+socket calls, uvicorn + h11, Starlette/FastAPI, asyncio, our SSE code, the handoff from the engine to the event
+loop, the engine's bookkeeping, detokenization, the model. cProfile slows what it profiles and counts a call that waits for the interpreter lock (a torch op,
 a socket write) as that call's time: read its split as shares, and as a sign of lock waits where such calls
 look long.
 """
@@ -35,18 +35,19 @@ sys.path.insert(0, str(REPO))
 
 from bench import serve_load  # noqa: E402
 
-# (part, substrings of a function's file or name), first match wins; a function's own time (tottime) is counted
+# (part, substrings of a function's file:name), first match wins; a function's own time (tottime) is counted
 PARTS = [
+    ("socket send/recv calls", ("'send' of '_socket", "'sendall' of '_socket", "'recv' of '_socket")),
     ("detokenize", ("inference/detokenize.py", "IdsTokenizer", "core/tokenizer.py", "tokenizers")),
-    ("deliver (engine -> loop)", ("server_engine.py", "call_soon_threadsafe", "_write_to_self")),
+    ("engine -> loop handoff", ("server_engine.py", "engine_client.py", "frontend_process.py", "pickle",
+                                "call_soon_threadsafe", "_write_to_self")),
     ("engine bookkeeping", ("inference/engine.py", "inference/sampling.py")),
-    ("model step (torch)", ("torch", "inference/decoder.py", "mmtrain/models", "mmtrain/model/", "<built-in method",
-                            "tensor", "Tensor", "_C.")),
+    ("model step (torch)", ("torch", "inference/decoder.py", "mmtrain/models", "mmtrain/model/", "serve_load.py")),
     ("SSE + JSON (openai_app)", ("openai_app.py", "json", "uuid")),
-    ("asyncio queues + loop", ("asyncio", "selectors", "select", "epoll")),
+    ("asyncio loop, tasks, futures", ("asyncio", "selectors", "select", "epoll", "_contextvars")),
     ("starlette / fastapi", ("starlette", "fastapi")),
     ("anyio", ("anyio",)),
-    ("uvicorn + h11 + socket", ("uvicorn", "h11", "socket", "send", "transport")),
+    ("uvicorn + h11", ("uvicorn", "h11")),
 ]
 
 
