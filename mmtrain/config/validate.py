@@ -78,6 +78,7 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if t.objective == "dpo" and p.cp > 1:
         raise ConfigError("train.objective=dpo does not support parallel.cp > 1 yet (sequence log-probs would be "
                           "split over the context ranks); use tp/pp/dp")
+    _validate_distill(cfg, mk)
     if t.document_attention == "flex" and t.device == "cpu":
         raise ConfigError("train.document_attention=flex needs a GPU (FlexAttention has no backward on the CPU in "
                           "this torch); use auto or dense")
@@ -108,6 +109,28 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
         if p.virtual_pp > 1 and num_micro % p.pp:
             raise ConfigError(f"with parallel.virtual_pp > 1 the micro-batches per step ({num_micro}) must be a "
                               f"multiple of parallel.pp ({p.pp}); raise train.global_batch_size")
+
+
+def _validate_distill(cfg, mk: str) -> None:
+    """train.objective=distill and the distill section (the teacher's checkpoint itself is read before any process
+    group: mmtrain.train.distill_teacher.check_teacher)."""
+    t, section = cfg.train, getattr(cfg, "distill", None)
+    if section is None:
+        return
+    if t.objective != "distill":
+        if section.teacher:
+            raise ConfigError(f"distill.teacher is set but train.objective={t.objective}: set train.objective=distill "
+                              "to distill from it, or leave distill.teacher out")
+        return
+    if mk != "model":
+        raise ConfigError("train.objective=distill distills language models (python -m mmtrain.pretrain_gpt); a VLM "
+                          "run trains with train.objective=lm")
+    if not section.teacher:
+        raise ConfigError("train.objective=distill needs distill.teacher: the teacher's mmtrain checkpoint "
+                          "(docs/distillation.md)")
+    if t.precision == "fp8":
+        raise ConfigError("train.objective=distill with train.precision=fp8 is not supported yet; use "
+                          "train.precision=bf16")
 
 
 def _validate_fsdp(cfg) -> None:

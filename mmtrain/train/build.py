@@ -112,3 +112,9 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
 
         built.fp8_runtime = Fp8Runtime(fp8_backend, cfg, chunks, mesh.tp_group)
     return built
+
+
+def build_whole_model(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> nn.Module:
+    """The whole model of ``cfg`` (every layer, embedding and head) on this rank, whatever ``mesh``'s pipeline
+    size, sharded over tensor, context and expert parallelism like a stage: a distillation teacher."""
+    return _build_chunk(cfg, mesh, (0, cfg.model.shape().num_layers), pre=True, post=True).to(device)

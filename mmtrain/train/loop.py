@@ -28,6 +28,7 @@ from mmtrain.parallel.grad_buckets import GradBuckets
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.dpo import build_reference, dpo_metrics, run_dpo_micro_batches
+from mmtrain.train.distill import distill_task
 from mmtrain.train.checkpoint import (CheckpointError, CheckpointWriter, find_checkpoint, is_weights_only,
                                       load_checkpoint)
 from mmtrain.train.fsdp_setup import fully_sharded_buckets, fully_sharded_frozen
@@ -275,6 +276,9 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         if cfg.parallel.fsdp:  # sharded like the policy: its blocks gathered for their forward only (the
             fully_sharded_frozen(reference, mesh)  # buckets live on in the hooks they put on its blocks)
         task = _dpo_task(cfg, mesh, device, stage, reference, task)
+    elif cfg.train.objective == "distill":
+        task = distill_task(cfg, mesh, device, stage, task, _param_dtype_for(cfg.train.precision), run_micro_batches,
+                            schedule_micro_batches)
     return train_model(cfg, mesh, device, stage, batches, val_batches, task,
                        found, model_name=cfg.model.shape().name, lr_schedule=lr_schedule)
 
