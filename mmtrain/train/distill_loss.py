@@ -50,14 +50,15 @@ def _all_reduce(t: torch.Tensor, kd: KDSettings, op=dist.ReduceOp.SUM) -> torch.
 @torch.no_grad()
 def teacher_targets(teacher_NV: torch.Tensor, kd: KDSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's part of the teacher's distribution p (N, V_local) fp32, sum_v p_v log p_v (N,) over the whole
-    vocabulary) from its logits (this rank's vocabulary range)."""
-    t = teacher_NV.float() / kd.temperature
+    vocabulary) from its logits (this rank's vocabulary range). Two (N, V_local) fp32 tensors at most."""
+    t = teacher_NV.to(torch.float32, copy=True).div_(kd.temperature)
     if kd.top_k:
         return _top_k_targets(t, kd)
     m = _all_reduce(t.max(dim=-1).values, kd, dist.ReduceOp.MAX)
-    shifted = t - m[:, None]
-    exp = shifted.exp()
-    sums = _all_reduce(torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)]), kd)
+    t.sub_(m[:, None])
+    exp = t.exp()
+    sums = _all_reduce(torch.stack([exp.sum(dim=-1), torch.linalg.vecdot(exp, t)]), kd)
+    del t
     z = sums[0]
     # sum p log p = sum p (t - m) - log z, with p = exp / z
     return exp.div_(z[:, None]), sums[1] / z - z.log()
@@ -88,36 +89,36 @@ def _top_k_targets(t: torch.Tensor, kd: KDSettings) -> tuple[torch.Tensor, torch
 
 
 class _ShardedKL(torch.autograd.Function):
-    """KL(p || softmax(s)) per row from the student's scaled logits ``s`` (N, V_local) and the teacher's target
-    ``p`` (this rank's part) with its ``sum p log p``; the gradient ``softmax(s) - p`` is made in forward and kept
-    (one (N, V_local) fp32 tensor, as the vocab-parallel cross-entropy keeps its softmax)."""
+    """KL(p || softmax(s / T)) per row from the student's logits ``s`` (N, V_local) and the teacher's target ``p``
+    (this rank's part) with its ``sum p log p``; the gradient ``(softmax(s / T) - p) / T`` is made in forward and
+    kept (one (N, V_local) fp32 tensor, as the vocab-parallel cross-entropy keeps its softmax)."""
 
     @staticmethod
     def forward(ctx, s_NV, p_NV, p_log_p_N, kd):
-        s = s_NV.float()
+        s = s_NV.to(torch.float32, copy=True).div_(kd.temperature)
         m = _all_reduce(s.max(dim=-1).values, kd, dist.ReduceOp.MAX)
-        exp = (s - m[:, None]).exp_()
-        sums = _all_reduce(torch.stack([exp.sum(dim=-1), (p_NV * s).sum(dim=-1)]), kd)
+        cross = torch.linalg.vecdot(p_NV, s)
+        exp = s.sub_(m[:, None]).exp_()
+        sums = _all_reduce(torch.stack([exp.sum(dim=-1), cross]), kd)
         log_z = sums[0].log() + m
-        ctx.save_for_backward(exp.div_(sums[0][:, None]).sub_(p_NV))
+        ctx.save_for_backward(exp.div_(sums[0][:, None]).sub_(p_NV).div_(kd.temperature))
         ctx.input_dtype = s_NV.dtype
-        return p_log_p_N - sums[1] + log_z  # sum_v p_v (log p_v - s_v + log z), sum_v p_v = 1
+        return p_log_p_N - sums[1] + log_z  # sum_v p_v (log p_v - s_v / T + log z), sum_v p_v = 1
 
     @staticmethod
     def backward(ctx, grad_N):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_N[:, None]).to(ctx.input_dtype), None, None, None
+        return grad.mul_(grad_N[:, None]).to(ctx.input_dtype), None, None, None
 
 
 def kd_token_kl(student_BSV: torch.Tensor, teacher_BSV: torch.Tensor, kd: KDSettings) -> torch.Tensor:
     """Per-token KL(teacher_T || student_T) (B, S) fp32, differentiable in the student's logits."""
     p, p_log_p = teacher_targets(teacher_BSV.flatten(0, 1), kd)
-    s = student_BSV.flatten(0, 1).float() / kd.temperature
-    return _ShardedKL.apply(s, p, p_log_p, kd).view(student_BSV.shape[:2])
+    return _ShardedKL.apply(student_BSV.flatten(0, 1), p, p_log_p, kd).view(student_BSV.shape[:2])
 
 
 def distill_token_losses(ce_BS: torch.Tensor, kl_BS: torch.Tensor, kd: KDSettings) -> torch.Tensor:
-    """``alpha * T^2 * KL + (1 - alpha) * CE`` per token (no cross-entropy gradient at alpha = 1)."""
+    """``alpha * T^2 * KL + (1 - alpha) * CE`` per token (the cross-entropy left out at alpha = 1)."""
     kd_term = (kd.alpha * kd.temperature ** 2) * kl_BS
     return kd_term if kd.alpha == 1 else kd_term + (1 - kd.alpha) * ce_BS
 
@@ -155,9 +156,13 @@ class DistillHead(nn.Module):
         return self.inner.logits(x, weight)
 
     def loss(self, logits: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        ce = self.inner.loss(logits, labels_BS)
         if self._teacher is None:
-            return ce
+            return self.inner.loss(logits, labels_BS)
+        if self.kd.alpha == 1:  # reported only: no graph, nothing kept for backward
+            with torch.no_grad():
+                ce = self.inner.loss(logits.detach(), labels_BS)
+        else:
+            ce = self.inner.loss(logits, labels_BS)
         kl = kd_token_kl(logits, self._teacher, self.kd)
         self.parts = (ce.detach(), kl.detach())
         return distill_token_losses(ce, kl, self.kd)

@@ -123,7 +123,7 @@ def build_teacher(cfg: GPTRunConfig, teacher: TeacherCheckpoint, mesh: ParallelM
         return None
     from mmtrain.model.lora import merge_adapters  # as mmtrain.inference.loading merges a LoRA run's adapters
 
-    model = build_whole_model(teacher_run_config(cfg, teacher), mesh, device)
+    model = build_whole_model(teacher_run_config(cfg, teacher), mesh, device, param_dtype)  # the run's weight dtype
     try:
         load_model_weights(teacher.folder, mesh, model, run_model_cfg=teacher.model, verify=cfg.checkpoint.verify,
                            adapters=teacher.lora is not None, option="distill.teacher")
@@ -131,9 +131,8 @@ def build_teacher(cfg: GPTRunConfig, teacher: TeacherCheckpoint, mesh: ParallelM
         raise ConfigError(f"distill.teacher={cfg.distill.teacher}: {exc}") from None
     if teacher.lora is not None:
         merge_adapters(model)
-    for p in model.parameters():  # frozen, in the dtype the student's weights compute in (buffers keep theirs)
+    for p in model.parameters():
         p.requires_grad_(False)
-        p.data = p.data.to(param_dtype)
     model.swap_head(lambda head, vocab_size: TeacherHead(head))
     if cfg.parallel.fsdp:  # sharded like the student: each block gathered for its forward only
         fully_sharded_frozen(model, mesh)
