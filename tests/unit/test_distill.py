@@ -205,3 +205,103 @@ def test_the_same_tokenizer_passes_the_checks(tmp_path, student_data):
                                                      f"distill.teacher={_teacher(tmp_path / 't')}"))
     validate_gpt_config(cfg)
     assert check_teacher(cfg).model.num_layers == 1
+
+
+# ------------------------------------------------------------------- the step: masks, the frozen teacher
+@pytest.fixture
+def one_process():
+    from mmtrain.parallel import ParallelDims, init_distributed, shutdown_distributed
+
+    init_distributed()
+    try:
+        yield ParallelDims(1).build()
+    finally:
+        shutdown_distributed()
+
+
+def _hand_sums(student, teacher, micro, T):
+    """[KL sum, CE sum, tokens] over the loss-mask tokens, from both models' full logits in fp64."""
+    inputs, labels = micro.tokens[:, :-1], micro.tokens[:, 1:]
+    with torch.no_grad():
+        s = student(inputs, None, micro.position_ids, micro.document_ids).double()
+        t = teacher(inputs, None, micro.position_ids, micro.document_ids).double()
+    p = torch.softmax(t / T, -1)
+    kl = (p * (torch.log_softmax(t / T, -1) - torch.log_softmax(s / T, -1))).sum(-1)
+    ce = F.cross_entropy(s.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    mask = micro.loss_mask.double()
+    return torch.stack([(kl * mask).sum(), (ce * mask).sum(), mask.sum()])
+
+
+@pytest.mark.parametrize("data", ["packed documents", "sft"])
+def test_the_kl_counts_only_where_the_cross_entropy_counts(data, one_process, tmp_path):
+    from mmtrain.data.documents import DocumentRule
+    from mmtrain.data.sft_dataset import SFTSamples, sft_micro_batch
+    from mmtrain.train.distill import kd_settings, run_distill_micro_batches, student_head
+    from mmtrain.train.loop import schedule_micro_batches
+    from tests.sft_helpers import VOCAB, build_chat_tokenizer, toy_conversations, write_sft_dataset
+
+    g = torch.Generator().manual_seed(5)
+    if data == "sft":  # the loss on the assistant turns only, conversations packed with their own positions
+        prefix = write_sft_dataset(tmp_path, build_chat_tokenizer(tmp_path / "tok"), toy_conversations(6))
+        samples = SFTSamples(str(prefix), 96, seed=0, num_samples=2)
+        raw = torch.stack([torch.as_tensor(samples[i]) for i in range(2)]).long()
+        micro, vocab = sft_micro_batch(raw), VOCAB + 40
+    else:  # end-of-document tokens (id 0) every few tokens: positions restart, no loss on predicting across
+        tokens = torch.randint(1, 40, (2, 33), generator=g)
+        tokens[:, ::7] = 0
+        micro, vocab = DocumentRule(0, True, True, True).apply(tokens), 40
+        raw = micro  # as the loop's loader hands packed documents
+    cfg = load_config(GPTRunConfig, None, _overrides(f"model.vocab_size={vocab}", "train.objective=distill",
+                                                     "distill.teacher=t", "distill.temperature=1.5",
+                                                     "distill.alpha=0.25"))
+    student = GPTModel(cfg.model)
+    teacher = GPTModel(ModelConfig(num_layers=2, hidden_size=48, ffn_hidden_size=64, num_attention_heads=4,
+                                   vocab_size=vocab, init_std=0.4))
+    student.init_weights(1)
+    teacher.init_weights(2)
+    expected = _hand_sums(student, teacher, micro, 1.5)
+    assert 0 < expected[2] < micro.loss_mask.numel()  # some tokens carry no loss
+    teacher.swap_head(lambda head, v: TeacherHead(head))
+    head = student_head(student, kd_settings(cfg, one_process))
+    stats = run_distill_micro_batches(student, teacher, head, [raw], one_process, cfg, torch.device("cpu"), None,
+                                      schedule_micro_batches)
+    objective, tokens, ce, kl = stats.tolist()
+    torch.testing.assert_close(torch.tensor([kl, ce, tokens], dtype=torch.float64), expected, rtol=1e-5, atol=1e-5)
+    assert objective == pytest.approx(0.25 * 1.5 ** 2 * kl + 0.75 * ce, rel=1e-5)
+
+
+def _teacher_run(teacher_ckpt, *extra):
+    return load_config(GPTRunConfig, None, _overrides("train.objective=distill", f"distill.teacher={teacher_ckpt}",
+                                                      *extra))
+
+
+def test_the_teacher_is_frozen_in_the_runs_weight_dtype(one_process, tmp_path):
+    from mmtrain.train.distill_teacher import build_teacher, read_teacher
+
+    cfg = _teacher_run(_teacher(tmp_path / "t"), "train.precision=bf16")
+    teacher = build_teacher(cfg, read_teacher(cfg), one_process, torch.device("cpu"), torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in teacher.parameters())
+    assert all(b.dtype == torch.float32 for b in teacher.buffers())  # the RoPE frequencies keep theirs
+    assert not teacher.training and isinstance(teacher.head, TeacherHead)
+
+
+def test_a_lora_runs_checkpoint_teaches_with_its_adapters_merged(one_process, tmp_path):
+    """The teacher of a LoRA run's checkpoint computes what generation and evaluation load from it."""
+    from mmtrain.inference.loading import load_checkpoint_model
+    from mmtrain.train.distill_teacher import build_teacher, read_teacher
+    from mmtrain.train.loop import train_gpt
+
+    lora_run = load_config(GPTRunConfig, None, _overrides("train.steps=2", "optim.lr=5e-2", "optim.warmup_steps=0",
+                                                          "peft.lora.rank=4", f"logging.run_dir={tmp_path / 'lora'}"))
+    train_gpt(lora_run, one_process, torch.device("cpu"))
+    ckpt = tmp_path / "lora" / "checkpoints"
+    cfg = _teacher_run(ckpt)
+    teacher = build_teacher(cfg, read_teacher(cfg), one_process, torch.device("cpu"), torch.float32)
+    merged, _ = load_checkpoint_model(ckpt, one_process, "cpu", torch.float32)
+    base = GPTModel(lora_run.model)
+    base.init_weights(lora_run.train.seed)  # the run's base weights: the adapters moved the model away from them
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs, plain = teacher(tokens), merged(tokens), base(tokens)
+    torch.testing.assert_close(ours, theirs)
+    assert not torch.allclose(ours, plain, atol=1e-4)
