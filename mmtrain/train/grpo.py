@@ -23,6 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mmtrain.config.loader import ConfigError
+from mmtrain.convert.checkpoint_io import read_checkpoint_config
+from mmtrain.core.manifest import ManifestError
+from mmtrain.core.tokenizer_record import describe_record, tokenizer_mismatch
 from mmtrain.data.grpo_prompts import PromptOrder
 from mmtrain.inference.engine import DecodeEngine
 from mmtrain.models.registry import model_family
@@ -224,9 +227,25 @@ class GrpoStep:
         return row
 
 
-def grpo_step(cfg, mesh, device, stage, reference, order: PromptOrder, schedule) -> GrpoStep:
-    """The GRPO step of this rank (the loop makes its ``StepTask`` of it, as of DPO's): the stage's and the
-    reference's heads tempered first."""
+def check_start_tokenizer(found, tokenizer) -> None:
+    """The checkpoint the run starts from (``found``, or None) must name the tokenizer of ``grpo.tokenizer``, when
+    it names one (equal vocabulary sizes would hide another tokenizer: the ids fit, the rewards are noise)."""
+    if found is None:
+        return
+    try:
+        other = tokenizer_mismatch(read_checkpoint_config(found)[1], tokenizer.describe())
+    except ManifestError as exc:
+        raise ConfigError(f"checkpoint.load={found}: {exc}") from None
+    if other is not None:
+        raise ConfigError(f"grpo.tokenizer={tokenizer.path} is not the tokenizer of the model in {found} (its "
+                          f"{other[1]} names the {describe_record(other[0])}); give that one as grpo.tokenizer")
+
+
+def grpo_step(cfg, mesh, device, stage, reference, order: PromptOrder, schedule, found) -> GrpoStep:
+    """The GRPO step of this rank (the loop makes its ``StepTask`` of it, as of DPO's), after checking the
+    tokenizer against the checkpoint the run starts from (``found``); the stage's and the reference's heads
+    tempered first."""
+    check_start_tokenizer(found, order.tokenizer)
     use_temperature(stage, cfg.grpo.temperature)
     if reference is not None:
         use_temperature(reference, cfg.grpo.temperature)

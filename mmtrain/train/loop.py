@@ -287,7 +287,7 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         if cfg.grpo.beta > 0:
             reference = build_reference(reference_config(cfg, found), mesh, device, found, build_gpt_stage)
             cast_frozen_params(reference, _param_dtype_for(cfg.train.precision))
-        step = grpo_step(cfg, mesh, device, stage, reference, train_samples, schedule_micro_batches)
+        step = grpo_step(cfg, mesh, device, stage, reference, train_samples, schedule_micro_batches, found)
         task = StepTask(step.forward_backward, step.step_flops, step.extra_metrics, task.routed_experts)
     return train_model(cfg, mesh, device, stage, batches, val_batches, task,
                        found, model_name=cfg.model.shape().name, lr_schedule=lr_schedule)
