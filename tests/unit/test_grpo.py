@@ -1,5 +1,5 @@
 """GRPO on the CPU: a tiny model's mean reward rises on a toy task within 30 steps; num_iterations reuses the
-completions it generated (with the reference's KL and a temperature); a reward function that raises or returns
+completions it generated (with the reference's KL, a temperature and LoRA); a reward function that raises or returns
 a non-number gives that completion reward 0 and is counted, never a crash; a broken prompts file, a bad config
 or a checkpoint of another tokenizer is one line naming the file / line / key. The loss against TRL's is
 tests/unit/test_grpo_loss.py; TP2 against one process tests/distributed/test_grpo_tp.py."""
@@ -32,8 +32,10 @@ def test_mean_reward_rises_on_a_toy_task(tmp_path):
 
 
 def test_num_iterations_reuse_the_completions_against_their_sampling_log_probs(tmp_path):
+    # with LoRA: the rollouts decode the adapted model, the reference is the base without adapters
     run_distributed(train_rank, 1, grpo_overrides(tmp_path, "train.steps=4", "grpo.num_iterations=2",
-                                                  "grpo.beta=0.1", "grpo.temperature=0.7", "optim.lr=0.05"))
+                                                  "grpo.beta=0.1", "grpo.temperature=0.7", "optim.lr=0.05",
+                                                  "peft.lora.rank=8", "peft.lora.alpha=16"))
     rows = metrics_rows(tmp_path / "run")
     assert [r["generation_s"] > 0 for r in rows] == [True, False, True, False]
     assert rows[1]["reward"] == rows[0]["reward"] and rows[3]["reward"] == rows[2]["reward"]  # the same ones
