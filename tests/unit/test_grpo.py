@@ -43,6 +43,18 @@ def test_num_iterations_reuse_the_completions_against_their_sampling_log_probs(t
     assert rows[1]["kl"] > 0 and rows[1]["clip_ratio"] > 0  # one update later: ratios move, some are clipped
 
 
+def test_a_resumed_run_continues_as_one_uninterrupted_run(tmp_path):
+    # the completions are seeded by the prompt's place in the run, so the resumed steps sample what the
+    # uninterrupted run sampled (with the same restored weights)
+    common = ["train.steps=4", "optim.lr=0.05"]
+    straight = run_distributed(train_rank, 1, grpo_overrides(tmp_path / "a", *common))[0]
+    run_distributed(train_rank, 1, grpo_overrides(tmp_path / "b", *common, "train.exit_at_step=2"))
+    resumed = run_distributed(train_rank, 1, grpo_overrides(tmp_path / "b", *common))[0]
+    np.testing.assert_allclose(resumed[0], straight[0][2:], rtol=1e-6, atol=1e-9)
+    a, b = metrics_rows(tmp_path / "a" / "run"), metrics_rows(tmp_path / "b" / "run")
+    assert [r["reward"] for r in b] == [r["reward"] for r in a] and len(b) == 4
+
+
 def test_a_failing_reward_scores_zero_and_is_counted(tmp_path):
     prompts = [{"prompt": f"Say {kind}", "kind": kind} for kind in ("raise", "str", "nan", "none")]
     prompts += [{"prompt": f"Say fine {i}", "kind": "ok"} for i in range(4)]
