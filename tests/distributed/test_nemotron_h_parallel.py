@@ -1,12 +1,12 @@
 """The nemotron_h family (``model.family: nemotron_h``) trains through the shared loop in every layout it supports
-exactly like one process -- the same losses and the same weights after the steps (fp32, CPU, gloo; to 2e-5 of each
-tensor's norm): TP2 (Mamba heads and groups split as Megatron's MambaMixer: in_proj's z/x/B/C/dt segments, the
-convolution's channels, dt_bias/A_log/D, the gated norm per group, out_proj row-wise), TP2 with sequence
-parallelism (also on packed documents: convolution, scan and attention stay inside documents), PP2 with the stage
-boundary inside the pattern (evenly, and one layer on the first stage), interleaved virtual stages (a boundary
-after every second layer), DP2, FSDP, and LoRA adapters under TP2+SP. Biases everywhere and tied embeddings (the last stage's copy). And
-in fp64 the TP and TP+SP gradients equal the whole model's to 1e-12. All layouts run in ONE group of two
-processes, one after the other (``_run_jobs``)."""
+exactly like one process -- the same losses and the same weights after the steps (fp32, CPU, gloo; to 1e-4 of each
+tensor's norm, see below): TP2 (Mamba heads and groups split as Megatron's MambaMixer: in_proj's z/x/B/C/dt
+segments, the convolution's channels, dt_bias/A_log/D, the gated norm per group, out_proj row-wise), TP2 with
+sequence parallelism (also on packed documents: convolution, scan and attention stay inside documents), PP2 with
+the stage boundary inside the pattern (evenly, and one layer on the first stage), interleaved virtual stages (a
+boundary after every second layer), DP2, FSDP, and LoRA adapters under TP2+SP. Biases everywhere and tied
+embeddings (the last stage's copy). And in fp64 the TP and TP+SP gradients equal the whole model's to 1e-12.
+All layouts run in ONE group of two processes, one after the other (``_run_jobs``)."""
 
 from __future__ import annotations
 
