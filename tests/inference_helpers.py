@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.models.nemotron_h.config import NemotronHConfig
 from mmtrain.config.schema import ModelConfig
 from mmtrain.convert.checkpoint_io import write_weights_checkpoint
 from mmtrain.models.registry import model_family
@@ -32,6 +33,39 @@ def tiny_deepseek_config(**overrides) -> ModelConfig:
                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, intermediate_size=48, moe_intermediate_size=16,
                  n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, init_std=0.3)
     return ModelConfig(family="deepseek_v3", deepseek_v3=DeepseekV3Config(**{**shape, **overrides}))
+
+
+# a Nemotron-H hybrid: Mamba-2 (8 heads in 2 groups), attention (GQA) and MLP layers; chunks of 4 tokens
+NEMOTRON_H_SHAPE = dict(vocab_size=128, hidden_size=32, hybrid_override_pattern="M*M-MM", num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=8, mamba_head_dim=6,
+                        ssm_state_size=5, n_groups=2, conv_kernel=4, chunk_size=4)
+
+
+def tiny_nemotron_h_config(**overrides) -> ModelConfig:
+    """``NEMOTRON_H_SHAPE`` (``overrides``: shape fields) with sharp logits, as ``tiny_config``."""
+    shape = {**NEMOTRON_H_SHAPE, "vocab_size": 512, "initializer_range": 0.3, **overrides}
+    return ModelConfig(family="nemotron_h", nemotron_h=NemotronHConfig(**shape))
+
+
+def tiny_hf_nemotron_h(**overrides):
+    """A random transformers ``NemotronHForCausalLM`` of ``NEMOTRON_H_SHAPE`` (``overrides``: NemotronHConfig
+    fields), fp32, eval mode, weights set so that greedy completions vary (a unit embedding and output layer, the
+    other matrices doubled, vectors near their init: norms near 1, dt well above the time_step_min clamp)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.NemotronHConfig(**{**NEMOTRON_H_SHAPE, "pad_token_id": 0, "eos_token_id": None,
+                                             **overrides})
+    model = transformers.NemotronHForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(0.3 * torch.randn_like(p) + (1.0 if "norm" in name else 0.0))
+            elif "embeddings" in name or "lm_head" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.mul_(2.0)
+    return model.eval()
 
 
 def tiny_model(cfg: ModelConfig | None = None, seed: int = 3) -> torch.nn.Module:
