@@ -84,6 +84,35 @@ def tiny_model(cfg: ModelConfig | None = None, seed: int = 3) -> torch.nn.Module
     return model.eval()
 
 
+def uncached_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` by the model's full forward, one new token at a time (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` by transformers' ``generate`` (exactly n: no end-of-text stop)."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def load_whole_model(ckpt: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The whole model of a checkpoint (any saved layout) on the CPU, as ``mmtrain.generate`` loads it."""
+    from mmtrain.inference.loading import load_checkpoint_model
+    from mmtrain.parallel import ParallelDims, init_distributed, shutdown_distributed
+
+    init_distributed()
+    try:
+        return load_checkpoint_model(ckpt, ParallelDims(1).build(), "cpu", dtype)[0]
+    finally:
+        shutdown_distributed()
+
+
 def tiny_checkpoint(root: Path, cfg: ModelConfig | None = None, tp: int = 1) -> Path:
     """A weights-only checkpoint root of ``tiny_model`` written at ``tp``; returns the root."""
     model = tiny_model(cfg)

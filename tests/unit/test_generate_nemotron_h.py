@@ -16,19 +16,12 @@ from mmtrain.inference.decoder import kv_cache_bytes
 from mmtrain.inference.engine import DecodeEngine, generate
 from mmtrain.inference.sampling import SamplingParams
 from mmtrain.models.nemotron_h.decode import HybridStateCache
-from tests.inference_helpers import tiny_checkpoint, tiny_model, tiny_nemotron_h_config, tiny_tokenizer
+from tests.inference_helpers import (hf_greedy, load_whole_model, tiny_checkpoint, tiny_hf_nemotron_h, tiny_model,
+                                     tiny_nemotron_h_config, tiny_tokenizer, uncached_greedy)
 
 pytestmark = pytest.mark.unit
 # chunks of 4 tokens: the longer prompts take the chunked scan over several chunks, the short ones one partial chunk
 PROMPTS = [list(range(40, 57)), [11, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 101, 7]]
-
-
-def _uncached_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def test_the_cache_holds_constant_mamba_state_and_grows_only_for_attention():
@@ -91,7 +84,7 @@ def test_batches_equal_batches_of_one_and_the_uncached_forward():
     one = generate(DecodeEngine(model, slots=1, max_len=64), PROMPTS, SamplingParams(max_new_tokens=12))
     assert [b.token_ids for b in batch] == [o.token_ids for o in one]
     for row in (0, 1):  # the longest prompt and the shortest
-        assert batch[row].token_ids == _uncached_greedy(model, PROMPTS[row], 12)
+        assert batch[row].token_ids == uncached_greedy(model, PROMPTS[row], 12)
     assert min(len(set(s.token_ids)) for s in batch) > 3  # not one token repeated: the comparison has teeth
     sampled = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=4)
     a = generate(DecodeEngine(model, slots=4, max_len=64), PROMPTS, sampled)
@@ -102,26 +95,15 @@ def test_batches_equal_batches_of_one_and_the_uncached_forward():
 def test_greedy_equals_transformers_generate(tmp_path):
     pytest.importorskip("transformers")
     from mmtrain.convert.__main__ import main as convert_main
-    from mmtrain.inference.loading import load_checkpoint_model
-    from mmtrain.parallel import ParallelDims, init_distributed, shutdown_distributed
-    from tests.inference_helpers import tiny_hf_nemotron_h
 
     hf = tiny_hf_nemotron_h()
     hf.save_pretrained(tmp_path / "hf")
     assert convert_main(["hf-to-mmtrain", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c"),
                          "--tp", "2"]) == 0
-    init_distributed()
-    try:
-        model, _ = load_checkpoint_model(tmp_path / "c", ParallelDims(1).build(), "cpu", torch.float32)
-    finally:
-        shutdown_distributed()
     new, prompts = 24, PROMPTS[:3]
-    ours = generate(DecodeEngine(model, slots=3, max_len=64), prompts, SamplingParams(max_new_tokens=new))
-    for p, s in zip(prompts, ours):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-        assert s.token_ids == out[0, len(p):].tolist()
+    ours = generate(DecodeEngine(load_whole_model(tmp_path / "c"), slots=3, max_len=64), prompts,
+                    SamplingParams(max_new_tokens=new))
+    assert [s.token_ids for s in ours] == [hf_greedy(hf, p, new) for p in prompts]
     assert min(len(set(s.token_ids)) for s in ours) > 3
 
 
@@ -151,8 +133,8 @@ def test_the_server_streams_a_chat_completion_from_a_hybrid_checkpoint(tmp_path)
     chunks = [json.loads(e) for e in events[:-1]]
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert streamed == whole.json()["choices"][0]["message"]["content"] and streamed
-    rendered = load_tokenizer(tok).encode("<|user|>Hello world\n<|assistant|>")
-    (alone,) = generate(DecodeEngine(engine.engine.model, 1, 64), [rendered],
-                        SamplingParams(12, stop_token_ids=(load_tokenizer(tok).eod_id,)),
-                        decode=load_tokenizer(tok).decode)
+    tokenizer = load_tokenizer(tok)  # the chat template's rendering, completed alone
+    prompt = tokenizer.encode("<|user|>Hello world\n<|assistant|>")
+    (alone,) = generate(DecodeEngine(engine.engine.model, 1, 64), [prompt],
+                        SamplingParams(12, stop_token_ids=(tokenizer.eod_id,)), decode=tokenizer.decode)
     assert streamed == alone.text

@@ -214,9 +214,9 @@ def _prefix(hf_tensors) -> str:
 
 
 def _expected_shapes(cfg: NemotronHConfig, prefix: str) -> Shapes:
-    """Every HF tensor ``cfg`` implies (the decoder's under ``prefix``), dimension by dimension, with the config.json key each size comes from.
-    Within a Mamba layer the tensors that pin one key come first (A_log: the heads, norm: the head width), so
-    the composite sizes after them point at what is left."""
+    """Every HF tensor ``cfg`` implies (the decoder's under ``prefix``), dimension by dimension, with the
+    config.json key each size comes from. Within a Mamba layer the tensors that pin one key come first (A_log: the
+    heads, norm: the head width), so the composite sizes after them point at what is left."""
     d, vocab = Size("hidden_size", cfg.hidden_size), Size("vocab_size", cfg.vocab_size)
     H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
     heads = Size("mamba_num_heads", H)
