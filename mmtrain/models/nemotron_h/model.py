@@ -29,11 +29,13 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
 from mmtrain.model.head import LossHead
+from mmtrain.model.kv_cache import decoded_rows
 from mmtrain.model.layers import Attention
 from mmtrain.model.lora import add_lora_at, reset_dora_magnitudes
 from mmtrain.model.mlp import MLP
 from mmtrain.models.contract import LanguageStageDefaults, check_compile_scope, check_recompute_mode
 from mmtrain.models.nemotron_h.config import ATTENTION, LORA_LINEARS, MAMBA, NemotronHConfig
+from mmtrain.models.nemotron_h.decode import HybridStateCache, mamba_decode, new_state_cache
 from mmtrain.models.nemotron_h.mixer import Mamba2Mixer
 from mmtrain.models.nemotron_h.spec import nemotron_h_sharding_spec
 from mmtrain.models.nemotron_h.ssd import at_least_fp32
@@ -121,9 +123,19 @@ class NemotronHBlock(nn.Module):
             return checkpoint(self._forward, x, attn_mask, doc_ids_BS, use_reentrant=False)
         return self._forward(x, attn_mask, doc_ids_BS)
 
-    def decode(self, x, cos, sin, cache, layer, slots_B, positions_BS, kv_len):
-        """The family contract's cached forward: not yet (the recurrent state cache is the next piece)."""
-        raise NotImplementedError("nemotron_h: decoding needs the recurrent state cache, not written yet")
+    def decode(self, x: torch.Tensor, cos, sin, cache: HybridStateCache, layer: int, slots_B: torch.Tensor | None,
+               positions_BS: torch.Tensor, kv_len: int | None,
+               last_index_B: torch.Tensor | None = None) -> torch.Tensor:
+        """The family contract's cached forward (``layer``: this block's index among the cache's layers of its
+        kind): a Mamba mixer continues its recurrent state (``decode.mamba_decode``; ``last_index_B``: where each
+        row's real tokens end, so padding leaves the state alone), attention goes through the KV cache (no
+        cos/sin: no positional embedding), an MLP is as in ``forward``."""
+        h = self.norm(x)
+        if self.kind == MAMBA:
+            return x + mamba_decode(self.mixer, h, cache, layer, slots_B, positions_BS, last_index_B)
+        if self.kind == ATTENTION:
+            return x + self.mixer.forward_cached(h, None, None, cache, layer, slots_B, positions_BS, kv_len)
+        return x + self.mixer(h)
 
 
 class NemotronHModel(LanguageStageDefaults, nn.Module):
@@ -214,11 +226,23 @@ class NemotronHModel(LanguageStageDefaults, nn.Module):
         return self.head.full_logits(logits) if labels_BS is None else self.head.loss(logits, labels_BS)
 
     # ------------------------------------------------------------------------------------------ decoding
-    def new_kv_cache(self, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
-        """The family contract's decoding cache: not yet (the recurrent state cache is the next piece)."""
-        raise NotImplementedError("nemotron_h: decoding needs the recurrent state cache, not written yet")
+    def new_kv_cache(self, slots: int, max_len: int, dtype: torch.dtype,
+                     device: torch.device | str) -> HybridStateCache:
+        """The family contract's decoding cache (``decode.HybridStateCache``): per Mamba layer its convolution and
+        scan states (constant in ``max_len``), per attention layer its keys and values, sized for this rank."""
+        return new_state_cache(list(self.layers.values()), slots, max_len, dtype, device)
 
-    def decode(self, cache, positions_BS, tokens_BS=None, inputs_embeds=None, slots_B=None, last_index_B=None,
-               kv_len=None):
-        """The family contract's cached forward: not yet (the recurrent state cache is the next piece)."""
-        raise NotImplementedError("nemotron_h: decoding needs the recurrent state cache, not written yet")
+    def decode(self, cache: HybridStateCache, positions_BS: torch.Tensor, tokens_BS: torch.Tensor | None = None,
+               inputs_embeds: torch.Tensor | None = None, slots_B: torch.Tensor | None = None,
+               last_index_B: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """The family contract's cached forward of the whole model: fp32 logits (B, V) of one position per row
+        (``last_index_B``, default the last); the Mamba layers' states and the attention layers' keys/values of
+        the new tokens stored in ``cache``. A row whose first position is 0 starts a new sequence."""
+        x = inputs_embeds if inputs_embeds is not None else self.embed(tokens_BS)
+        seen: dict[str, int] = {}  # layers of each kind so far: a layer's index among the cache's of its kind
+        for layer in self.layers.values():
+            index = seen.get(layer.kind, 0)
+            x = layer.decode(x, None, None, cache, index, slots_B, positions_BS, kv_len, last_index_B)
+            seen[layer.kind] = index + 1
+        x = self.head.prepare(self.norm(decoded_rows(x, last_index_B)))
+        return self.head.full_logits(self.logits(x))[:, 0].float()
