@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from mmtrain.models.nemotron_h.ssd_triton import load_fla
+
 
 def causal_conv_triton(x_BSC: torch.Tensor, weight_C1K: torch.Tensor, bias_C: torch.Tensor | None,
                        doc_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,13 +37,7 @@ def causal_conv_triton(x_BSC: torch.Tensor, weight_C1K: torch.Tensor, bias_C: to
 
 def load_causal_conv1d() -> Callable:
     """fla-core's ``causal_conv1d``, imported on first use."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-    except Exception as err:  # ImportError, or Triton failing to find its driver
-        first_line = str(err).splitlines()[0] if str(err) else ""
-        raise ImportError(f"the GPU causal convolution needs fla-core 0.6 (pip install fla-core==0.6.0): importing "
-                          f"fla.modules.causal_conv1d failed: {type(err).__name__}: {first_line}") from None
-    return causal_conv1d
+    return load_fla("fla.modules.causal_conv1d", "causal_conv1d", "the GPU causal convolution")
 
 
 def fla_causal_conv(causal_conv1d: Callable, x_BSC: torch.Tensor, weight_C1K: torch.Tensor,

@@ -36,6 +36,7 @@ continues the row's first document, and ``final_state`` is the state after the r
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import torch
@@ -72,13 +73,17 @@ def ssd_chunked_scan_triton(
 
 def load_chunk_simple_gla() -> Callable:
     """fla-core's ``chunk_simple_gla``, imported on first use (fla imports Triton and probes the GPU)."""
+    return load_fla("fla.ops.simple_gla", "chunk_simple_gla", "the GPU SSD scan")
+
+
+def load_fla(module: str, name: str, user: str) -> Callable:
+    """``module.name`` of fla-core, or a one-line ImportError saying what ``user`` needs."""
     try:
-        from fla.ops.simple_gla import chunk_simple_gla
+        return getattr(importlib.import_module(module), name)
     except Exception as err:  # ImportError, or Triton failing to find its driver
-        raise ImportError(f"the GPU SSD scan needs fla-core 0.6 (pip install fla-core==0.6.0): importing "
-                          f"fla.ops.simple_gla failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                          ) from None
-    return chunk_simple_gla
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise ImportError(f"{user} needs fla-core 0.6 (pip install fla-core==0.6.0): importing {module} failed: "
+                          f"{type(err).__name__}: {first_line}") from None
 
 
 def fla_scan(
