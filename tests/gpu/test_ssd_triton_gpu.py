@@ -2,7 +2,7 @@
 conv_triton.py) against the PyTorch references (ssd.ssd_chunked_scan, mixer.causal_conv) on the GPU, skipped
 without CUDA: outputs, final states and the gradients of x, dt, A, B, C (and the initial state) at the ~1B
 shape's head_dim 64 and state 128, 4096 tokens, in fp32 and bf16; a ragged packed row equals its documents run one
-by one; the scan makes no host sync.
+by one; the scan makes no host sync; the mixer's ``ssd_scan`` sends CUDA tensors to the kernel.
 
 Errors are norm-relative, ||kernel - reference|| / ||reference||, the reference in fp32 math on the same inputs
 (bf16 inputs rounded once for both). Tolerances:
@@ -23,6 +23,7 @@ import math
 import pytest
 import torch
 
+from mmtrain.models.nemotron_h import ssd
 from mmtrain.models.nemotron_h.conv_triton import causal_conv_triton
 from mmtrain.models.nemotron_h.mixer import causal_conv
 from mmtrain.models.nemotron_h.ssd import ssd_chunked_scan
@@ -135,6 +136,15 @@ def test_the_scan_makes_no_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_the_mixer_scan_sends_cuda_tensors_to_the_kernel():
+    inputs = _scan_inputs(1, 512, torch.bfloat16, seed=9)
+    inputs["doc_ids_BS"] = _documents(512, 10)[None]
+    y_mixer, final_mixer = ssd.ssd_scan(**inputs, chunk_size=CHUNK)
+    y_kernel, final_kernel = ssd_chunked_scan_triton(**inputs, chunk_size=CHUNK)
+    assert y_mixer.equal(y_kernel) and final_mixer.equal(final_kernel)
+    assert not y_mixer.equal(ssd_chunked_scan(**inputs, chunk_size=CHUNK)[0])  # the reference rounds elsewhere
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
