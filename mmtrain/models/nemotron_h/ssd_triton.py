@@ -76,6 +76,7 @@ def load_chunk_simple_gla() -> Callable:
     return load_fla("fla.ops.simple_gla", "chunk_simple_gla", "the GPU SSD scan")
 
 
+@torch.compiler.disable  # an import is no graph op: the compiled mixer runs it eagerly
 def load_fla(module: str, name: str, user: str) -> Callable:
     """``module.name`` of fla-core, or a one-line ImportError saying what ``user`` needs."""
     try:
