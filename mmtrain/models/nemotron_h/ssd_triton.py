@@ -5,8 +5,8 @@ attention with a per-head scalar log-decay: fla's ``chunk_simple_gla`` (fla-core
 with q = C, k = B (each group's B and C repeated for the group's heads), v = dt * x, g = dt * A and scale 1.
 
 fla's conventions, read in its source (``fla/ops/simple_gla/chunk.py``, ``fla/ops/common/chunk_h.py``,
-``chunk_o.py``) and checked by running its kernels under Triton's CPU interpreter against a step-by-step
-recurrence (tests/unit/test_ssd_triton.py):
+``chunk_o.py``) and checked by running its kernels under Triton's CPU interpreter against ``ssd.ssd_chunked_scan``
+in fp32, outputs and gradients (tests/unit/test_ssd_triton.py, tests/triton_interpreter.py):
   - layout [batch, time, heads, dim] (BTHK); ``head_first`` is gone in 0.6 (passing it raises);
   - ``g`` is the per-step log-decay, natural log, NOT cumulative: fla takes the chunk-local cumulative sum itself
     (``chunk_local_cumsum``, pre-scaled by 1/ln 2 for exp2);
@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-# Log-decay written at each document start: exp2(-128 / ln 2) = 2^-184.7 is below fp32's smallest subnormal (2^-149),
+# Log-decay written at each document start: exp(-128) = 2^-184.7 is below fp32's smallest subnormal (2^-149),
 # so the decay across a boundary is exactly zero. Mamba-2's own decays are <= 0 (dt >= 0, A < 0), so a sum that
 # contains this term stays below it. Small enough in magnitude that fp32 still resolves the within-document decays
 # the chunk-local cumulative sum adds to it (ulp(185) = 1.5e-5).
@@ -64,7 +64,7 @@ def ssd_chunked_scan_triton(
     """The SSD chunked scan on CUDA tensors through fla-core's Triton kernels; same signature and result as
     ``mmtrain.models.nemotron_h.ssd.ssd_chunked_scan`` (see the module docstring for what differs: rounding,
     fla's chunk length). Returns ``(y_BSHP in x's dtype, final_state_BHPN in fp32)``."""
-    check_scan_inputs(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)
+    _check_scan_inputs(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)
     if x_BSHP.device.type != "cuda":
         raise ValueError(f"ssd_chunked_scan_triton runs on CUDA tensors, got x on {x_BSHP.device}; "
                          "use ssd.ssd_chunked_scan (the PyTorch reference) elsewhere")
@@ -115,7 +115,7 @@ def fla_scan(
     return y_BSHP.to(dtype), final_state_BHPN
 
 
-def check_scan_inputs(
+def _check_scan_inputs(
     x_BSHP: torch.Tensor,
     dt_BSH: torch.Tensor,
     A_H: torch.Tensor,
