@@ -192,7 +192,8 @@ def test_the_spec_has_one_entry_per_tensor(tied, lora):
     assert spec["layers.0.mixer.in_proj.weight"].parts == (inner, inner, gn, gn, heads)
     assert spec["layers.0.mixer.conv1d.weight"].parts == (inner, gn, gn)
     assert {spec[f"layers.0.mixer.{n}"].tp for n in ("dt_bias", "A_log", "D", "norm.weight")} == {"column"}
-    assert spec["layers.0.mixer.out_proj.weight"].tp == "row" and spec["layers.1.mixer.qkv.weight"].parts == (32, 16, 16)
+    assert spec["layers.0.mixer.out_proj.weight"].tp == "row"
+    assert spec["layers.1.mixer.qkv.weight"].parts == (32, 16, 16)
     if lora:
         assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n in spec if spec[n].adapter}
         assert {n.split(".adapter")[0] for n in spec if spec[n].adapter} == {

@@ -21,19 +21,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmtrain.models.nemotron_h.config import NemotronHConfig
-from mmtrain.models.nemotron_h.ssd import ssd_scan
+from mmtrain.models.nemotron_h.ssd import at_least_fp32, ssd_scan
 
 
 def causal_conv(x_BSC: torch.Tensor, weight_C1K: torch.Tensor, bias_C: torch.Tensor | None,
                 doc_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
-    """Depthwise causal convolution along the sequence (the last tap is the current token), in fp32, returned in
-    ``x``'s dtype. With ``doc_ids_BS`` a token's window sees only earlier tokens of its own document (zeros
+    """Depthwise causal convolution along the sequence (the last tap is the current token), in (at least) fp32,
+    returned in ``x``'s dtype. With ``doc_ids_BS`` a token's window sees only earlier tokens of its own document (zeros
     before the document's start). Written as a sum of shifted copies: K is small (4), and the document mask is
     one comparison per tap."""
     K = weight_C1K.shape[-1]
     S = x_BSC.shape[1]
-    w = weight_C1K[:, 0, :].float()  # (C, K)
-    x = x_BSC.float()
+    w = at_least_fp32(weight_C1K[:, 0, :])  # (C, K)
+    x = at_least_fp32(x_BSC)
     out = x * w[:, K - 1]
     for shift in range(1, min(K, S)):
         earlier = F.pad(x, (0, 0, shift, 0))[:, :S]  # the token `shift` places before (zero before the start)
@@ -42,7 +42,7 @@ def causal_conv(x_BSC: torch.Tensor, weight_C1K: torch.Tensor, bias_C: torch.Ten
             earlier = earlier * same[..., None]
         out = out + earlier * w[:, K - 1 - shift]
     if bias_C is not None:
-        out = out + bias_C.float()
+        out = out + at_least_fp32(bias_C)
     return out.to(x_BSC.dtype)
 
 
@@ -57,7 +57,7 @@ class GatedRMSNorm(nn.Module):
         self.group_size, self.eps = group_size, eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = y.float() * F.silu(z.float())
+        h = at_least_fp32(y) * F.silu(at_least_fp32(z))
         grouped = h.view(*h.shape[:-1], -1, self.group_size)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * grouped.view_as(h).to(y.dtype)
@@ -100,14 +100,14 @@ class Mamba2Mixer(nn.Module):
         heads, groups, inner = self.local_sizes()
         x, Bm, Cm = xbc.split([inner, groups * self.state_size, groups * self.state_size], dim=-1)
         lead = x.shape[:-1]
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_low, self.dt_high)
-        A = -torch.exp(self.A_log.float())
+        dt = F.softplus(at_least_fp32(dt) + at_least_fp32(self.dt_bias)).clamp(self.dt_low, self.dt_high)
+        A = -torch.exp(at_least_fp32(self.A_log))
         return (x.reshape(*lead, heads, self.head_dim), dt, A, Bm.reshape(*lead, groups, self.state_size),
                 Cm.reshape(*lead, groups, self.state_size))
 
     def finish(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The D skip, the gated norm and ``out_proj`` on the scan's output (y and x: (..., H, P))."""
-        y = (y.float() + x.float() * self.D.float()[:, None]).to(x.dtype)
+        y = (at_least_fp32(y) + at_least_fp32(x) * at_least_fp32(self.D)[:, None]).to(x.dtype)
         return self.out_proj(self.norm(y.flatten(-2), z))
 
     def forward(self, hidden_BSD: torch.Tensor, doc_ids_BS: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,6 +36,7 @@ from mmtrain.models.contract import LanguageStageDefaults, check_compile_scope, 
 from mmtrain.models.nemotron_h.config import ATTENTION, LORA_LINEARS, MAMBA, NemotronHConfig
 from mmtrain.models.nemotron_h.mixer import Mamba2Mixer
 from mmtrain.models.nemotron_h.spec import nemotron_h_sharding_spec
+from mmtrain.models.nemotron_h.ssd import at_least_fp32
 
 # the projections that write into the residual stream: scaled down at init under rescale_prenorm_residual
 _OUTPUT_PROJECTIONS = ("mixer.out_proj.weight", "mixer.proj.weight", "mixer.down.weight")
@@ -50,7 +51,7 @@ class NemotronHRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(at_least_fp32(x), (x.shape[-1],), at_least_fp32(self.weight), self.eps).to(x.dtype)
 
 
 class Relu2MLP(MLP):

@@ -17,7 +17,8 @@ where a document starts, as mamba-ssm's kernels do with ``seq_idx``: every decay
 documents is zero, so a packed row computes what its documents would compute one by one. An ``initial_state``
 continues a previous scan (decoding a prompt in pieces); it belongs to the row's first document.
 
-All math is fp32; ``y`` comes back in ``x``'s dtype, the final state in fp32.
+All math is fp32 (fp64 for fp64 inputs: ``at_least_fp32``); ``y`` comes back in ``x``'s dtype, the final state
+in the math's dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from mmtrain.models.nemotron_h.ssd_triton import ssd_chunked_scan_triton
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or as it is when wider (fp64: the tests' exact comparisons)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _segment_sums(a: torch.Tensor) -> torch.Tensor:
@@ -67,12 +73,12 @@ def ssd_chunked_scan(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tens
 
     # padding tokens have dt = 0: no decay, no input, so the state after them is the state after the last token
     def chunked(t: torch.Tensor) -> torch.Tensor:
-        t = F.pad(t.float(), (0, 0) * (t.dim() - 2) + (0, pad))
+        t = F.pad(at_least_fp32(t), (0, 0) * (t.dim() - 2) + (0, pad))
         return t.reshape(batch, n, L, *t.shape[2:])
 
     x, dt, Bm, Cm = chunked(x_BSHP), chunked(dt_BSH), chunked(B_BSGN), chunked(C_BSGN)
     x = (x * dt[..., None]).view(batch, n, L, G, R, P)  # dt_t x_t: the input each token writes
-    a = (dt * A_H.float()).permute(0, 3, 1, 2)  # (b, h, c, l): log-decay of each token
+    a = (dt * at_least_fp32(A_H)).permute(0, 3, 1, 2)  # (b, h, c, l): log-decay of each token
     a_cum = a.cumsum(-1)
 
     if doc_ids_BS is not None:
@@ -97,7 +103,7 @@ def ssd_chunked_scan(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tens
     chunk_states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", Bm, to_end.view(batch, G, R, n, L), x)
 
     # 3. the states entering each chunk: a recurrence over the chunks (and the initial state before the first)
-    start = (initial_state_BHPN.float().view(batch, 1, G, R, P, N) if initial_state_BHPN is not None
+    start = (initial_state_BHPN.to(x.dtype).view(batch, 1, G, R, P, N) if initial_state_BHPN is not None
              else chunk_states.new_zeros(batch, 1, G, R, P, N))
     states = torch.cat([start, chunk_states], dim=1)  # (b, c + 1, g, r, p, n)
     chunk_log_decay = _segment_sums(F.pad(a_cum[..., -1], (1, 0)))  # (b, h, c + 1, c + 1)
@@ -121,11 +127,12 @@ def ssd_step(state_BHPN: torch.Tensor, x_BHP: torch.Tensor, dt_BH: torch.Tensor,
     """One token of the recurrence (decoding): ``(y_BHP, new_state_BHPN)``; y in ``x``'s dtype, the state in
     ``state``'s."""
     heads, groups = x_BHP.shape[1], B_BGN.shape[1]
-    dt = dt_BH.float()
-    Bh = B_BGN.float().repeat_interleave(heads // groups, dim=1)  # (b, h, n)
-    Ch = C_BGN.float().repeat_interleave(heads // groups, dim=1)
-    decay = (dt * A_H.float()).exp()[..., None, None]
-    new_state = state_BHPN.float() * decay + (dt[..., None] * x_BHP.float())[..., None] * Bh[:, :, None, :]
+    dt = at_least_fp32(dt_BH)
+    Bh = at_least_fp32(B_BGN).repeat_interleave(heads // groups, dim=1)  # (b, h, n)
+    Ch = at_least_fp32(C_BGN).repeat_interleave(heads // groups, dim=1)
+    decay = (dt * at_least_fp32(A_H)).exp()[..., None, None]
+    written = (dt[..., None] * at_least_fp32(x_BHP))[..., None] * Bh[:, :, None, :]  # dt x B^T
+    new_state = at_least_fp32(state_BHPN) * decay + written
     y = torch.einsum("bhpn,bhn->bhp", new_state, Ch)
     return y.to(x_BHP.dtype), new_state.to(state_BHPN.dtype)
 
