@@ -43,7 +43,8 @@ def _scan_inputs(batch=2, seq=8, heads=4, p=3, groups=2, n=5):
 
 
 def test_the_scan_refuses_cpu_tensors_in_one_line():
-    with pytest.raises(ValueError, match=r"runs on CUDA tensors, got x on cpu; use ssd\.ssd_chunked_scan") as err:
+    cpu = r"runs on CUDA tensors in fp32, bf16 or fp16, got x in torch.float32 on cpu; use ssd\.ssd_chunked_scan"
+    with pytest.raises(ValueError, match=cpu) as err:
         ssd_triton.ssd_chunked_scan_triton(*_scan_inputs(), 4)
     assert "\n" not in str(err.value)
 
@@ -72,7 +73,7 @@ def test_the_scan_names_the_argument_that_does_not_fit(change, message):
 
 def test_the_convolution_refuses_cpu_tensors_and_bad_shapes_in_one_line():
     x, w, b = torch.randn(2, 8, 6), torch.randn(6, 1, 4), torch.randn(6)
-    with pytest.raises(ValueError, match=r"runs on CUDA tensors, got x on cpu; use mixer\.causal_conv"):
+    with pytest.raises(ValueError, match=r"fp32, bf16 or fp16, got x in torch.float32 on cpu; use mixer\.causal_conv"):
         conv_triton.causal_conv_triton(x, w, b)
     with pytest.raises(ValueError, match=r"weight must be \(6, 1, kernel\), got \(6, 4\)"):
         conv_triton.causal_conv_triton(x, w[:, 0], b)

@@ -22,16 +22,16 @@ from typing import Callable
 
 import torch
 
-from mmtrain.models.nemotron_h.ssd_triton import load_fla
+from mmtrain.models.nemotron_h.ssd_triton import KERNEL_DTYPES, load_fla
 
 
 def causal_conv_triton(x_BSC: torch.Tensor, weight_C1K: torch.Tensor, bias_C: torch.Tensor | None,
                        doc_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
     """``mixer.causal_conv`` on CUDA tensors through fla-core's Triton kernel (one host sync with documents)."""
     _check_conv_inputs(x_BSC, weight_C1K, bias_C, doc_ids_BS)
-    if x_BSC.device.type != "cuda":
-        raise ValueError(f"causal_conv_triton runs on CUDA tensors, got x on {x_BSC.device}; "
-                         "use mixer.causal_conv (the PyTorch reference) elsewhere")
+    if x_BSC.device.type != "cuda" or x_BSC.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"causal_conv_triton runs on CUDA tensors in fp32, bf16 or fp16, got x in {x_BSC.dtype} "
+                         f"on {x_BSC.device}; use mixer.causal_conv (the PyTorch reference)")
     return fla_causal_conv(load_causal_conv1d(), x_BSC, weight_C1K, bias_C, doc_ids_BS)
 
 

@@ -50,6 +50,10 @@ RESET_LOG_DECAY = -128.0
 # fla's chunk length: the one its kernels are tuned and tested with.
 FLA_CHUNK_SIZE = 64
 
+# What the kernels compute in: at most fp32 (TF32 dots). float64, the CPU tests' exact comparisons, stays with the
+# PyTorch reference (ssd.ssd_scan sends only these dtypes here).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def ssd_chunked_scan_triton(
     x_BSHP: torch.Tensor,
@@ -65,9 +69,9 @@ def ssd_chunked_scan_triton(
     ``mmtrain.models.nemotron_h.ssd.ssd_chunked_scan`` (see the module docstring for what differs: rounding,
     fla's chunk length). Returns ``(y_BSHP in x's dtype, final_state_BHPN in fp32)``."""
     _check_scan_inputs(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)
-    if x_BSHP.device.type != "cuda":
-        raise ValueError(f"ssd_chunked_scan_triton runs on CUDA tensors, got x on {x_BSHP.device}; "
-                         "use ssd.ssd_chunked_scan (the PyTorch reference) elsewhere")
+    if x_BSHP.device.type != "cuda" or x_BSHP.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"ssd_chunked_scan_triton runs on CUDA tensors in fp32, bf16 or fp16, got x in "
+                         f"{x_BSHP.dtype} on {x_BSHP.device}; use ssd.ssd_chunked_scan (the PyTorch reference)")
     return fla_scan(load_chunk_simple_gla(), x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, doc_ids_BS, initial_state_BHPN)
 
 
