@@ -2,7 +2,8 @@
 conv_triton.py) against the PyTorch references (ssd.ssd_chunked_scan, mixer.causal_conv) on the GPU, skipped
 without CUDA: outputs, final states and the gradients of x, dt, A, B, C (and the initial state) at the ~1B
 shape's head_dim 64 and state 128, 4096 tokens, in fp32 and bf16; a ragged packed row equals its documents run one
-by one; the scan makes no host sync; the mixer's ``ssd_scan`` sends CUDA tensors to the kernel.
+by one; the scan makes no host sync; the mixer's ``ssd_scan`` sends CUDA tensors to the kernel (fp64 to the
+reference).
 
 Errors are norm-relative, ||kernel - reference|| / ||reference||, the reference in fp32 math on the same inputs
 (bf16 inputs rounded once for both). Tolerances:
@@ -145,6 +146,8 @@ def test_the_mixer_scan_sends_cuda_tensors_to_the_kernel():
     y_kernel, final_kernel = ssd_chunked_scan_triton(**inputs, chunk_size=CHUNK)
     assert y_mixer.equal(y_kernel) and final_mixer.equal(final_kernel)
     assert not y_mixer.equal(ssd_chunked_scan(**inputs, chunk_size=CHUNK)[0])  # the reference rounds elsewhere
+    wide = {k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()}  # fp64: the reference's
+    assert ssd.ssd_scan(**wide, chunk_size=CHUNK)[0].equal(ssd_chunked_scan(**wide, chunk_size=CHUNK)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

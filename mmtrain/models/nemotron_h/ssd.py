@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmtrain.models.nemotron_h.ssd_triton import ssd_chunked_scan_triton
+from mmtrain.models.nemotron_h.ssd_triton import KERNEL_DTYPES, ssd_chunked_scan_triton
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -140,10 +140,10 @@ def ssd_step(state_BHPN: torch.Tensor, x_BHP: torch.Tensor, dt_BH: torch.Tensor,
 def ssd_scan(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B_BSGN: torch.Tensor,
              C_BSGN: torch.Tensor, chunk_size: int, doc_ids_BS: torch.Tensor | None = None,
              initial_state_BHPN: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan the mixer calls (``ssd_chunked_scan``'s signature and results): CUDA tensors go to fla-core's
-    Triton kernels (``ssd_triton.ssd_chunked_scan_triton``: the same result up to rounding, no host sync), the
-    rest to the PyTorch reference."""
-    if x_BSHP.is_cuda:
+    """The scan the mixer calls (``ssd_chunked_scan``'s signature and results): CUDA tensors in fp32, bf16 or fp16
+    go to fla-core's Triton kernels (``ssd_triton.ssd_chunked_scan_triton``: the same result up to rounding, no
+    host sync), the rest (the CPU, fp64) to the PyTorch reference."""
+    if x_BSHP.is_cuda and x_BSHP.dtype in KERNEL_DTYPES:
         return ssd_chunked_scan_triton(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS,
                                        initial_state_BHPN)
     return ssd_chunked_scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)
