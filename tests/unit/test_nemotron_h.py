@@ -215,3 +215,53 @@ def test_flops_count_the_matmuls_attention_and_the_scan():
     assert count_parameters(cfg) == sum(p.numel() for p in NemotronHModel(cfg).parameters())
     tied = NemotronHConfig(**SHAPE, tie_word_embeddings=True)
     assert count_parameters(tied) == sum(p.numel() for p in NemotronHModel(tied).parameters())
+
+
+# ------------------------------------------------------------------------------------------ configs and the demo run
+def test_the_8b_config_is_nemotron_h_8b_and_validates():
+    """configs/models/nemotron-h-8b.yaml: nvidia/Nemotron-H-8B-Base-8K's shape, whose values transformers'
+    NemotronHConfig takes as its defaults (all but the pattern and the context length, which the 8K checkpoint's
+    config.json gives): 8.10B parameters."""
+    transformers = pytest.importorskip("transformers")
+    cfg = load_config(GPTRunConfig, "configs/models/nemotron-h-8b.yaml", ["data.mock=true", "parallel.tp=8"])
+    validate_gpt_config(cfg, world_size=8)
+    s, hf = cfg.model.nemotron_h, transformers.NemotronHConfig()
+    for key in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "mlp_hidden_act", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+                "n_groups", "conv_kernel", "chunk_size", "use_conv_bias", "use_bias", "mamba_hidden_act",
+                "time_step_min", "time_step_max", "time_step_floor", "layer_norm_epsilon", "tie_word_embeddings"):
+        assert getattr(s, key) == getattr(hf, key), key
+    pattern = s.hybrid_override_pattern
+    assert (len(pattern), pattern.count("M"), pattern.count("*"), pattern.count("-")) == (52, 24, 4, 24)
+    assert s.mamba_inner_size == 2 * s.hidden_size and s.max_position_embeddings == 8192
+    assert round(count_parameters(s) / 1e9, 2) == 8.10
+
+
+def test_the_1b_benchmark_shape_is_an_8_to_1_hybrid_of_about_1b():
+    cfg = load_config(GPTRunConfig, "configs/models/hybrid-1b.yaml", ["data.mock=true", "parallel.tp=4"])
+    validate_gpt_config(cfg, world_size=8)
+    s = cfg.model.nemotron_h
+    kinds = s.layer_kinds()
+    assert kinds.count("mamba") == 8 * kinds.count("attention") and "mlp" in kinds and s.hidden_size == 2048
+    assert (s.mamba_head_dim, s.ssm_state_size, s.n_groups, s.vocab_size) == (64, 128, 8, 32000)
+    assert 1.0e9 < count_parameters(s) < 1.3e9
+
+
+def test_the_demo_config_trains_on_the_demo_shards_and_its_loss_falls(tmp_path):
+    """configs/gpt/hybrid-demo.yaml through the trainer's entry point, on shards prepared as `python -m mmtrain.demo`
+    prepares its corpus (a 512-piece SentencePiece tokenizer, EOD after each document: packed documents)."""
+    import json
+
+    from dataprep.cli import main as prep_main
+    from dataprep.samples import write_sample_jsonl
+    from mmtrain.pretrain_gpt import main as pretrain_main
+
+    raw = write_sample_jsonl(tmp_path / "corpus.jsonl", 300, seed=1)
+    assert prep_main(["train-tokenizer", "--input", str(raw), "--output-prefix", str(tmp_path / "sp"),
+                      "--vocab-size", "512"]) == 0
+    assert prep_main(["text", "--input", str(raw), "--output-prefix", str(tmp_path / "corpus"), "--tokenizer",
+                      str(tmp_path / "sp.model"), "--append-eod", "--workers", "1"]) == 0
+    assert pretrain_main(["--config", "mmtrain:configs/gpt/hybrid-demo.yaml", f"data.prefixes=[{tmp_path / 'corpus'}]",
+                          "train.steps=12", f"logging.run_dir={tmp_path / 'run'}"]) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses
