@@ -6,6 +6,7 @@
 #   fp8     : same, FP8 native delayed, fast backward, FP8 head
 #   packed  : same as bf16 with packed documents (reset positions/attention, EOD loss mask)
 #   moe     : configs/models/deepseek-v2-lite-4l.yaml, 2x4096
+#   moe_gbs : same, 8 micro-batches of 2x4096 per step (train.global_batch_size=16: the optimizer amortized)
 #   vlm     : bench/vlm_h200.py --compile (the ~2B VLM, 8x1024, 448 px)
 #   hf      : ../shared/bench/hf_llama_baseline.py (copied to .device/anchors), 4x4096
 #   decode  : bench/generate.py --batch 1 32, then bench/generate_profile.py --batch 1
@@ -36,8 +37,10 @@ for stage in ${STAGES:-bf16 fp8 packed moe}; do
     packed) train packed --batch 4 --seq 4096 --packed train.compile=true ${EXTRA:-} ;;
     moe) train moe --model configs/models/deepseek-v2-lite-4l.yaml --batch 2 --seq 4096 train.compile=true \
            ${EXTRA_MOE:-} ;;
+    moe_gbs) train moe_gbs --model configs/models/deepseek-v2-lite-4l.yaml --batch 2 --seq 4096 --steps 6 \
+               train.compile=true train.global_batch_size=16 ${EXTRA_MOE:-} ;;
     vlm) echo "### vlm"
-         PYTHONPATH=$PWD timeout -k 5 "$CAP" python3 bench/vlm_h200.py --compile --label mmtrain-vlm \
+         PYTHONPATH=$PWD timeout -k 5 "$CAP" python3 bench/vlm_h200.py --compile --label mmtrain-vlm --profile "$PROF/prof_vlm.md" \
            ${VLM_ARGS:-} 2>&1 | tail -4 ;;
     hf) echo "### hf"
         out=$(timeout -k 5 150 python3 .device/anchors/hf_llama_baseline.py 2>&1 | tee /tmp/hf.log | grep -E '^\{' | tail -1)

@@ -19,6 +19,10 @@ their sum is the busy time): time the GPU waited for the host (launches, Python,
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl",)),
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "triton_tem", "cudnn")),
@@ -49,7 +53,7 @@ def kernel_times(prof) -> list[tuple[str, float]]:
     return rows
 
 
-def summarize(prof, steps: int, wall_ms_per_step: float, top: int = 12) -> str:
+def summarize(prof, steps: int, wall_ms_per_step: float, top: int = 25) -> str:
     """A markdown summary: ms per step per category (and % of the wall step), the host gap, the top kernels."""
     rows = kernel_times(prof)
     per_cat: dict[str, float] = {}
@@ -68,3 +72,27 @@ def summarize(prof, steps: int, wall_ms_per_step: float, top: int = 12) -> str:
         short = name if len(name) <= 90 else name[:87] + "..."
         lines.append(f"| `{short}` | {category_of(name)} | {us / 1e3 / steps:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def profiling(skip: int, active: int):
+    """torch.profiler (CUDA kernels) over optimizer steps ``skip + 1 .. skip + active`` of the loop, or nothing
+    when ``active`` is 0. Advances the profiler once per step by wrapping the loop's step (this process only)."""
+    if not active:
+        yield None
+        return
+    from mmtrain.train import loop
+
+    sched = torch.profiler.schedule(wait=max(skip - 1, 0), warmup=1 if skip else 0, active=active)
+    original = loop._Run.step
+    activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity], schedule=sched) as prof:
+        def stepping(self, step):
+            out = original(self, step)
+            prof.step()
+            return out
+        loop._Run.step = stepping
+        try:
+            yield prof
+        finally:
+            loop._Run.step = original

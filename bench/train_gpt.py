@@ -27,7 +27,6 @@ from the other timed steps.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -39,6 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.profile_summary import profiling, summarize  # noqa: E402
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config  # noqa: E402
 from mmtrain.data.documents import packed_document_inputs  # noqa: E402
 from mmtrain.models.registry import model_family  # noqa: E402
@@ -89,30 +89,6 @@ def document_attention_fraction(samples, first: int, count: int, seq: int) -> tu
     return statistics.fmean(fractions), statistics.fmean(lengths)
 
 
-@contextlib.contextmanager
-def _profiling(skip: int, active: int):
-    """torch.profiler (CUDA kernels) over optimizer steps ``skip + 1 .. skip + active`` of the loop, or nothing
-    when ``active`` is 0. Advances the profiler once per step by wrapping the loop's step (this process only)."""
-    if not active:
-        yield None
-        return
-    from mmtrain.train import loop
-
-    sched = torch.profiler.schedule(wait=max(skip - 1, 0), warmup=1 if skip else 0, active=active)
-    original = loop._Run.step
-    activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity], schedule=sched) as prof:
-        def stepping(self, step):
-            out = original(self, step)
-            prof.step()
-            return out
-        loop._Run.step = stepping
-        try:
-            yield prof
-        finally:
-            loop._Run.step = original
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(REPO / "configs/models/llama3.2-1b.yaml"))
@@ -147,7 +123,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     mesh = ParallelDims.from_config(cfg.parallel, world).build()
     profiled = 2 if a.profile else 0
-    with _profiling(a.warmup + a.steps - profiled, profiled) as prof:
+    with profiling(a.warmup + a.steps - profiled, profiled) as prof:
         result = train_gpt(cfg, mesh, device)
     timed = result.step_times[a.warmup:len(result.step_times) - profiled]
     dt = statistics.median(timed)
@@ -174,8 +150,6 @@ def main() -> None:
     if a.print_losses:
         row["losses"] = result.losses
     if rank == 0 and prof is not None:
-        from bench.profile_summary import summarize
-
         wall = statistics.fmean(result.step_times[-profiled:]) * 1000
         title = f"## {a.label}: {a.batch}x{S} {' '.join(a.overrides)} ({row['tokens_per_s']} tokens/s)\n\n"
         atomic_write_text(Path(a.profile), title + summarize(prof, profiled, wall))

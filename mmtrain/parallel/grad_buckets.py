@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmtrain.parallel.grad_accumulate import write_grad
+
 
 @dataclass
 class Bucket:
@@ -125,11 +127,8 @@ class GradBuckets:
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter) -> None:
         b = self.bucket_of[id(p)]
-        if id(p) in b.unwritten:
-            p.main_grad.copy_(p.grad)
-            b.unwritten.discard(id(p))
-        else:
-            p.main_grad.add_(p.grad)
+        write_grad(p.main_grad, p.grad, first=id(p) in b.unwritten)
+        b.unwritten.discard(id(p))
         p.grad = None
         if self.sync_now:
             b.pending.discard(id(p))
