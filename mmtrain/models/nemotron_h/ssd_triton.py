@@ -119,17 +119,9 @@ def fla_scan(
     return y_BSHP.to(dtype), final_state_BHPN
 
 
-def _check_scan_inputs(
-    x_BSHP: torch.Tensor,
-    dt_BSH: torch.Tensor,
-    A_H: torch.Tensor,
-    B_BSGN: torch.Tensor,
-    C_BSGN: torch.Tensor,
-    chunk_size: int,
-    doc_ids_BS: torch.Tensor | None,
-    initial_state_BHPN: torch.Tensor | None,
-) -> None:
-    """One-line ValueError naming the argument whose shape, dtype or device does not fit the others."""
+def _check_scan_inputs(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN) -> None:
+    """One-line ValueError naming the argument (``ssd_chunked_scan_triton``'s) whose shape, dtype or device does not
+    fit the others."""
     if x_BSHP.dim() != 4:
         raise ValueError(f"ssd scan: x must be (batch, seq, heads, head_dim), got shape {tuple(x_BSHP.shape)}")
     b, s, h, p = x_BSHP.shape
