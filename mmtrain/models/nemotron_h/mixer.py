@@ -38,7 +38,7 @@ def causal_conv(x_BSC: torch.Tensor, weight_C1K: torch.Tensor, bias_C: torch.Ten
     for shift in range(1, min(K, S)):
         earlier = F.pad(x, (0, 0, shift, 0))[:, :S]  # the token `shift` places before (zero before the start)
         if doc_ids_BS is not None:
-            same = doc_ids_BS == F.pad(doc_ids_BS, (shift, 0), mode="replicate")[:, :S]
+            same = doc_ids_BS == F.pad(doc_ids_BS, (shift, 0))[:, :S]  # the padded ids meet zeros of x
             earlier = earlier * same[..., None]
         out = out + earlier * w[:, K - 1 - shift]
     if bias_C is not None:

@@ -82,7 +82,7 @@ def ssd_chunked_scan(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tens
     a_cum = a.cumsum(-1)
 
     if doc_ids_BS is not None:
-        ids = F.pad(doc_ids_BS, (0, pad), mode="replicate") if pad else doc_ids_BS
+        ids = torch.cat([doc_ids_BS, doc_ids_BS[:, -1:].expand(batch, pad)], dim=1)  # padding: the last document's
         ids = ids.reshape(batch, n, L)
         # the document each chunk's incoming state belongs to: the previous chunk's last token's (the first
         # chunk's: the row's first document, which an initial state continues)
