@@ -1,7 +1,7 @@
 """Distillation through the training loop on gloo: a student of one shape from a teacher of another, on packed
 documents (their loss mask), under TP2 with sequence parallelism (the KL on vocabulary-split logits, full and
-top-k), PP2 (the teacher whole on the last stage), DP2 with FSDP (the frozen teacher sharded too) and CP2, each
-equal to one process; all the layouts run in one world-2 call."""
+top-k), PP2 and PP2 with virtual stages (the teacher whole on the last stage), DP2 with FSDP (the frozen teacher
+sharded too) and CP2, each equal to one process; all the layouts run in one world-2 call."""
 
 from __future__ import annotations
 
@@ -21,10 +21,15 @@ LAYOUTS = {  # name: (overrides, which one-process run it equals)
     "tp2_sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], "full"),
     "tp2_top_k": (["parallel.tp=2", "distill.top_k=5"], "top_k"),
     "pp2": (["parallel.pp=2"], "full"),
+    "pp2_vpp2": (["parallel.pp=2", "parallel.virtual_pp=2", "model.num_layers=4", "train.global_batch_size=8"],
+                 "four_layers"),
     "dp2_fsdp": (["parallel.dp=2", "parallel.fsdp=true", "parallel.distributed_optimizer=true",
                   "train.micro_batch_size=1"], "full"),
     "cp2": (["parallel.cp=2"], "full"),
 }
+
+ONE_PROCESS = {"full": [], "top_k": ["distill.top_k=5"],
+               "four_layers": ["model.num_layers=4", "train.global_batch_size=8"]}
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +75,7 @@ def test_layouts_equal_one_process(inputs, tmp_path):
     data, teacher = inputs
     init_distributed()
     try:
-        one = {kind: _train(_overrides(data, teacher, tmp_path / kind, *(["distill.top_k=5"] if kind == "top_k" else [])),
-                            1) for kind in ("full", "top_k")}
+        one = {kind: _train(_overrides(data, teacher, tmp_path / kind, *extra), 1) for kind, extra in ONE_PROCESS.items()}
     finally:
         shutdown_distributed()
     runs = {name: _overrides(data, teacher, tmp_path / name, *extra) for name, (extra, _) in LAYOUTS.items()}
