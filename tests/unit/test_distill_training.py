@@ -16,9 +16,9 @@ COMMON = ["data.seq_length=64", "data.split=90,10,0", "data.reset_position_ids=t
           "data.eod_mask_loss=true", "model.vocab_size=512", "train.precision=fp32", "train.device=cpu",
           "train.micro_batch_size=8", "optim.warmup_steps=3", "logging.log_every=10", "checkpoint.save_final=true"]
 TEACHER = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176", "model.num_attention_heads=4",
-           "model.num_query_groups=2", "train.steps=150", "optim.lr=3e-3"]
+           "model.num_query_groups=2", "train.steps=60", "optim.lr=1e-2"]
 STUDENT = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
-           "model.num_query_groups=2", "train.steps=40", "optim.lr=1e-2"]
+           "model.num_query_groups=2", "train.steps=25", "optim.lr=1e-2"]
 
 
 @pytest.fixture(scope="module")
@@ -66,5 +66,4 @@ def test_distilled_student_ends_closer_to_its_teacher(corpus, tmp_path):
         losses = {run.name: _valid_loss(run / "checkpoints", corpus / "web") for run in (teacher, plain, distilled)}
     finally:
         shutdown_distributed()
-    print(losses)
-    assert losses["teacher"] < losses["distilled"] < losses["plain"] - 0.02, losses
+    assert losses["teacher"] < losses["distilled"] < losses["plain"] - 0.05, losses
