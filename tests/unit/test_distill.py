@@ -305,3 +305,19 @@ def test_a_lora_runs_checkpoint_teaches_with_its_adapters_merged(one_process, tm
         ours, theirs, plain = teacher(tokens), merged(tokens), base(tokens)
     torch.testing.assert_close(ours, theirs)
     assert not torch.allclose(ours, plain, atol=1e-4)
+
+
+def test_a_distillation_run_resumes_as_if_never_stopped(one_process, tmp_path):
+    """The student's checkpoints are a plain run's (the wrapped head holds no state); the teacher is built again."""
+    from mmtrain.train.loop import train_gpt
+
+    teacher = _teacher(tmp_path / "t")
+    common = _overrides("train.objective=distill", f"distill.teacher={teacher}", "train.steps=4",
+                        "optim.warmup_steps=0", "optim.lr=1e-2", "data.seq_length=16")
+
+    def run(name, *extra):
+        cfg = load_config(GPTRunConfig, None, common + [f"logging.run_dir={tmp_path / name}", *extra])
+        return train_gpt(cfg, one_process, torch.device("cpu")).losses
+
+    whole = run("whole")
+    assert run("cut", "train.exit_at_step=2") + run("cut") == pytest.approx(whole, rel=1e-6)
