@@ -48,7 +48,12 @@ def student_head(stage: torch.nn.Module, kd: KDSettings) -> DistillHead | None:
     if not chunks[-1].post_process:
         return None
     made: list[DistillHead] = []
-    chunks[-1].swap_head(lambda head, vocab_size: made.append(DistillHead(head, kd)) or made[-1])
+
+    def wrap(head, vocab_size: int) -> DistillHead:
+        made.append(DistillHead(head, kd))
+        return made[0]
+
+    chunks[-1].swap_head(wrap)
     return made[0]
 
 
