@@ -14,6 +14,7 @@ from torch import nn
 from mmtrain.convert.checkpoint_io import checkpoint_lora, load_model_weights, read_checkpoint_config
 from mmtrain.config.schema import ModelConfig
 from mmtrain.inference.decoder import UnsupportedModelError, check_decodable
+from mmtrain.inference.quantized_loading import is_quantized_folder, load_quantized_model, use_quantized_kernels
 from mmtrain.inference.split_k import use_split_k
 from mmtrain.model.lora import merge_adapters
 from mmtrain.models.registry import model_family
@@ -37,10 +38,19 @@ def prepare_for_decoding(model: nn.Module, device: torch.device | str, dtype: to
 
 def load_checkpoint_model(ckpt: str | Path, mesh: ParallelMesh, device: torch.device | str,
                           dtype: torch.dtype = torch.bfloat16, verify: bool = True) -> tuple[nn.Module, ModelConfig]:
-    """This rank's decodable model from checkpoint ``ckpt`` (weights only; any layout that wrote it): the whole
+    """This rank's decodable model from checkpoint ``ckpt`` (weights only; any layout that wrote it; or a quantized
+    HF folder of ``mmtrain.quantize``, in one process: ``mmtrain.inference.quantized_loading``): the whole
     model of its family (every registered family decodes: the contract's ``decode``), sharded over ``mesh``'s TP
     group (MoE experts whole on every rank); a LoRA run's adapters merged in. Raises ``ConvertError`` for an
     unreadable checkpoint, ``UnsupportedModelError`` for a layout generation does not run."""
+    if is_quantized_folder(ckpt):  # python -m mmtrain.quantize's output (docs/quantization.md)
+        if mesh.dims.world_size > 1:
+            raise UnsupportedModelError(f"{ckpt}: a quantized folder decodes in one process (got "
+                                        f"{mesh.dims.describe()}); start it without torchrun")
+        model, cfg = load_quantized_model(ckpt)
+        model = prepare_for_decoding(model, device, dtype)
+        use_quantized_kernels(model)
+        return model, cfg
     cfg, meta = read_checkpoint_config(ckpt)
     if mesh.dims.pp > 1 or mesh.dims.cp > 1 or mesh.dims.ep > 1:
         raise UnsupportedModelError("generation runs tensor-parallel only: start it with as many ranks as the "
