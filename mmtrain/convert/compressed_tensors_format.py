@@ -28,7 +28,7 @@ SCHEMES = ("fp8", "w4a16")
 PRESETS = {"fp8": "FP8_DYNAMIC", "w4a16": "W4A16"}  # compressed-tensors' preset of each scheme
 FORMATS = {"fp8": "float-quantized", "w4a16": "pack-quantized"}
 IGNORED = ["lm_head"]
-GROUP_SIZES = (32, 64, 128, 256)  # the groups torch's int4 kernel (tinygemm) takes; the preset's is 128
+GROUP_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)  # the preset's is 128; tinygemm (CUDA) takes 32-256
 # what a quantized linear stores beside its HF module name, by scheme
 STORED_SUFFIXES = {"fp8": ("weight", "weight_scale"), "w4a16": ("weight_packed", "weight_scale", "weight_shape")}
 
@@ -50,7 +50,8 @@ class QuantSpec:
             raise QuantizedFolderError(f"--scheme {self.scheme}: choose one of {', '.join(SCHEMES)}")
         if self.scheme == "w4a16" and self.group_size not in GROUP_SIZES:
             raise QuantizedFolderError(f"--group-size {self.group_size}: choose one of "
-                                       f"{', '.join(map(str, GROUP_SIZES))} (128 is compressed-tensors' W4A16)")
+                                       f"{', '.join(map(str, GROUP_SIZES))} (128 is compressed-tensors' W4A16; "
+                                       "the CUDA int4 kernel takes 32 to 256)")
 
     @property
     def format(self) -> str:

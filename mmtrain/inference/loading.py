@@ -14,7 +14,12 @@ from torch import nn
 from mmtrain.convert.checkpoint_io import checkpoint_lora, load_model_weights, read_checkpoint_config
 from mmtrain.config.schema import ModelConfig
 from mmtrain.inference.decoder import UnsupportedModelError, check_decodable
-from mmtrain.inference.quantized_loading import is_quantized_folder, load_quantized_model, use_quantized_kernels
+from mmtrain.inference.quantized_loading import (
+    is_quantized_folder,
+    load_quantized_model,
+    quantized_folder_config,
+    use_quantized_kernels,
+)
 from mmtrain.inference.split_k import use_split_k
 from mmtrain.model.lora import merge_adapters
 from mmtrain.models.registry import model_family
@@ -34,6 +39,12 @@ def prepare_for_decoding(model: nn.Module, device: torch.device | str, dtype: to
         p.requires_grad_(False)
     use_split_k(model)
     return model.eval()
+
+
+def checkpoint_config(ckpt: str | Path) -> tuple[ModelConfig, dict]:
+    """(model config, complete.json) of checkpoint ``ckpt``; of a quantized folder, its model config and the
+    record ``mmtrain.quantize`` kept of its source (the tokenizer, the run's data settings)."""
+    return quantized_folder_config(ckpt) if is_quantized_folder(ckpt) else read_checkpoint_config(ckpt)
 
 
 def load_checkpoint_model(ckpt: str | Path, mesh: ParallelMesh, device: torch.device | str,

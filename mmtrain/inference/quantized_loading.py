@@ -58,6 +58,24 @@ def folder_provenance(folder: str | Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def quantized_folder_config(folder: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """(the model config of quantized folder ``folder``, a complete.json-like record of it: the ``tokenizer`` and
+    the source run's ``config.data`` that ``mmtrain-quantization.json`` keeps, empty for another tool's folder),
+    read without the weights: what generation's tokenizer check and evaluation's data settings read."""
+    folder = Path(folder)
+    try:
+        hf_config = read_hf_config(folder)
+        spec_of_config(hf_config, str(folder / "config.json"))
+        adapter = family_for_hf(hf_config).hf
+        cfg = adapter.config_from_hf({k: v for k, v in hf_config.items() if k != "quantization_config"})
+    except KeyError as exc:
+        raise QuantizedFolderError(f"{folder / 'config.json'}: no {exc.args[0]!r}") from None
+    except (HFFolderError, *hf_errors()) as exc:
+        raise QuantizedFolderError(str(exc)) from None
+    record = folder_provenance(folder)
+    return cfg, {k: record[k] for k in ("tokenizer", "config") if k in record}
+
+
 def _grouped(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> tuple[dict[str, dict[str, torch.Tensor]],
                                                                       dict[str, torch.Tensor]]:
     """(HF linear name -> its stored tensors by suffix, the other tensors): a linear is what has a weight_scale."""
@@ -79,20 +97,15 @@ def load_quantized_model(folder: str | Path) -> tuple[nn.Module, ModelConfig]:
     Raises ``QuantizedFolderError`` (a ``ConvertError``) naming the file or key for anything the folder does not
     hold as it should."""
     folder = Path(folder)
+    cfg, _ = quantized_folder_config(folder)
+    check_quantizable(cfg)
+    spec = spec_of_config(read_hf_config(folder), str(folder / "config.json"))
     try:
-        hf_config = read_hf_config(folder)
-        spec = spec_of_config(hf_config, str(folder / "config.json"))
-        tensors = read_hf_tensors(folder)
-        adapter = family_for_hf(hf_config).hf
-        try:
-            cfg = adapter.config_from_hf({k: v for k, v in hf_config.items() if k != "quantization_config"})
-        except KeyError as exc:
-            raise QuantizedFolderError(f"{folder / 'config.json'}: no {exc.args[0]!r}") from None
-        check_quantizable(cfg)
-        stored, dense = _grouped(tensors, spec)
+        stored, dense = _grouped(read_hf_tensors(folder), spec)
         values = {name: linear_values(parts, spec, name) for name, parts in stored.items()}
         for name, (v, _) in values.items():  # the adapter maps and checks shapes; these stand for the weights
             dense[name + ".weight"] = torch.empty(v.shape, device="meta")
+        adapter = model_family(cfg).hf
         ours = adapter.state_from_hf(dense, cfg)
     except (HFFolderError, *hf_errors()) as exc:
         raise QuantizedFolderError(str(exc)) from None

@@ -77,7 +77,7 @@ def quantize_checkpoint(ckpt: str | Path, out: str | Path, settings: QuantizeSet
     for name, linear in linears.items():
         if spec.scheme == "w4a16" and linear.in_features % spec.group_size:
             raise QuantizedFolderError(f"{name}: {linear.in_features} inputs is not a multiple of --group-size "
-                                       f"{spec.group_size}; pick a group size that divides it (32, 64, 128, 256)")
+                                       f"{spec.group_size}; pick a group size that divides it")
     scale_dtype = settings.dtype or next(iter(linears.values())).weight.dtype
     started = time.perf_counter()
     if settings.method == "gptq":
@@ -91,7 +91,8 @@ def quantize_checkpoint(ckpt: str | Path, out: str | Path, settings: QuantizeSet
         f"{time.perf_counter() - started:.1f} s")
     quantized = {n: (v.cpu(), s.cpu()) for n, (v, s) in quantized.items()}
     tensors = quantized_hf_tensors(full, cfg, quantized, spec, settings.dtype)
-    provenance = {"source": str(ckpt), "scheme": spec.scheme, "format": spec.format, "method": settings.method,
+    run = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    provenance = {"source": str(ckpt), "config": {"data": run.get("data") or {}}, "scheme": spec.scheme, "format": spec.format, "method": settings.method,
                   "group_size": spec.group_size or None, "tokenizer": tok.describe(),
                   "calibration": ({"data": str(settings.calib), "samples": settings.samples,
                                    "seq_len": settings.seq_len, "seed": settings.seed}
