@@ -19,13 +19,14 @@ class _StopAfterBlock(Exception):
 
 def calibration_batches(ckpt: str | Path, calib: str, samples: int, seq_len: int, batch_size: int,
                         seed: int) -> list[torch.Tensor]:
-    """``samples`` token rows of ``seq_len`` from prepared dataset ``calib`` (an indexed prefix or a blend spec),
-    every document of it (split 1,0,0), in the sample builder's shuffled order for ``seed``, as batches of
-    ``batch_size`` rows. Data of another tokenizer than the checkpoint's is a ``ConfigError``."""
+    """``samples`` token rows of ``seq_len`` from the train split of prepared dataset ``calib`` (an indexed prefix
+    or a blend spec; the checkpoint's ``data.split``, so an evaluation of its valid split scores other documents),
+    in the trainer's sample builder's shuffled order for ``seed``, as batches of ``batch_size`` rows. Data of
+    another tokenizer than the checkpoint's is a ``ConfigError``."""
     from mmtrain.data.blend import build_gpt_samples_from_config
     from mmtrain.evaluate import check_data_tokenizer, eval_run_config
 
-    cfg = eval_run_config(ckpt, calib, seq_length=seq_len, batch_size=batch_size, data_split="1,0,0", device="cpu")
+    cfg = eval_run_config(ckpt, calib, seq_length=seq_len, batch_size=batch_size, device="cpu")
     cfg.data.seed = seed
     check_data_tokenizer(cfg, ckpt, calib)
     found = build_gpt_samples_from_config(cfg, "train", 1, num_samples=samples)
