@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,8 @@ def perplexity(ckpt: str, data: str, max_samples: int, device: str) -> dict:
         report = Path(tmp) / "eval.json"
         proc = subprocess.run([sys.executable, "-m", "mmtrain.evaluate", "--ckpt", ckpt, "--data", data,
                                "--split", "valid", "--max-samples", str(max_samples), "--device", device,
-                               "--output", str(report)], cwd=REPO, capture_output=True, text=True)
+                               "--output", str(report)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
         if proc.returncode != 0:
             return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
         found = json.loads(report.read_text())
