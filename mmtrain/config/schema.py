@@ -12,6 +12,7 @@ from typing import Literal
 
 from mmtrain.config.family_sections import family_name_type, section_class, with_family_sections
 from mmtrain.config.fields import doc
+from mmtrain.config.grpo_schema import GrpoConfig
 from mmtrain.config.loader import ConfigError
 from mmtrain.models.families import FAMILY_PACKAGES, INLINE_FAMILY, FamilySection, unknown_family_message
 
@@ -141,9 +142,10 @@ class TrainConfig:
     """The step loop."""
 
     steps: int = doc(20, "Optimizer steps to run.", ge=1)
-    objective: Literal["lm", "dpo"] = doc("lm", "lm: next-token cross-entropy (pretraining, SFT). dpo: preference "
-                                                "optimization against a frozen reference (the dpo section; "
-                                                "data.type=preference).")
+    objective: Literal["lm", "dpo", "grpo"] = doc(
+        "lm", "lm: next-token cross-entropy (pretraining, SFT). dpo: preference optimization against a frozen "
+              "reference (the dpo section; data.type=preference). grpo: group relative policy optimization on "
+              "the model's own completions (the grpo section).")
     micro_batch_size: int = doc(2, "Samples per micro-batch per data-parallel rank.", ge=1)
     global_batch_size: int = doc(0, "Samples per optimizer step over all ranks; 0 means micro_batch_size * dp.", ge=0)
     precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32; fp8: "
@@ -321,3 +323,5 @@ class GPTRunConfig(RunSections):
     fp8: Fp8Config = field(default_factory=Fp8Config, metadata={"help": "FP8 training (train.precision: fp8)."})
     peft: PeftConfig = field(default_factory=PeftConfig, metadata={"help": "Parameter-efficient fine-tuning (LoRA)."})
     dpo: DpoConfig = field(default_factory=DpoConfig, metadata={"help": "Preference optimization (train.objective: dpo)."})
+    grpo: GrpoConfig = field(default_factory=GrpoConfig, metadata={"help": "Group relative policy optimization "
+                                                                           "(train.objective: grpo)."})

@@ -17,6 +17,7 @@ FAMILY_PACKAGES: dict[str, str] = {
     "deepseek_v3": "mmtrain.models.deepseek_v3",
     "gemma3": "mmtrain.models.gemma3",
     "gpt_oss": "mmtrain.models.gpt_oss",
+    "nemotron_h": "mmtrain.models.nemotron_h",
 }
 INLINE_FAMILY = "llama"
 

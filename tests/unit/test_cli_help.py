@@ -100,7 +100,7 @@ def test_help_config_of_an_unknown_section_names_the_sections():
     families = "".join(f"model.{name}, " for name in composed_families())  # the table's, not a list by hand
     assert proc.stderr.strip() == ("mmtrain.pretrain_gpt: config error: --help-config optimizer: no such config "
                                    "section; sections: parallel, data, optim, train, logging, checkpoint, model, "
-                                   f"{families}fp8, peft, peft.lora, dpo")
+                                   f"{families}fp8, peft, peft.lora, dpo, grpo")
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY [] 2"
 
 
