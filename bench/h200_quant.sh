@@ -4,7 +4,8 @@
 #           of 8 x 2048 tokens of $DATA (mmtrain-prep text output: .device/data/text, SentencePiece 32k), bf16,
 #           compiled, packed documents, one checkpoint at the end in $WORK/run/checkpoints (skipped when one is there)
 #   quant : python -m mmtrain.quantize --scheme fp8; --scheme w4a16 --method rtn; --scheme w4a16 --method gptq
-#           --calib $DATA (CALIB_SAMPLES (128) samples of 2048 tokens of the train split)
+#           --calib $DATA (CALIB_SAMPLES (128) samples of 2048 tokens of the train split); dense tensors and scales
+#           bf16 (as llm-compressor writes them); TOK=PATH if the data's recorded tokenizer is not where it says
 #   table : bench/quant_accuracy.py: perplexity on the valid split (python -m mmtrain.evaluate, EVAL_SAMPLES (128)
 #           samples of 2048 tokens: documents the model and GPTQ never saw) and batch-1 decode new tokens/s
 #           (bench/generate.py's timing, compiled, 128-token prompts, 256 new tokens) of bf16, FP8, W4A16-RTN,
@@ -36,8 +37,8 @@ for stage in ${STAGES:-train quant table gputest}; do
         set -- $spec
         echo "### quantize: $1 $2"
         PYTHONPATH=$PWD timeout -k 10 ${QUANT_TIMEOUT:-120} python3 -m mmtrain.quantize --ckpt "$CKPT" \
-          --scheme "$1" --method "$2" --calib "$DATA" --samples ${CALIB_SAMPLES:-128} --seq-len 2048 \
-          --out "$WORK/$1-$2" 2>&1 | tail -4
+          --scheme "$1" --method "$2" --calib "$DATA" --samples ${CALIB_SAMPLES:-128} --seq-len 2048 --dtype bf16 \
+          ${TOK:+--tokenizer "$TOK"} --out "$WORK/$1-$2" 2>&1 | tail -4
       done ;;
     table)
       echo "### table"

@@ -150,9 +150,11 @@ def spec_of_config(hf_config: dict[str, Any], where: str) -> QuantSpec:
     if not isinstance(group, dict):
         raise QuantizedFolderError(f"{where}: quantization_config.config_groups.{name} is not a mapping")
     weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
-    size = weights.get("group_size") or 0
-    spec = QuantSpec(scheme, size if scheme == "w4a16" and isinstance(size, int) else (128 if scheme == "w4a16"
-                                                                                       else 0))
+    size = weights.get("group_size") if scheme == "w4a16" else 0
+    if scheme == "w4a16" and (isinstance(size, bool) or size not in GROUP_SIZES):
+        raise QuantizedFolderError(f"{where}: quantization_config.config_groups.{name}.weights.group_size={size!r}; "
+                                   f"mmtrain runs groups of {', '.join(map(str, GROUP_SIZES))}")
+    spec = QuantSpec(scheme, size)
     expected = spec.library_scheme().model_dump()
     for part in ("weights", "input_activations", "output_activations"):
         found, want = group.get(part), expected.get(part)

@@ -2,7 +2,9 @@
 it), its weights read from any training layout or a weights-only checkpoint, moved to the device, parameters in
 the compute dtype (buffers such as the RoPE frequencies keep theirs). A LoRA run's checkpoint (its complete.json
 records ``peft.lora``) is built with its adapters, they are read with the base weights and merged into them
-(``mmtrain.model.lora.merge_adapters``): what is decoded is the adapted model, at the base model's cost."""
+(``mmtrain.model.lora.merge_adapters``): what is decoded is the adapted model, at the base model's cost. A quantized
+Hugging Face folder of ``python -m mmtrain.quantize`` loads too, in one process (``mmtrain.inference.
+quantized_loading``): its quantized linears stay quantized, their buffers keep their dtypes."""
 
 from __future__ import annotations
 

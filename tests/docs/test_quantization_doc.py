@@ -38,5 +38,6 @@ def test_quantization_runs_from_the_user_guides_outputs(guide_folder, tmp_path):
            for name in ("dense", "fp8", "w4a16-rtn", "w4a16-gptq")}
     assert abs(ppl["fp8"] / ppl["dense"] - 1) < 0.01, ppl
     assert ppl["w4a16-gptq"] <= ppl["w4a16-rtn"], ppl
-    completion = next(json.loads(out.splitlines()[-1]) for out in outputs.values() if '"completion"' in out)
+    completion = next(json.loads(line) for out in outputs.values() for line in out.splitlines()
+                      if line.startswith('{"prompt"'))
     assert completion["prompt"] == "def" and completion["completion"].strip()

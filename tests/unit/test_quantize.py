@@ -231,7 +231,8 @@ def test_a_checkpoint_without_a_tokenizer_or_of_another_family_is_refused(tmp_pa
 
     plain = tiny_checkpoint(tmp_path / "plain", tiny_config(hidden_size=128, ffn_hidden_size=256))
     assert quantize_main(["--ckpt", str(plain), "--scheme", "fp8", "--out", str(tmp_path / "q")]) == 2
-    assert "names no tokenizer" in capsys.readouterr().err and "--tokenizer" not in []
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "names no tokenizer" in err and "pass --tokenizer" in err, err
     from tests.inference_helpers import tiny_tokenizer
 
     tok = tiny_tokenizer(tmp_path / "tok")
@@ -257,3 +258,24 @@ def test_a_folder_of_another_scheme_is_refused_by_generate_in_one_line(trained, 
                           "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "weights=" in err and "W4A16" in err, err
+
+
+@pytest.mark.parametrize("shape", [{"qkv_bias": True}, {"qk_norm": True, "head_dim": 32}, {"tie_embeddings": True}])
+def test_qwen2_qwen3_and_tied_shapes_load_in_transformers_with_equal_logits(tmp_path, shape):
+    """The other Llama-family shapes the export writes (Qwen2's q/k/v biases stay dense beside the quantized
+    weights, Qwen3's q/k norms, a tied output layer: no lm_head tensor), FP8 and W4A16 on a random model."""
+    from mmtrain.convert.checkpoint_io import write_weights_checkpoint
+    from mmtrain.core.tokenizer import load_tokenizer
+    from tests.inference_helpers import tiny_config, tiny_model, tiny_tokenizer
+
+    cfg = tiny_config(hidden_size=128, ffn_hidden_size=256, init_std=0.05, **shape)
+    tok = tiny_tokenizer(tmp_path / "tok")
+    write_weights_checkpoint(tmp_path / "ckpt", {k: v.clone() for k, v in tiny_model(cfg).state_dict().items()},
+                             cfg, extra_meta={"tokenizer": load_tokenizer(tok).describe()})
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7]])
+    for scheme in ("fp8", "w4a16"):
+        folder = quantize_checkpoint(tmp_path / "ckpt", tmp_path / scheme, QuantizeSettings(scheme),
+                                     log=lambda line: None)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(load_quantized_model(folder)[0].eval()(ids), hf(ids).logits, atol=1e-4, rtol=0)
