@@ -128,8 +128,9 @@ class QuantizedLinear(nn.Module):
         x_q, x_scale = quantize_tokens_fp8(x)
         if (x.is_cuda and x.dtype == torch.bfloat16 and self.in_features % 16 == 0
                 and self.out_features % 16 == 0):
-            return torch._scaled_mm(x_q, self.weight.t(), scale_a=x_scale.float(),
-                                    scale_b=self.weight_scale.float().t(), bias=self.bias, out_dtype=x.dtype)
+            y = torch._scaled_mm(x_q, self.weight.t(), scale_a=x_scale.float(),
+                                 scale_b=self.weight_scale.float().t(), out_dtype=x.dtype)
+            return y + self.bias if self.bias is not None else y  # row-wise scaling: bias added apart
         return F.linear(x_q.to(x.dtype) * x_scale, self.dequantized(x.dtype), self.bias)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
