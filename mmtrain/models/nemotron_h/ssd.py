@@ -1,4 +1,5 @@
-"""The Mamba-2 state-space recurrence (SSD), in plain PyTorch: the CPU reference and what the mixer calls.
+"""The Mamba-2 state-space recurrence (SSD), in plain PyTorch: the CPU reference, and ``ssd_scan``, what the mixer
+calls (CUDA tensors to fla-core's Triton kernels, ``ssd_triton.py``; the rest to the reference).
 
 Per head ``h`` (of ``H``, in ``G`` groups: head h reads group ``h // (H // G)`` of B and C) and token ``t``::
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from mmtrain.models.nemotron_h.ssd_triton import KERNEL_DTYPES, ssd_chunked_scan_triton
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -137,6 +140,10 @@ def ssd_step(state_BHPN: torch.Tensor, x_BHP: torch.Tensor, dt_BH: torch.Tensor,
 def ssd_scan(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B_BSGN: torch.Tensor,
              C_BSGN: torch.Tensor, chunk_size: int, doc_ids_BS: torch.Tensor | None = None,
              initial_state_BHPN: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan the mixer calls (``ssd_chunked_scan``'s signature and results): the PyTorch reference here; a
-    GPU kernel with the same signature takes CUDA tensors where one is wired in."""
+    """The scan the mixer calls (``ssd_chunked_scan``'s signature and results): CUDA tensors in fp32, bf16 or fp16
+    go to fla-core's Triton kernels (``ssd_triton.ssd_chunked_scan_triton``: the same result up to rounding, no
+    host sync), the rest (the CPU, fp64) to the PyTorch reference."""
+    if x_BSHP.is_cuda and x_BSHP.dtype in KERNEL_DTYPES:
+        return ssd_chunked_scan_triton(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS,
+                                       initial_state_BHPN)
     return ssd_chunked_scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)
