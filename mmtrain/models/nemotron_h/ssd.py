@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmtrain.models.nemotron_h.ssd_triton import KERNEL_DTYPES, ssd_chunked_scan_triton
+from mmtrain.models.nemotron_h.ssd_triton import KERNEL_DTYPES, fla_backward_trusted, ssd_chunked_scan_triton
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -142,8 +142,11 @@ def ssd_scan(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B_BS
              initial_state_BHPN: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan the mixer calls (``ssd_chunked_scan``'s signature and results): CUDA tensors in fp32, bf16 or fp16
     go to fla-core's Triton kernels (``ssd_triton.ssd_chunked_scan_triton``: the same result up to rounding, no
-    host sync), the rest (the CPU, fp64) to the PyTorch reference."""
-    if x_BSHP.is_cuda and x_BSHP.dtype in KERNEL_DTYPES:
+    host sync), the rest (the CPU, fp64) to the PyTorch reference; so does a scan that needs gradients where
+    fla's backward is not trusted (``fla_backward_trusted``: Hopper with torch 2.11's Triton)."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, initial_state_BHPN) if t is not None)
+    if x_BSHP.is_cuda and x_BSHP.dtype in KERNEL_DTYPES and (not needs_grad or fla_backward_trusted()):
         return ssd_chunked_scan_triton(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS,
                                        initial_state_BHPN)
     return ssd_chunked_scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)

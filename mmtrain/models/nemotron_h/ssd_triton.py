@@ -37,6 +37,7 @@ continues the row's first document, and ``final_state`` is the state after the r
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Callable
 
 import torch
@@ -53,6 +54,20 @@ FLA_CHUNK_SIZE = 64
 # What the kernels compute in: at most fp32 (TF32 dots). float64, the CPU tests' exact comparisons, stays with the
 # PyTorch reference (ssd.ssd_scan sends only these dtypes here).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@torch._dynamo.assume_constant_result
+def fla_backward_trusted() -> bool:
+    """Whether fla-core's backward kernels give correct results here. fla 0.6 refuses its gated backward
+    (``chunk_bwd_dqkwg``) on Hopper with Triton >= 3.4, < 3.7.1 unless tilelang is installed (its issue #640);
+    torch 2.11 ships Triton 3.6, so on an H100/H200 training takes the PyTorch scan (compiled with the block)
+    while decoding (no gradient) keeps the kernels. A constant while compiling: the answer cannot change."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return True
+    import triton
+
+    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3])
+    return version >= (3, 7, 1) or importlib.util.find_spec("tilelang") is not None
 
 
 def ssd_chunked_scan_triton(
