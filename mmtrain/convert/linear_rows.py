@@ -17,6 +17,12 @@ from mmtrain.convert.compressed_tensors_format import QuantizedFolderError
 _PROBE_DTYPE = torch.float64  # row numbers stay exact (no model tensor is float64)
 
 
+def _hf_linear_module(hf_name: str) -> str | None:
+    """The module of an HF tensor name that is a linear's weight (transformers names it ``<module>.weight``)."""
+    module, _, leaf = hf_name.rpartition(".")
+    return module if leaf == "weight" else None
+
+
 def hf_linear_rows(state_to_hf: Callable[..., dict], cfg: Any, template: dict[str, torch.Tensor],
                    linears: dict[str, int]) -> dict[str, tuple[str, torch.Tensor]]:
     """For each HF linear (its module name) made of our linears' rows: (our weight key, the row indices it holds,
@@ -35,7 +41,8 @@ def hf_linear_rows(state_to_hf: Callable[..., dict], cfg: Any, template: dict[st
     for hf_name, t in state_to_hf(probe, cfg).items():
         if t.dtype != _PROBE_DTYPE:
             continue
-        if t.device.type == "meta" or t.ndim != 2 or t.shape[1] != 1 or not hf_name.endswith(".weight"):
+        module = _hf_linear_module(hf_name)
+        if t.device.type == "meta" or t.ndim != 2 or t.shape[1] != 1 or module is None:
             raise QuantizedFolderError(f"{hf_name}: the HF export does not take it row by row from a linear; this "
                                        f"family's linears cannot be quantized")
         ids = t[:, 0].to(torch.int64)
@@ -47,7 +54,7 @@ def hf_linear_rows(state_to_hf: Callable[..., dict], cfg: Any, template: dict[st
             raise QuantizedFolderError(f"{hf_name}: mixes rows of several linears in the HF export; this family's "
                                        f"linears cannot be quantized")
         seen[ids] += 1
-        out[hf_name.removesuffix(".weight")] = (key, rows)
+        out[module] = (key, rows)
     if total and not bool((seen == 1).all()):
         row = int((seen != 1).nonzero()[0])
         key = max(s for s in starts if s[0] <= row)[1]
