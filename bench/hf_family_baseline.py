@@ -9,12 +9,15 @@ two models have the same parameters; transformers builds it with ``AutoModelForC
 its SDPA attention where the class supports it (else its default), and trains it with fused AdamW, as a user of
 transformers would on one GPU. Samples: mmtrain's own dataset for the run (``--data``: ``mmtrain-prep text``
 output; default mock tokens), batch by batch in the same order. The FLOP count is the mmtrain family's (the same
-numerator for both rows), MFU against the measured H200 bf16 ceiling.
+numerator for both rows), MFU against the measured H200 bf16 ceiling. The JSON line names the transformers
+version, and for a model with Mamba mixers (Nemotron-H) which scan transformers ran ("mamba": mamba-ssm's kernels
+when that package imports, else its PyTorch path).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -51,6 +55,15 @@ def hf_model(cfg: GPTRunConfig, compile_model: bool):
     model.train()
     implementation = model.config._attn_implementation
     return (torch.compile(model) if compile_model else model), implementation
+
+
+def mamba_path(hf_config) -> str | None:
+    """Which scan a model with Mamba mixers (Nemotron-H) runs in transformers: mamba-ssm's kernels when that package
+    imports, else its own PyTorch chunked scan (no hub kernels: ``use_kernels`` is not asked for); None without
+    Mamba mixers."""
+    if not hasattr(hf_config, "mamba_num_heads"):
+        return None
+    return "mamba-ssm kernels" if importlib.util.find_spec("mamba_ssm") else "PyTorch"
 
 
 def batches(cfg: GPTRunConfig, batch: int):
@@ -85,6 +98,7 @@ def main() -> None:
     cfg = load_config(GPTRunConfig, a.model, [*data, f"data.seq_length={a.seq}", *a.overrides])
     torch.backends.cuda.matmul.allow_tf32 = True
     model, implementation = hf_model(cfg, a.compile)
+    mamba = mamba_path(model.config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     feed = batches(cfg, a.batch)
     times, loss = [], None
@@ -108,7 +122,8 @@ def main() -> None:
                       "step_ms": round(1000 * dt, 1), "model_tflops": round(tflops, 1),
                       "mfu": round(tflops / BF16_CEILING_TFLOPS, 3),
                       "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-                      "loss": round(loss.item(), 4)}), flush=True)
+                      "loss": round(loss.item(), 4), "transformers": transformers.__version__,
+                      **({"mamba": mamba} if mamba else {})}), flush=True)
 
 
 if __name__ == "__main__":

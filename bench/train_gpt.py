@@ -18,7 +18,10 @@ document, the loss skips EOD inputs); ``train.document_attention=dense`` is the 
 With documents, ``doc_attention_fraction`` is the attention work a document mask leaves, Σ len² / S² over the
 timed samples, and ``doc_tflops`` the FLOPs actually done: 6N + that fraction of the causal attention term
 (``model_tflops`` keeps the standard 6N + causal figure, so runs stay comparable; ``doc_mfu`` is honest MFU).
-``--losses-csv FILE`` writes step,loss for loss-curve comparisons.
+``--losses-csv FILE`` writes step,loss for loss-curve comparisons. ``--profile FILE`` records the last two
+timed steps with torch.profiler (CUDA kernels only) and writes where their time goes (bench/profile_summary.py:
+matmuls, attention, norms/elementwise, optimizer, communication, host gap) as markdown; the tokens/s then come
+from the other timed steps.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.profile_summary import profiling, summarize  # noqa: E402
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config  # noqa: E402
 from mmtrain.data.documents import packed_document_inputs  # noqa: E402
 from mmtrain.models.registry import model_family  # noqa: E402
@@ -98,6 +102,7 @@ def main() -> None:
     ap.add_argument("--packed", action="store_true", help="packed documents: " + " ".join(PACKED))
     ap.add_argument("--print-losses", action="store_true", help="also print every step's loss (parity checks)")
     ap.add_argument("--losses-csv", help="write step,loss of every step to this file")
+    ap.add_argument("--profile", help="write the last two timed steps' profile summary (markdown) to this file")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -117,8 +122,11 @@ def main() -> None:
     setup_logging(rank)
     torch.backends.cuda.matmul.allow_tf32 = True
     mesh = ParallelDims.from_config(cfg.parallel, world).build()
-    result = train_gpt(cfg, mesh, device)
-    dt = statistics.median(result.step_times[a.warmup:])
+    profiled = 2 if a.profile else 0
+    with profiling(a.warmup + a.steps - profiled, profiled) as prof:
+        result = train_gpt(cfg, mesh, device)
+    timed = result.step_times[a.warmup:len(result.step_times) - profiled]
+    dt = statistics.median(timed)
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * mesh.dims.dp
     S = cfg.data.seq_length
     tps = gbs * S / dt / world
@@ -141,6 +149,10 @@ def main() -> None:
                     "doc_tflops": round(doc_tflops, 1), "doc_mfu": round(doc_tflops / BF16_CEILING_TFLOPS, 3)})
     if a.print_losses:
         row["losses"] = result.losses
+    if rank == 0 and prof is not None:
+        wall = statistics.fmean(result.step_times[-profiled:]) * 1000
+        title = f"## {a.label}: {a.batch}x{S} {' '.join(a.overrides)} ({row['tokens_per_s']} tokens/s)\n\n"
+        atomic_write_text(Path(a.profile), title + summarize(prof, profiled, wall))
     if rank == 0:
         print(json.dumps(row), flush=True)
         if a.losses_csv:

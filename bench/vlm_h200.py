@@ -31,6 +31,7 @@ from mmtrain.config.vlm_run_schema import VLMRunConfig  # noqa: E402
 from mmtrain.config.vlm_validate import validate_vlm_config  # noqa: E402
 from mmtrain.models.llama.model import flops_per_token  # noqa: E402
 from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed  # noqa: E402
+from bench.profile_summary import profiling, summarize  # noqa: E402
 from mmtrain.train.vlm_train import train_vlm, vision_flops_per_image  # noqa: E402
 from mmtrain.utils.log import setup_logging  # noqa: E402
 
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="train.compile=true (each ViT and LM block)")
     ap.add_argument("--label", default="mmtrain-vlm")
+    ap.add_argument("--profile", help="write the last two timed steps' profile summary (markdown) to this file")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -65,8 +67,14 @@ def main() -> None:
     setup_logging(rank)
     torch.backends.cuda.matmul.allow_tf32 = True
     mesh = ParallelDims.from_config(cfg.parallel, world).build()
-    result = train_vlm(cfg, mesh, device)
-    dt = statistics.median(result.step_times[a.warmup:])
+    profiled = 2 if a.profile else 0
+    with profiling(a.warmup + a.steps - profiled, profiled) as prof:
+        result = train_vlm(cfg, mesh, device)
+    dt = statistics.median(result.step_times[a.warmup:len(result.step_times) - profiled])
+    if prof is not None and rank == 0:
+        wall = statistics.fmean(result.step_times[-profiled:]) * 1000
+        Path(a.profile).write_text(f"## {a.label}: {a.batch}x{a.seq} {' '.join(a.overrides)}\n\n"
+                                   + summarize(prof, profiled, wall))
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * mesh.dims.dp
     images_per_s = gbs / dt / world  # mock data: one image per sample
     tokens_per_s = gbs * cfg.data.seq_length / dt / world

@@ -1,6 +1,6 @@
 """A small, deterministic sample corpus generated on the spot (no download): the quick-start demo's data, and
 chat conversations and preference pairs over the same grammar for the post-training walk-through
-(docs/post-training.md).
+(docs/post-training.md), and GRPO prompts with the fields of the example rewards (docs/grpo.md).
 
 Sentences come from a little grammar, so a tiny model can learn real structure in a few dozen steps and
 its loss visibly falls. Same ``seed`` -> byte-identical files.
@@ -85,6 +85,39 @@ def sample_preferences(num: int, seed: int = 0) -> list[dict]:
         records.append({"prompt": f"What does {subject} do?", "chosen": chosen,
                         "rejected": " ".join(words).capitalize() + "."})
     return records
+
+
+# the objects GRPO's sample task rewards (a regular expression over the completion: mmtrain.rewards:regex_format)
+GRPO_OBJECTS = ("the red ball", "a blue kite", "an empty boat")
+
+
+def sample_prompts(num: int, seed: int = 0) -> list[dict]:
+    """``{"prompt", "pattern"}`` records for ``mmtrain.rewards:regex_format``: a sentence's subject and verb, to be
+    completed with one of ``GRPO_OBJECTS`` (the grammar has 11 objects, so a model of the corpus names one of
+    these about a quarter of the time before training)."""
+    rng = random.Random(seed)
+    pattern = "(" + "|".join(GRPO_OBJECTS) + r")\b.*"
+    return [{"prompt": f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)}".capitalize(), "pattern": pattern}
+            for _ in range(num)]
+
+
+def sample_arithmetic(num: int, seed: int = 0) -> list[dict]:
+    """``{"prompt", "answer"}`` records for ``mmtrain.rewards:arithmetic_exact_match``: ``"Q: 12 + 7 = ?\nA:"``
+    with sums and differences of numbers below 100."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num):
+        a, b = rng.randrange(100), rng.randrange(100)
+        op = rng.choice("+-")
+        rows.append({"prompt": f"Q: {a} {op} {b} = ?\nA:", "answer": str(a + b if op == "+" else a - b)})
+    return rows
+
+
+def write_sample_prompts(path: str | Path, num: int = 200, seed: int = 0, task: str = "regex") -> Path:
+    """Write :func:`sample_prompts` (``task`` "regex") or :func:`sample_arithmetic` ("arithmetic") as JSONL to
+    ``path`` atomically and return it."""
+    rows = {"regex": sample_prompts, "arithmetic": sample_arithmetic}[task](num, seed)
+    return _write_rows(path, rows)
 
 
 def write_sample_chats(path: str | Path, num: int = 400, seed: int = 0) -> Path:

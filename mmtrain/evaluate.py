@@ -58,9 +58,10 @@ def eval_run_config(ckpt: str | Path, data: str, *, seq_length: int | None = Non
     """The run config an evaluation builds its model and samples from: the checkpoint's model, the data settings
     it trained with (sequence length, split, seed, packed-document flags; each overridable), ``data`` as a
     prefix or a blend-spec file, and this evaluation's layout and precision."""
-    from mmtrain.convert.checkpoint_io import checkpoint_lora, read_checkpoint_config
+    from mmtrain.convert.checkpoint_io import checkpoint_lora
+    from mmtrain.inference.loading import checkpoint_config
 
-    model_cfg, meta = read_checkpoint_config(ckpt)
+    model_cfg, meta = checkpoint_config(ckpt)  # a quantized folder too (docs/quantization.md)
     cfg = GPTRunConfig(model=model_cfg)
     lora = checkpoint_lora(meta, ckpt)  # a LoRA run's checkpoint: the stage is built with its adapters
     if lora is not None:
@@ -92,14 +93,32 @@ def load_eval_stage(cfg: GPTRunConfig, mesh, device: torch.device, ckpt: str | P
     """This rank's stage of the checkpoint's model (TP/PP per ``mesh``), its weights read from ``ckpt`` (a LoRA
     run's adapters too, merged into the base weights), in eval mode and the evaluation's precision."""
     from mmtrain.convert.checkpoint_io import load_model_weights
+    from mmtrain.inference.quantized_loading import is_quantized_folder
     from mmtrain.model.lora import merge_adapters
     from mmtrain.train.build import build_gpt_stage
 
+    if is_quantized_folder(ckpt):
+        return _quantized_stage(cfg, mesh, device, ckpt)
     stage = build_gpt_stage(cfg, mesh, device)
     # into the fp32 stage: the stored dtype is cast on the way in
     load_model_weights(ckpt, mesh, stage, adapters=bool(cfg.peft.lora.rank))
     merge_adapters(stage)
     return stage.to(_dtype(cfg.train.precision)).eval()
+
+
+def _quantized_stage(cfg: GPTRunConfig, mesh, device: torch.device, ckpt: str | Path) -> torch.nn.Module:
+    """A quantized folder's whole model (``mmtrain.inference.quantized_loading``) on ``device``: its parameters in
+    the evaluation's precision, its quantized weights and scales as stored; data parallel only."""
+    from mmtrain.inference.quantized_loading import load_quantized_model, use_quantized_kernels
+
+    if mesh.dims.tp > 1 or mesh.dims.pp > 1:
+        raise ConfigError(f"--ckpt {ckpt} is a quantized folder: it is evaluated whole on each rank (--tp 1 --pp 1)")
+    model, _ = load_quantized_model(ckpt)
+    model.to(device)
+    for p in model.parameters():  # not Module.to(dtype): that would cast the FP8 weights and the scales too
+        p.data = p.data.to(_dtype(cfg.train.precision))
+    use_quantized_kernels(model)
+    return model.eval()
 
 
 Progress = Callable[[int, int], None]  # (samples scored so far, samples in all)
@@ -213,14 +232,14 @@ def check_data_tokenizer(cfg: GPTRunConfig, ckpt: str | Path, data: str, allow_o
     """Refuse (``ConfigError``) evaluation data prepared with another tokenizer than the one the checkpoint's
     model was trained with (``mmtrain.core.tokenizer_record``), unless ``allow_other``. Returns a warning line
     when it cannot be checked: the data's manifests name a tokenizer, the checkpoint none."""
-    from mmtrain.convert.checkpoint_io import read_checkpoint_config
     from mmtrain.core.tokenizer_record import checkpoint_tokenizer_record, describe_record, tokenizer_mismatch
     from mmtrain.data.blend import data_tokenizer
+    from mmtrain.inference.loading import checkpoint_config
 
     data_tok = data_tokenizer(cfg)
     if data_tok is None:  # no manifest names one: nothing to compare
         return None
-    meta = read_checkpoint_config(ckpt)[1]
+    meta = checkpoint_config(ckpt)[1]
     if checkpoint_tokenizer_record(meta) is None:
         return (f"warning: {ckpt} names no tokenizer (converted without one, or saved before checkpoints recorded "
                 f"it): cannot check that --data {data} was prepared with the model's tokenizer")

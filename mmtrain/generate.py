@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_tokenizer(args: argparse.Namespace, tokenizer) -> None:
     """A ``--tokenizer`` that is not the one the checkpoint's model was trained with (``mmtrain.core.
     tokenizer_record``) is a ``TokenizerError``, unless ``--allow-other-tokenizer``: equal vocabulary sizes hide it."""
-    from mmtrain.convert.checkpoint_io import read_checkpoint_config
     from mmtrain.core.manifest import ManifestError
+    from mmtrain.inference.loading import checkpoint_config
     from mmtrain.core.tokenizer import TokenizerError
     from mmtrain.core.tokenizer_record import describe_record, tokenizer_mismatch
 
@@ -51,7 +51,7 @@ def _check_tokenizer(args: argparse.Namespace, tokenizer) -> None:
         return
     given = tokenizer.describe()
     try:
-        found = tokenizer_mismatch(read_checkpoint_config(args.ckpt)[1], given)
+        found = tokenizer_mismatch(checkpoint_config(args.ckpt)[1], given)
     except ManifestError as exc:
         raise TokenizerError(str(exc)) from None
     if found is not None:

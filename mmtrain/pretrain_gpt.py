@@ -19,6 +19,10 @@ def _check_data(cfg) -> None:
     from mmtrain.data.preflight import check_gpt_data_paths
 
     check_gpt_data_paths(cfg)
+    if cfg.train.objective == "distill":  # the teacher's checkpoint, model and tokenizer, before any process group
+        from mmtrain.train.distill_teacher import check_teacher
+
+        check_teacher(cfg)
 
 
 def _train_gpt():

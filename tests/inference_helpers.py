@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config
+from mmtrain.models.nemotron_h.config import NemotronHConfig
 from mmtrain.config.schema import ModelConfig
 from mmtrain.convert.checkpoint_io import write_weights_checkpoint
 from mmtrain.models.registry import model_family
@@ -34,6 +35,39 @@ def tiny_deepseek_config(**overrides) -> ModelConfig:
     return ModelConfig(family="deepseek_v3", deepseek_v3=DeepseekV3Config(**{**shape, **overrides}))
 
 
+# a Nemotron-H hybrid: Mamba-2 (8 heads in 2 groups), attention (GQA) and MLP layers; chunks of 4 tokens
+NEMOTRON_H_SHAPE = dict(vocab_size=128, hidden_size=32, hybrid_override_pattern="M*M-MM", num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=8, mamba_head_dim=6,
+                        ssm_state_size=5, n_groups=2, conv_kernel=4, chunk_size=4)
+
+
+def tiny_nemotron_h_config(**overrides) -> ModelConfig:
+    """``NEMOTRON_H_SHAPE`` (``overrides``: shape fields) with sharp logits, as ``tiny_config``."""
+    shape = {**NEMOTRON_H_SHAPE, "vocab_size": 512, "initializer_range": 0.3, **overrides}
+    return ModelConfig(family="nemotron_h", nemotron_h=NemotronHConfig(**shape))
+
+
+def tiny_hf_nemotron_h(**overrides):
+    """A random transformers ``NemotronHForCausalLM`` of ``NEMOTRON_H_SHAPE`` (``overrides``: NemotronHConfig
+    fields), fp32, eval mode, weights set so that greedy completions vary (a unit embedding and output layer, the
+    other matrices doubled, vectors near their init: norms near 1, dt well above the time_step_min clamp)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.NemotronHConfig(**{**NEMOTRON_H_SHAPE, "pad_token_id": 0, "eos_token_id": None,
+                                             **overrides})
+    model = transformers.NemotronHForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(0.3 * torch.randn_like(p) + (1.0 if "norm" in name else 0.0))
+            elif "embeddings" in name or "lm_head" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.mul_(2.0)
+    return model.eval()
+
+
 def tiny_model(cfg: ModelConfig | None = None, seed: int = 3) -> torch.nn.Module:
     """The whole model of ``cfg`` (default ``tiny_config()``; any family), seeded, in eval mode."""
     cfg = cfg or tiny_config()
@@ -48,6 +82,35 @@ def tiny_model(cfg: ModelConfig | None = None, seed: int = 3) -> torch.nn.Module
             if cfg.family == "deepseek_v3" and name.endswith("expert_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return model.eval()
+
+
+def uncached_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` by the model's full forward, one new token at a time (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` by transformers' ``generate`` (exactly n: no end-of-text stop)."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def load_whole_model(ckpt: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The whole model of a checkpoint (any saved layout) on the CPU, as ``mmtrain.generate`` loads it."""
+    from mmtrain.inference.loading import load_checkpoint_model
+    from mmtrain.parallel import ParallelDims, init_distributed, shutdown_distributed
+
+    init_distributed()
+    try:
+        return load_checkpoint_model(ckpt, ParallelDims(1).build(), "cpu", dtype)[0]
+    finally:
+        shutdown_distributed()
 
 
 def tiny_checkpoint(root: Path, cfg: ModelConfig | None = None, tp: int = 1) -> Path:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from mmtrain.config.family_sections import family_name_type, section_class, with_family_sections
 from mmtrain.config.fields import doc
+from mmtrain.config.grpo_schema import GrpoConfig
 from mmtrain.config.loader import ConfigError
 from mmtrain.models.families import FAMILY_PACKAGES, INLINE_FAMILY, FamilySection, unknown_family_message
 
@@ -141,9 +142,11 @@ class TrainConfig:
     """The step loop."""
 
     steps: int = doc(20, "Optimizer steps to run.", ge=1)
-    objective: Literal["lm", "dpo"] = doc("lm", "lm: next-token cross-entropy (pretraining, SFT). dpo: preference "
-                                                "optimization against a frozen reference (the dpo section; "
-                                                "data.type=preference).")
+    objective: Literal["lm", "dpo", "grpo", "distill"] = doc(
+        "lm", "lm: next-token cross-entropy (pretraining, SFT). dpo: preference optimization against a frozen "
+              "reference (the dpo section; data.type=preference). grpo: group relative policy optimization on "
+              "the model's own completions (the grpo section). distill: knowledge distillation from a frozen "
+              "teacher (the distill section).")
     micro_batch_size: int = doc(2, "Samples per micro-batch per data-parallel rank.", ge=1)
     global_batch_size: int = doc(0, "Samples per optimizer step over all ranks; 0 means micro_batch_size * dp.", ge=0)
     precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32; fp8: "
@@ -260,6 +263,23 @@ class DpoConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Knowledge distillation (train.objective: distill; docs/distillation.md): per loss token,
+    ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE(label)``, both distributions at temperature T."""
+
+    teacher: str = doc("", "The frozen teacher: an mmtrain checkpoint (a checkpoints root with latest, or a step "
+                           "folder; a Hugging Face model after python -m mmtrain.convert hf-to-mmtrain). Its family "
+                           "and shape come from its complete.json and may differ from the student's; its tokenizer "
+                           "and vocab_size must be the student's.")
+    temperature: float = doc(1.0, "Temperature T of the teacher's and the student's softmax in the KL term.", gt=0)
+    alpha: float = doc(1.0, "Weight of the KL term against the hard-label cross-entropy: alpha * T^2 * KL + "
+                            "(1 - alpha) * CE; 1 (the default): the teacher's distribution only.", gt=0, le=1)
+    top_k: int = doc(0, "0: the KL over the whole vocabulary; k > 0: over the teacher's k most likely tokens, its "
+                        "probabilities renormalized over them against the student's full softmax "
+                        "(docs/distillation.md).", ge=0)
+
+
+@dataclass
 class PeftConfig:
     """Parameter-efficient fine-tuning."""
 
@@ -321,3 +341,7 @@ class GPTRunConfig(RunSections):
     fp8: Fp8Config = field(default_factory=Fp8Config, metadata={"help": "FP8 training (train.precision: fp8)."})
     peft: PeftConfig = field(default_factory=PeftConfig, metadata={"help": "Parameter-efficient fine-tuning (LoRA)."})
     dpo: DpoConfig = field(default_factory=DpoConfig, metadata={"help": "Preference optimization (train.objective: dpo)."})
+    grpo: GrpoConfig = field(default_factory=GrpoConfig, metadata={"help": "Group relative policy optimization "
+                                                                           "(train.objective: grpo)."})
+    distill: DistillConfig = field(default_factory=DistillConfig,
+                                   metadata={"help": "Knowledge distillation (train.objective: distill)."})

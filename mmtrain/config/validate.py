@@ -9,6 +9,7 @@ from pathlib import Path
 import importlib.util
 
 from mmtrain.config.family_sections import families_with, section_fields
+from mmtrain.config.grpo_validate import check_grpo_run
 from mmtrain.config.loader import ConfigError
 from mmtrain.config.ranges import check_ranges
 from mmtrain.config.schema import GPTRunConfig, ModelConfig
@@ -66,7 +67,7 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if p.sequence_parallel and (d.seq_length // p.cp) % p.tp:
         raise ConfigError(f"data.seq_length / parallel.cp ({d.seq_length // p.cp}) must be divisible by parallel.tp "
                           f"({p.tp}) with sequence parallelism")
-    if not d.mock and not d.prefixes and not d.blend:
+    if not d.mock and not d.prefixes and not d.blend and t.objective != "grpo":  # GRPO reads grpo.prompts
         raise ConfigError("no training data: set data.prefixes, data.blend, or data.mock=true")
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb=true needs the wandb package: pip install 'mmtrain[wandb]' (or set "
@@ -75,9 +76,12 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if (t.objective == "dpo") != (d.type == "preference"):
         raise ConfigError(f"train.objective={t.objective} with data.type={d.type}: DPO trains on preference pairs "
                           "and preference pairs only with DPO; set both train.objective=dpo and data.type=preference")
+    if t.objective == "grpo":
+        check_grpo_run(cfg, mk)
     if t.objective == "dpo" and p.cp > 1:
         raise ConfigError("train.objective=dpo does not support parallel.cp > 1 yet (sequence log-probs would be "
                           "split over the context ranks); use tp/pp/dp")
+    _validate_distill(cfg, mk)
     if t.document_attention == "flex" and t.device == "cpu":
         raise ConfigError("train.document_attention=flex needs a GPU (FlexAttention has no backward on the CPU in "
                           "this torch); use auto or dense")
@@ -108,6 +112,28 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
         if p.virtual_pp > 1 and num_micro % p.pp:
             raise ConfigError(f"with parallel.virtual_pp > 1 the micro-batches per step ({num_micro}) must be a "
                               f"multiple of parallel.pp ({p.pp}); raise train.global_batch_size")
+
+
+def _validate_distill(cfg, mk: str) -> None:
+    """train.objective=distill and the distill section (the teacher's checkpoint itself is read before any process
+    group: mmtrain.train.distill_teacher.check_teacher)."""
+    t, section = cfg.train, getattr(cfg, "distill", None)
+    if section is None:
+        return
+    if t.objective != "distill":
+        if section.teacher:
+            raise ConfigError(f"distill.teacher is set but train.objective={t.objective}: set train.objective=distill "
+                              "to distill from it, or leave distill.teacher out")
+        return
+    if mk != "model":
+        raise ConfigError("train.objective=distill distills language models (python -m mmtrain.pretrain_gpt); a VLM "
+                          "run trains with train.objective=lm")
+    if not section.teacher:
+        raise ConfigError("train.objective=distill needs distill.teacher: the teacher's mmtrain checkpoint "
+                          "(docs/distillation.md)")
+    if t.precision == "fp8":
+        raise ConfigError("train.objective=distill with train.precision=fp8 is not supported yet; use "
+                          "train.precision=bf16")
 
 
 def _validate_fsdp(cfg) -> None:

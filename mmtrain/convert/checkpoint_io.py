@@ -263,10 +263,11 @@ def _read_checkpoint_meta(folder: Path, option: str = "--ckpt") -> tuple[dict[st
     return meta, cfg, list(run.get("parallel", {}).get("pipeline_layers") or [])
 
 
-def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+def read_checkpoint_config(path: str | Path, option: str = "--ckpt") -> tuple[ModelConfig, dict[str, Any]]:
     """(ModelConfig, complete.json) of a checkpoint (a step folder or a checkpoints root with ``latest``) without
-    reading its tensors; complete.json's ``config`` is the run config it was saved with."""
-    meta, cfg, _ = _read_checkpoint_meta(resolve_checkpoint_folder(path))
+    reading its tensors; complete.json's ``config`` is the run config it was saved with. ``option``: what a
+    damaged complete.json's message tells to set to an earlier checkpoint."""
+    meta, cfg, _ = _read_checkpoint_meta(resolve_checkpoint_folder(path), option)
     return cfg, meta
 
 
@@ -305,7 +306,7 @@ def read_model_tensors(folder: Path, verify: bool = True) -> dict[str, torch.Ten
 @torch.no_grad()
 def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
                        run_model_cfg: ModelConfig | None = None, verify: bool = True,
-                       adapters: bool = False) -> dict[str, Any]:
+                       adapters: bool = False, option: str = "checkpoint.load") -> dict[str, Any]:
     """Copy this rank's part of a checkpoint's weights (any layout) into ``model`` (a stage of this run,
     TP/EP plans applied). Returns complete.json. Optimizer, loader and RNG are left as the fresh run made them:
     training starts at step 0 from these weights, so call it before the optimizer copies its fp32 masters.
@@ -313,9 +314,10 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     check the files read against ``checksums.json`` (``checkpoint.verify``). ``adapters``: also read the
     model's LoRA adapters (the checkpoint of a LoRA run, loaded to be used: generation, evaluation); without it
     they keep their initial values (a LoRA run starting from base weights; DoRA magnitudes are set to the row
-    norms of the weights read, as the model's init sets them)."""
+    norms of the weights read, as the model's init sets them). ``option``: the key a damaged file's message tells
+    to set to an earlier checkpoint."""
     folder = resolve_checkpoint_folder(path)
-    meta, cfg, _ = _read_checkpoint_meta(folder, "checkpoint.load")
+    meta, cfg, _ = _read_checkpoint_meta(folder, option)
     if run_model_cfg is not None:
         ours, theirs = _architecture(run_model_cfg), _architecture(cfg)
         differ = [f"model.{k}: run {ours.get(k)!r}, checkpoint {theirs.get(k)!r}"
@@ -323,7 +325,7 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
         if differ:
             raise ConvertError(f"{path} does not fit this run's model config (include its model.yaml): "
                                + "; ".join(differ))
-    saved = _checked_read(folder, "checkpoint.load", verify, lambda: saved_tensors(folder, verify))
+    saved = _checked_read(folder, option, verify, lambda: saved_tensors(folder, verify))
     # LoRA adapters are not in base weights: they keep their initial values (a plain holder of tensors has none)
     own_spec = model.sharding_spec() if hasattr(model, "sharding_spec") else {}
     own = {n: t for n, t in model.state_dict().items()
@@ -340,7 +342,7 @@ def load_model_weights(path: str | Path, mesh, model: torch.nn.Module,
     chunks, missing = model_load_chunks(own, spec, shard, saved)
     if missing:
         raise ConvertError(f"{path}: parameter(s) {', '.join(missing[:5])} missing from the checkpoint")
-    _checked_read(folder, "checkpoint.load", False, lambda: load_chunks(folder, chunks, verify))
+    _checked_read(folder, option, False, lambda: load_chunks(folder, chunks, verify))
     if not adapters:  # DoRA magnitudes start at the row norms of the base weights just read
         reset_dora_magnitudes(model)
     return meta

@@ -75,14 +75,9 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
         raise ConvertError(f"--lora {lora}: choose {' or '.join(LORA_EXPORTS)}")
     if is_vlm_checkpoint(read_checkpoint_json(resolve_checkpoint_folder(ckpt))):
         return vlm_mmtrain_to_hf(ckpt, out, dtype)
-    tok = None
+    tok, extra = None, {}
     if with_tokenizer and lora != "adapter":  # checked before the tensors are read: a bad tokenizer fails fast
-        tok = open_tokenizer(tokenizer) if tokenizer is not None else recorded_tokenizer(
-            read_checkpoint_config(ckpt)[1])
-    extra: dict[str, bytes] = {}
-    if tok is not None:
-        files, generation = hf_tokenizer_files(tok)
-        extra = {**files, "generation_config.json": (json.dumps(generation, indent=2, sort_keys=True) + "\n").encode()}
+        tok, extra = export_tokenizer(ckpt, tokenizer)
     full, cfg, meta = read_full_state(ckpt)
     adapter = model_family(cfg).hf
     lora_cfg = checkpoint_lora(meta, ckpt)
@@ -100,11 +95,28 @@ def mmtrain_to_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None =
     tensors = adapter.state_to_hf(full, cfg)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    hf_config = adapter.config_to_hf(cfg, meta.get("hf_config"))
-    some = next(iter(tensors.values()))
+    hf_config = export_config(cfg, meta, next(iter(tensors.values())).dtype, tok)
+    return write_hf_folder(out, hf_config, tensors, extra_files=extra)
+
+
+def export_tokenizer(ckpt: str | Path, tokenizer: str | Path | None) -> tuple[Tokenizer | None, dict[str, bytes]]:
+    """(the tokenizer an HF export of ``ckpt`` carries, its files: tokenizer.json, tokenizer_config.json, ...,
+    generation_config.json): ``tokenizer`` (a path) if given, else the one the checkpoint names; (None, {}) when
+    it names none."""
+    tok = open_tokenizer(tokenizer) if tokenizer is not None else recorded_tokenizer(read_checkpoint_config(ckpt)[1])
+    if tok is None:
+        return None, {}
+    files, generation = hf_tokenizer_files(tok)
+    return tok, {**files, "generation_config.json": (json.dumps(generation, indent=2, sort_keys=True) + "\n").encode()}
+
+
+def export_config(cfg, meta: dict, dtype: torch.dtype, tok: Tokenizer | None) -> dict:
+    """config.json of the HF export of a checkpoint of ``cfg`` (``meta``: its complete.json) whose weights are
+    ``dtype``; a tokenizer with ids past the model's vocabulary is refused."""
+    hf_config = model_family(cfg).hf.config_to_hf(cfg, meta.get("hf_config"))
     # "torch_dtype" for transformers 4, "dtype" for transformers 5
-    hf_config["torch_dtype"] = hf_config["dtype"] = str(some.dtype).removeprefix("torch.")
+    hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype).removeprefix("torch.")
     if tok is not None and tok.max_id >= cfg.shape().vocab_size:
         raise ConvertError(f"tokenizer {tok.path} has ids up to {tok.max_id} but the model's vocabulary is "
                            f"{cfg.shape().vocab_size}; pass the tokenizer the model was trained with")
-    return write_hf_folder(out, hf_config, tensors, extra_files=extra)
+    return hf_config

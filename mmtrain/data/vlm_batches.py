@@ -26,6 +26,7 @@ import torch
 from mmtrain.data.media_batch import IGNORE_INDEX, MediaBatch, concat_rows, text_rows
 
 
+_NOISE_IMAGES = 8  # distinct noise fields of the synthetic images
 _STATE_VERSION = 2  # 2: the energon part is the whole (gathered) loader state, media rows dealt by stream
 
 
@@ -44,12 +45,15 @@ class MockMediaSamples:
         high = text_ids_below or (image_token_id if 1 < image_token_id < vocab_size else vocab_size)
         self.captions = torch.randint(1, high, (num_classes, n_text), generator=g)
         self.colours = torch.rand(num_classes, 3, 1, 1, generator=g) * 2 - 1
+        # noise drawn once and picked per row: drawing a 448 px image's noise per row cost ~10 ms of host time
+        # in the training loop's step (the GPU waited; issue #32's VLM row), a row costs an add now
+        self.noise = 0.1 * torch.randn(_NOISE_IMAGES, 3, image_size, image_size, generator=g)
 
     def row(self, i: int) -> MediaBatch:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         c = int(torch.randint(len(self.captions), (1,), generator=g))
         s = self.image_size
-        image = self.colours[c].expand(3, s, s) + 0.1 * torch.randn(3, s, s, generator=g)
+        image = self.colours[c].expand(3, s, s) + self.noise[int(torch.randint(_NOISE_IMAGES, (1,), generator=g))]
         seq = torch.cat([torch.full((self.num_image_tokens,), self.image_token_id), self.captions[c]])
         labels = seq[1:].clone()
         labels[: self.num_image_tokens - 1] = IGNORE_INDEX

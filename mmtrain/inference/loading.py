@@ -2,7 +2,9 @@
 it), its weights read from any training layout or a weights-only checkpoint, moved to the device, parameters in
 the compute dtype (buffers such as the RoPE frequencies keep theirs). A LoRA run's checkpoint (its complete.json
 records ``peft.lora``) is built with its adapters, they are read with the base weights and merged into them
-(``mmtrain.model.lora.merge_adapters``): what is decoded is the adapted model, at the base model's cost."""
+(``mmtrain.model.lora.merge_adapters``): what is decoded is the adapted model, at the base model's cost. A quantized
+Hugging Face folder of ``python -m mmtrain.quantize`` loads too, in one process (``mmtrain.inference.
+quantized_loading``): its quantized linears stay quantized, their buffers keep their dtypes."""
 
 from __future__ import annotations
 
@@ -14,6 +16,12 @@ from torch import nn
 from mmtrain.convert.checkpoint_io import checkpoint_lora, load_model_weights, read_checkpoint_config
 from mmtrain.config.schema import ModelConfig
 from mmtrain.inference.decoder import UnsupportedModelError, check_decodable
+from mmtrain.inference.quantized_loading import (
+    is_quantized_folder,
+    load_quantized_model,
+    quantized_folder_config,
+    use_quantized_kernels,
+)
 from mmtrain.inference.split_k import use_split_k
 from mmtrain.model.lora import merge_adapters
 from mmtrain.models.registry import model_family
@@ -35,12 +43,27 @@ def prepare_for_decoding(model: nn.Module, device: torch.device | str, dtype: to
     return model.eval()
 
 
+def checkpoint_config(ckpt: str | Path) -> tuple[ModelConfig, dict]:
+    """(model config, complete.json) of checkpoint ``ckpt``; of a quantized folder, its model config and the
+    record ``mmtrain.quantize`` kept of its source (the tokenizer, the run's data settings)."""
+    return quantized_folder_config(ckpt) if is_quantized_folder(ckpt) else read_checkpoint_config(ckpt)
+
+
 def load_checkpoint_model(ckpt: str | Path, mesh: ParallelMesh, device: torch.device | str,
                           dtype: torch.dtype = torch.bfloat16, verify: bool = True) -> tuple[nn.Module, ModelConfig]:
-    """This rank's decodable model from checkpoint ``ckpt`` (weights only; any layout that wrote it): the whole
+    """This rank's decodable model from checkpoint ``ckpt`` (weights only; any layout that wrote it; or a quantized
+    HF folder of ``mmtrain.quantize``, in one process: ``mmtrain.inference.quantized_loading``): the whole
     model of its family (every registered family decodes: the contract's ``decode``), sharded over ``mesh``'s TP
     group (MoE experts whole on every rank); a LoRA run's adapters merged in. Raises ``ConvertError`` for an
     unreadable checkpoint, ``UnsupportedModelError`` for a layout generation does not run."""
+    if is_quantized_folder(ckpt):  # python -m mmtrain.quantize's output (docs/quantization.md)
+        if mesh.dims.world_size > 1:
+            raise UnsupportedModelError(f"{ckpt}: a quantized folder decodes in one process (got "
+                                        f"{mesh.dims.describe()}); start it without torchrun")
+        model, cfg = load_quantized_model(ckpt)
+        model = prepare_for_decoding(model, device, dtype)
+        use_quantized_kernels(model)
+        return model, cfg
     cfg, meta = read_checkpoint_config(ckpt)
     if mesh.dims.pp > 1 or mesh.dims.cp > 1 or mesh.dims.ep > 1:
         raise UnsupportedModelError("generation runs tensor-parallel only: start it with as many ranks as the "

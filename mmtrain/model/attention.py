@@ -197,6 +197,11 @@ def _block_mask(q_ids_BQ, kv_ids_BK, q_offset: int, block: int, window: int | No
     partial = overlap & some_visible[None] & ~full
     kv_num, kv_idx = _ordered_blocks(partial)
     full_num, full_idx = _ordered_blocks(full)
+    # the backward's key-block-major side from the transposed keep matrices: what ``BlockMask.from_kv_blocks``
+    # rebuilds through a vmapped dense scatter, in a quarter of the ops (mask building is host time per
+    # micro-batch: issue #32's packed row)
+    q_num, q_idx = _ordered_blocks(partial.transpose(1, 2))
+    full_q_num, full_q_idx = _ordered_blocks(full.transpose(1, 2))
 
     def visible(b, h, q_idx, kv_idx):
         distance = q_idx + q_offset - kv_idx
@@ -207,8 +212,9 @@ def _block_mask(q_ids_BQ, kv_ids_BK, q_offset: int, block: int, window: int | No
             keep = keep & (q_ids_BQ[b, q_idx] == kv_ids_BK[b, kv_idx])
         return keep
 
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
-                                    mask_mod=visible, seq_lengths=(Q, K))
+    return BlockMask(seq_lengths=(Q, K), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
+                     full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+                     full_q_indices=full_q_idx, BLOCK_SIZE=(block, block), mask_mod=visible)
 
 
 class FlexDocuments:

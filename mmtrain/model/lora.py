@@ -180,6 +180,38 @@ def merged_tensors(full: dict[str, torch.Tensor], linears: list[str], scale: flo
     return out
 
 
+def peft_adapter_form(full: dict[str, torch.Tensor], modules, lora,
+                      base_model: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json mapping, tensors under ``peft``'s saved names) of the adapters in ``full``.
+    ``modules``: per adapted linear of ours, (its global path, [(HF module path, its output rows), ...]): a fused
+    linear stands for several HF modules, each with the same ``A`` and its rows of ``B`` (the same update, so
+    ``PeftModel`` on the HF base computes what the adapted model does), and DoRA magnitudes split like ``B``'s
+    rows (with ``use_dora`` and each module's ``lora_magnitude_vector``, the key peft 0.21 saves).
+    ``target_modules``: the HF modules' last names."""
+    tensors: dict[str, torch.Tensor] = {}
+    names: list[str] = []
+    for linear, parts in modules:
+        a, b = full[f"{linear}.adapter.lora_A.weight"], full[f"{linear}.adapter.lora_B.weight"]
+        rows = [n for _, n in parts]
+        magnitude = full.get(f"{linear}.adapter.magnitude")
+        magnitudes = magnitude.split(rows) if magnitude is not None else [None] * len(parts)
+        for (module, _), piece, m in zip(parts, b.split(rows), magnitudes):
+            key = f"base_model.model.{module}"
+            tensors[f"{key}.lora_A.weight"] = a.clone()  # one copy per HF module (safetensors shares none)
+            tensors[f"{key}.lora_B.weight"] = piece.contiguous()
+            if m is not None:
+                tensors[f"{key}.lora_magnitude_vector"] = m.contiguous()
+            name = module.rpartition(".")[2]
+            if name not in names:
+                names.append(name)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": names,
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+              "use_rslora": False, "use_dora": lora.dora, "modules_to_save": None, "rank_pattern": {},
+              "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
+    return config, tensors
+
+
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> list[str]:
     """Fold every LoRA adapter of ``model`` into the weight of the linear carrying it (``W + alpha/r * B A``, or

@@ -29,6 +29,12 @@ members and nothing else of a family's modules: no ``hasattr`` dispatch, no bran
   cache rows ``slots_B`` at ``positions_BS``, what its attention caches written to ``cache``; fp32 logits over the
   whole vocabulary (B, V) of one position per row (``last_index_B``, default the last). Its blocks' ``decode``
   with the same ops as their ``forward`` but the attention core, so a compiled decode step stays one graph.
+  What the engine relies on (``mmtrain.inference.engine``), which a family with a recurrent state (Nemotron-H's
+  Mamba layers: ``mmtrain.models.nemotron_h.decode``) keeps as attention does by position: a row whose first
+  position is 0 starts a new sequence (whatever its slot held is not read: free slots decode garbage at position
+  0, a finished row may be decoded once more, a failed prefill is retried from position 0); positions after
+  ``last_index_B`` are right-padding of a batched prefill and leave the row as after its last real token; a call
+  whose first position is p > 0 continues the row (a prompt prefilled in pieces). Nothing is rewound.
 - and the ``TensorParallelModel`` members:
 
 ``TensorParallelModel`` (what ``mmtrain.parallel.tensor.apply_tensor_parallel`` shards: a stage, a VLM encoder):
@@ -52,7 +58,7 @@ members and nothing else of a family's modules: no ``hasattr`` dispatch, no bran
   kernels dynamo does not trace, e.g. Transformer Engine: compile only the rest). The block narrows it where it
   must (an MoE block compiles its dense parts only: token counts per expert are data-dependent).
 - ``decode(x, cos, sin, cache, layer, slots_B, positions_BS, kv_len)``: the block's cached forward (``layer``:
-  its index in the cache), called by the stage's ``decode``.
+  its index in the cache), called by the stage's ``decode`` (which may pass more, e.g. ``last_index_B``).
 
 MoE layers derive from ``RoutedExpertsLayer``: how the expert-parallel plan and the router-bias balancing find
 them and what they read.

@@ -17,6 +17,7 @@ FAMILY_PACKAGES: dict[str, str] = {
     "deepseek_v3": "mmtrain.models.deepseek_v3",
     "gemma3": "mmtrain.models.gemma3",
     "gpt_oss": "mmtrain.models.gpt_oss",
+    "nemotron_h": "mmtrain.models.nemotron_h",
 }
 INLINE_FAMILY = "llama"
 
@@ -42,9 +43,10 @@ class FamilySection:
     supports_cp = False  # parallel.cp > 1 (context-parallel attention)
     supports_train_sampling = False  # train.sample_every (greedy samples in the training loop)
     vlm_language = False  # a VLM run's language model (model.language: its stage's embed, forward(inputs_embeds=))
+    supports_quantization = False  # python -m mmtrain.quantize (linears mapped row by row to its HF export)
 
     SECTION_MEMBERS = ("name", "vocab_size", "hidden_size", "num_layers", "check", "check_layout", "lora_targets")
-    CAPABILITIES = ("supports_fp8", "supports_cp", "supports_train_sampling", "vlm_language")
+    CAPABILITIES = ("supports_fp8", "supports_cp", "supports_train_sampling", "vlm_language", "supports_quantization")
 
 
 def family_names() -> tuple[str, ...]:

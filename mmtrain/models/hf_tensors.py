@@ -29,15 +29,17 @@ class TakenTensors:
         return sorted(set(self.tensors) - self.used)
 
 
-def embedding_norm_and_head(take: TakenTensors, tied: bool) -> dict[str, torch.Tensor]:
+def embedding_norm_and_head(take: TakenTensors, tied: bool, embed: str = "model.embed_tokens.weight",
+                            norm: str = "model.norm.weight") -> dict[str, torch.Tensor]:
     """Our ``embed`` / ``norm`` / ``output`` weights from a decoder's ``model.embed_tokens``, ``model.norm`` and
-    ``lm_head``. Tied: no ``output``, and an ``lm_head.weight`` that is there (in-memory tied models list the
-    shared tensor twice) must equal the embedding."""
-    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    ``lm_head`` (``embed`` / ``norm``: the HF names where a model calls them otherwise). Tied: no ``output``, and
+    an ``lm_head.weight`` that is there (in-memory tied models list the shared tensor twice) must equal the
+    embedding."""
+    out = {"embed.weight": take(embed), "norm.weight": take(norm)}
     if not tied:
         out["output.weight"] = take("lm_head.weight")
     elif "lm_head.weight" in take.tensors and not torch.equal(take("lm_head.weight"), out["embed.weight"]):
-        raise take.error("lm_head.weight differs from model.embed_tokens.weight but tie_word_embeddings is true; "
+        raise take.error(f"lm_head.weight differs from {embed} but tie_word_embeddings is true; "
                          "set tie_word_embeddings=false in config.json")
     return out
 

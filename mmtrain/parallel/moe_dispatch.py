@@ -174,6 +174,30 @@ def combine_sorted(y_sorted: torch.Tensor, order: torch.Tensor, weights_NK: torc
     return _weighted_sum(y_NKD, weights_NK)
 
 
+class _RowsByOrder(torch.autograd.Function):
+    """``x_ND.index_select(0, order // K)``: each token's row repeated for its K assignments, in sorted order.
+    Its backward is ``index_select``'s own, an ``index_add`` with atomics (BF16 atomics: 2.7 ms per micro-batch
+    of issue #32's MoE row); here each token has exactly K rows, so the gradient goes back to (token, k) order
+    by one ``index_copy`` (a permutation) and is summed over k: deterministic, no atomics."""
+
+    @staticmethod
+    def forward(ctx, x_ND, order, K):
+        ctx.save_for_backward(order)
+        ctx.N, ctx.K = x_ND.shape[0], K
+        return x_ND.index_select(0, order // K)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        by_token = grad.new_empty(ctx.N * ctx.K, grad.shape[1]).index_copy(0, order, grad)
+        return by_token.view(ctx.N, ctx.K, -1).sum(1), None, None
+
+
+def rows_by_order(x_ND: torch.Tensor, order: torch.Tensor, K: int) -> torch.Tensor:
+    """Token rows in expert-sorted order (``order``: a permutation of the N*K assignments)."""
+    return _RowsByOrder.apply(x_ND, order, K)
+
+
 def _weighted_sum(y_NKD: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
     return torch.bmm(weights_NK.to(y_NKD.dtype).unsqueeze(1), y_NKD).squeeze(1)
 
@@ -203,7 +227,7 @@ class LocalDispatch:
         layer's ``moe.Experts``."""
         order, counts = sort_by_expert(ids_NK, num_experts, keep_NK)
         valid = None if keep_NK is None else _first_rows(order.numel(), counts.sum())
-        y_sorted = experts(x_ND.index_select(0, order // ids_NK.shape[1]), counts, valid)
+        y_sorted = experts(rows_by_order(x_ND, order, ids_NK.shape[1]), counts, valid)
         return combine_sorted(y_sorted, order, weights_NK), side_work(x_ND) if side_work is not None else None
 
 

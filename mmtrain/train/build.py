@@ -54,7 +54,7 @@ def moe_dispatch_for(parallel: ParallelConfig, mesh: ParallelMesh):
 
 
 def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, int], pre: bool, post: bool,
-                 fp8_backend: str | None = None) -> nn.Module:
+                 fp8_backend: str | None = None, init: bool = True) -> nn.Module:
     family = model_family(cfg.model)
     has_experts = family.has_routed_experts(cfg.model)
     lora = cfg.peft.lora if cfg.peft.lora.rank else None
@@ -63,7 +63,8 @@ def _build_chunk(cfg: GPTRunConfig, mesh: ParallelMesh, layer_range: tuple[int, 
     model = family.build_stage(cfg.model, layer_range, pre, post, attention,
                                moe_dispatch=moe_dispatch_for(cfg.parallel, mesh) if has_experts else None,
                                **({"lora": lora} if lora else {}))
-    model.init_weights(cfg.train.seed)
+    if init:
+        model.init_weights(cfg.train.seed)
     apply_tensor_parallel(model, mesh.tp_group, cfg.parallel.sequence_parallel)
     if has_experts:
         apply_expert_parallel(model, mesh.ep_group)
@@ -112,3 +113,15 @@ def build_gpt_stage(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device)
 
         built.fp8_runtime = Fp8Runtime(fp8_backend, cfg, chunks, mesh.tp_group)
     return built
+
+
+def build_whole_model(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device,
+                      param_dtype: torch.dtype | None = None) -> nn.Module:
+    """The whole model of ``cfg`` (every layer, embedding and head) on this rank, whatever ``mesh``'s pipeline
+    size, sharded over tensor, context and expert parallelism like a stage: a distillation teacher. Its weights
+    are left as the layers' constructors made them (not ``init_weights``: the caller loads every one of them).
+    ``param_dtype``: its parameters cast to it before they move to ``device`` (buffers keep their dtype)."""
+    model = _build_chunk(cfg, mesh, (0, cfg.model.shape().num_layers), pre=True, post=True, init=False)
+    for p in model.parameters() if param_dtype is not None else ():
+        p.data = p.data.to(param_dtype)
+    return model.to(device)

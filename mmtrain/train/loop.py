@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.config.schema import GPTRunConfig
+from mmtrain.core.tokenizer import load_tokenizer
 from mmtrain.data.documents import DocumentRule, GPTMicroBatch
+from mmtrain.data.grpo_prompts import build_prompt_order
 from mmtrain.data.loader import MicroBatches
 from mmtrain.data.preference_dataset import build_preference_pairs_from_config
 from mmtrain.data.sft_dataset import build_sft_samples_from_config, sft_micro_batch
@@ -28,6 +30,8 @@ from mmtrain.parallel.grad_buckets import GradBuckets
 from mmtrain.parallel.pipeline import PipelineComm, forward_only, interleaved_schedule, one_f_one_b
 from mmtrain.train.build import build_gpt_stage
 from mmtrain.train.dpo import build_reference, dpo_metrics, run_dpo_micro_batches
+from mmtrain.train.grpo import grpo_step, reference_config
+from mmtrain.train.distill import distill_task
 from mmtrain.train.checkpoint import (CheckpointError, CheckpointWriter, find_checkpoint, is_weights_only,
                                       load_checkpoint)
 from mmtrain.train.fsdp_setup import fully_sharded_buckets, fully_sharded_frozen
@@ -45,6 +49,8 @@ from mmtrain.utils.log import get_logger
 
 
 def _build_samples(cfg: GPTRunConfig, split: str, dp_size: int, index_builder: bool):
+    if cfg.train.objective == "grpo":  # prompts, completed by the policy in the step
+        return build_prompt_order(cfg, dp_size)
     if cfg.data.type == "sft":
         return build_sft_samples_from_config(cfg, split, dp_size)
     if cfg.data.type == "preference":
@@ -234,6 +240,8 @@ def _checkpoint_records(cfg, lr_schedule: LrSchedule, dp: int) -> dict:
     on text data the tokenizer its data's manifests name (what evaluation, generation and the HF export check
     against; the samples were built already, so the manifests were read and agree)."""
     records = resume_records(cfg, lr_schedule, dp)
+    if isinstance(cfg, GPTRunConfig) and cfg.train.objective == "grpo":  # the tokenizer of its prompts
+        return {**records, "tokenizer": load_tokenizer(cfg.grpo.tokenizer).describe()}
     if not isinstance(cfg, GPTRunConfig) or cfg.data.type != "gpt" or cfg.data.mock:
         return records
     from mmtrain.data.blend import data_tokenizer  # as _build_samples imports it: not for mock data
@@ -275,6 +283,16 @@ def train_gpt(cfg: GPTRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         if cfg.parallel.fsdp:  # sharded like the policy: its blocks gathered for their forward only (the
             fully_sharded_frozen(reference, mesh)  # buckets live on in the hooks they put on its blocks)
         task = _dpo_task(cfg, mesh, device, stage, reference, task)
+    elif cfg.train.objective == "grpo":
+        reference = None
+        if cfg.grpo.beta > 0:
+            reference = build_reference(reference_config(cfg, found), mesh, device, found, build_gpt_stage)
+            cast_frozen_params(reference, _param_dtype_for(cfg.train.precision))
+        step = grpo_step(cfg, mesh, device, stage, reference, train_samples, schedule_micro_batches, found)
+        task = StepTask(step.forward_backward, step.step_flops, step.extra_metrics, task.routed_experts)
+    elif cfg.train.objective == "distill":
+        task = distill_task(cfg, mesh, device, stage, task, _param_dtype_for(cfg.train.precision), run_micro_batches,
+                            schedule_micro_batches)
     return train_model(cfg, mesh, device, stage, batches, val_batches, task,
                        found, model_name=cfg.model.shape().name, lr_schedule=lr_schedule)
 

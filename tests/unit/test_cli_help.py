@@ -45,6 +45,7 @@ def test_help_imports_no_torch_and_lists_sections_keys_and_a_torchrun_example(mo
     (["mmtrain.convert", "--help"], "mmtrain-to-hf"),
     (["mmtrain.convert", "mmtrain-to-hf", "--help"], "--no-tokenizer"),
     (["mmtrain.lm_eval", "--help"], "--model_args of the mmtrain model"),
+    (["mmtrain.quantize", "--help"], "--group-size"),
 ])
 def test_help_of_the_tools_imports_nothing_heavy(argv, shows):
     """evaluate, convert and lm_eval answer --help as the pretrain entry points do: without torch (seconds of
@@ -60,6 +61,9 @@ def test_help_of_the_tools_imports_nothing_heavy(argv, shows):
      "--data shards/web: indexed dataset not found (missing shards/web.idx, shards/web.bin)"),
     (["mmtrain.convert", "mmtrain-to-hf", "--ckpt", "nowhere", "--out", "hf"], "--ckpt nowhere: not found"),
     (["mmtrain.convert", "hf-to-mmtrain", "--hf", "nowhere", "--out", "ckpt"], "--hf nowhere: not found"),
+    (["mmtrain.quantize", "--ckpt", "nowhere", "--scheme", "fp8", "--out", "q"], "--ckpt nowhere: not found"),
+    (["mmtrain.quantize", "--ckpt", ".", "--scheme", "w4a16", "--method", "gptq", "--calib", "shards/web",
+      "--out", "q"], "--calib shards/web: not prepared data (missing shards/web.idx, shards/web.bin)"),
 ])
 def test_a_missing_input_is_not_found_before_torch(tmp_path, argv, message):
     proc = _probe(*argv, cwd=tmp_path)
@@ -96,7 +100,7 @@ def test_help_config_of_an_unknown_section_names_the_sections():
     families = "".join(f"model.{name}, " for name in composed_families())  # the table's, not a list by hand
     assert proc.stderr.strip() == ("mmtrain.pretrain_gpt: config error: --help-config optimizer: no such config "
                                    "section; sections: parallel, data, optim, train, logging, checkpoint, model, "
-                                   f"{families}fp8, peft, peft.lora, dpo")
+                                   f"{families}fp8, peft, peft.lora, dpo, grpo, distill")
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY [] 2"
 
 

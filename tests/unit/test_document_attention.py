@@ -285,3 +285,20 @@ def test_flex_on_a_cpu_run_is_a_config_error():
     cfg = load_config(GPTRunConfig, None, ["data.mock=true", "train.device=cpu", "train.document_attention=flex"])
     with pytest.raises(ConfigError, match="train.document_attention=flex needs a GPU"):
         validate_gpt_config(cfg, 1)
+
+
+@pytest.mark.parametrize("S,K,q_offset,window", [(1000, 1000, 0, None), (1000, 1000, 0, 300), (256, 512, 256, None)])
+def test_block_mask_backward_side_equals_flex_own_transpose(S, K, q_offset, window):
+    """The block mask's query-block lists (what flex's backward walks), built from the transposed keep matrices,
+    equal what ``BlockMask.from_kv_blocks`` derives from the key-block lists."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from mmtrain.model.attention import document_block_mask
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cumsum((torch.rand(3, max(S, K), generator=g) < 1 / 150).int(), 1)
+    mask = document_block_mask(ids[:, -S:], ids[:, :K], q_offset, 128, window)
+    ref = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                   mask.full_kv_indices, BLOCK_SIZE=128, seq_lengths=(S, K))
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(mask, name), getattr(ref, name)), name

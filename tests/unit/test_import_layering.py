@@ -35,6 +35,7 @@ LAYERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mmtrain.convert": ("never", ("mmtrain.train", "mmtrain.data", "dataprep")),
     "mmtrain.inference": ("never", ("mmtrain.train", "mmtrain.data", "dataprep")),
     "mmtrain.train": ("never", ("dataprep",)),
+    "mmtrain.quantize": ("never", ("mmtrain.train", "dataprep")),
 }
 
 # The narrow ways through a "never" rule: (layer, forbidden layer) -> the modules of it the layer may import

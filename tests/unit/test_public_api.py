@@ -23,7 +23,7 @@ def test_import_mmtrain_does_not_import_torch():
 def test_every_subpackage_lists_documented_public_names():
     import importlib
 
-    for sub in ("core", "config", "parallel", "model", "data", "train", "convert"):
+    for sub in ("core", "config", "parallel", "model", "data", "train", "convert", "quantize"):
         pkg = importlib.import_module(f"mmtrain.{sub}")
         assert (pkg.__doc__ or "").strip() and pkg.__all__, f"mmtrain.{sub} has no docstring or __all__"
         for name in pkg.__all__:

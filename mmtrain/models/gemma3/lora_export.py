@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mmtrain.model.lora import merged_tensors
+from mmtrain.model.lora import merged_tensors, peft_adapter_form
 from mmtrain.models.gemma3.config import Gemma3Config
 from mmtrain.models.gemma3.spec import LORA_LINEARS
 
@@ -43,26 +43,9 @@ def peft_adapter(full: dict[str, torch.Tensor], cfg: Gemma3Config, lora,
                  base_model: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json mapping, tensors under peft's saved names) of the adapters in ``full`` (DoRA: with
     ``use_dora`` and each module's ``lora_magnitude_vector``)."""
-    tensors: dict[str, torch.Tensor] = {}
-    modules: list[str] = []
+    modules = []
     for i, target, linear in _adapted(cfg, lora):
         where, hf_names = _HF_MODULES[target]
-        sizes = _part_sizes(cfg, target)
-        a, b = full[f"{linear}.adapter.lora_A.weight"], full[f"{linear}.adapter.lora_B.weight"]
-        magnitude = full.get(f"{linear}.adapter.magnitude")
-        pieces = b.split(sizes) if sizes else (b,)
-        magnitudes = (magnitude.split(sizes) if sizes else (magnitude,)) if magnitude is not None else ()
-        for j, (name, piece) in enumerate(zip(hf_names, pieces)):
-            key = f"base_model.model.model.layers.{i}.{where}{name}"
-            tensors[f"{key}.lora_A.weight"] = a.clone()  # one copy per HF module (safetensors shares none)
-            tensors[f"{key}.lora_B.weight"] = piece.contiguous()
-            if magnitudes:
-                tensors[f"{key}.lora_magnitude_vector"] = magnitudes[j].contiguous()
-            if name not in modules:
-                modules.append(name)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": modules,
-              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "use_rslora": False, "use_dora": lora.dora, "modules_to_save": None, "rank_pattern": {},
-              "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
-    return config, tensors
+        rows = _part_sizes(cfg, target) or [full[f"{linear}.adapter.lora_B.weight"].shape[0]]
+        modules.append((linear, [(f"model.layers.{i}.{where}{name}", n) for name, n in zip(hf_names, rows)]))
+    return peft_adapter_form(full, modules, lora, base_model)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mmtrain.model.lora import merged_tensors
+from mmtrain.model.lora import merged_tensors, peft_adapter_form
 from mmtrain.models.gpt_oss.config import GptOssConfig
 from mmtrain.models.gpt_oss.spec import LORA_LINEARS
 
@@ -40,24 +40,9 @@ def peft_adapter(full: dict[str, torch.Tensor], cfg: GptOssConfig, lora,
                  base_model: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json mapping, tensors under peft's saved names) of the adapters in ``full``."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    tensors: dict[str, torch.Tensor] = {}
-    modules: list[str] = []
+    modules = []
     for i, target, linear in _linears(cfg, lora):
-        a, b = full[f"{linear}.adapter.lora_A.weight"], full[f"{linear}.adapter.lora_B.weight"]
-        magnitude = full.get(f"{linear}.adapter.magnitude")
-        sizes = [q, kv, kv] if target == "qkv" else [b.shape[0]]
-        for name, rows, m in zip(_HF_MODULES[target], b.split(sizes),
-                                 magnitude.split(sizes) if magnitude is not None else [None] * len(sizes)):
-            key = f"base_model.model.model.layers.{i}.self_attn.{name}"
-            tensors[f"{key}.lora_A.weight"] = a.clone()  # one copy per HF module (safetensors shares none)
-            tensors[f"{key}.lora_B.weight"] = rows.contiguous()
-            if m is not None:
-                tensors[f"{key}.lora_magnitude_vector"] = m.contiguous()
-            if name not in modules:
-                modules.append(name)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": modules,
-              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "use_rslora": False, "use_dora": lora.dora, "modules_to_save": None, "rank_pattern": {},
-              "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
-    return config, tensors
+        rows = [q, kv, kv] if target == "qkv" else [full[f"{linear}.adapter.lora_B.weight"].shape[0]]
+        modules.append((linear, [(f"model.layers.{i}.self_attn.{name}", n)
+                                 for name, n in zip(_HF_MODULES[target], rows)]))
+    return peft_adapter_form(full, modules, lora, base_model)

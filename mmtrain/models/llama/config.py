@@ -29,6 +29,7 @@ class LlamaShape(FamilySection):
     supports_cp = True
     supports_train_sampling = True
     vlm_language = True
+    supports_quantization = True
 
     name: str = doc("tiny", "Free-form name of the shape, shown in logs (e.g. llama3.2-1b).")
     num_layers: int = doc(2, "Number of transformer blocks.", ge=1)

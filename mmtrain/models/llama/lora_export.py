@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mmtrain.config.schema import ModelConfig
-from mmtrain.model.lora import merged_tensors
+from mmtrain.model.lora import merged_tensors, peft_adapter_form
 
 # our target -> (our linear in a block, HF module path in a layer, HF module names of its fused parts)
 _TARGETS = {"qkv": ("attn.qkv", "self_attn.", ("q_proj", "k_proj", "v_proj")),
@@ -48,25 +48,9 @@ def peft_adapter(full: dict[str, torch.Tensor], cfg: ModelConfig, lora,
                  base_model: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json mapping, tensors under peft's saved names) of the adapters in ``full`` (DoRA: with
     ``use_dora`` and each module's ``lora_magnitude_vector``, the key peft 0.21 saves)."""
-    tensors: dict[str, torch.Tensor] = {}
-    modules: list[str] = []
-    for i, target, linear, a, b in _pairs(full, cfg, lora):
+    modules = []
+    for i, target, linear, _, b in _pairs(full, cfg, lora):
         _, where, hf_names = _TARGETS[target]
-        sizes = _part_sizes(cfg, target)
-        pieces = b.split(sizes) if sizes else (b,)
-        magnitude = full.get(f"{linear}.adapter.magnitude")  # DoRA: one per output feature, split like B's rows
-        magnitudes = (magnitude.split(sizes) if sizes else (magnitude,)) if magnitude is not None else ()
-        for j, (name, piece) in enumerate(zip(hf_names, pieces)):
-            key = f"base_model.model.model.layers.{i}.{where}{name}"
-            tensors[f"{key}.lora_A.weight"] = a.clone()  # one copy per HF module (safetensors shares none)
-            tensors[f"{key}.lora_B.weight"] = piece.contiguous()
-            if magnitudes:
-                tensors[f"{key}.lora_magnitude_vector"] = magnitudes[j].contiguous()
-            if name not in modules:
-                modules.append(name)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": modules,
-              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "use_rslora": False, "use_dora": lora.dora, "modules_to_save": None, "rank_pattern": {},
-              "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
-    return config, tensors
+        rows = _part_sizes(cfg, target) or [b.shape[0]]
+        modules.append((linear, [(f"model.layers.{i}.{where}{name}", n) for name, n in zip(hf_names, rows)]))
+    return peft_adapter_form(full, modules, lora, base_model)

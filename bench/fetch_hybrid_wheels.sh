@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Put into .device/ what bench/h200_hybrid.sh needs and a bare GPU host (Python 3.12, torch 2.11, Triton 3.6,
+# transformers 5.17) lacks: fla-core 0.6.0 and einops 0.8.2 (the hybrid family's GPU scan; pure Python) into
+# .device/whl, which the h200 scripts install into /tmp/site; transformers 5.24.0 into .device/whl-transformers,
+# installed by h200_hybrid.sh for its transformers stage only (its other needs -- huggingface-hub >= 1.31,
+# tokenizers 0.23, safetensors >= 0.8 -- the device has: 1.33, 0.23.2, 0.8.0).
+# Run here, where pip can download; then carry=[".device"] (about 15 MB more).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP=${PIP:-/work/main/.venv/bin/pip}
+get() {  # folder spec
+  mkdir -p "$1"
+  "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$1" "$2"
+}
+get .device/whl fla-core==0.6.0
+get .device/whl einops==0.8.2
+get .device/whl-transformers transformers==5.24.0
+ls -la .device/whl-transformers && ls .device/whl && du -sh .device

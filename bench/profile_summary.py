@@ -1,0 +1,98 @@
+"""Where a step's time goes, from a torch.profiler run: GPU kernel time per category and the host gap.
+
+Used by bench/train_gpt.py ``--profile FILE`` (and bench/vlm_h200.py): the profiler records CUDA kernels over a
+few timed steps of the product's own loop; each kernel falls into the first category whose name pattern it
+matches (lower-cased kernel name):
+
+- matmul: cuBLAS / CUTLASS / nvjet GEMMs (bf16 and FP8 ``_scaled_mm``), grouped GEMMs of the MoE experts;
+- attention: flash / cuDNN / efficient SDPA, FlexAttention's Triton template (``triton_tem``: the loop compiles
+  no matmul templates, so a template kernel is FlexAttention's forward or backward);
+- optimizer: the multi-tensor AdamW kernels and the foreach ops of clipping / casts;
+- communication: NCCL;
+- norms / elementwise / loss: Inductor's fused pointwise and reduction kernels (RMSNorm, RoPE, SwiGLU, the
+  cross-entropy) and eager elementwise kernels;
+- memcpy / memset; other: the rest.
+
+The host gap is the step's wall time minus its GPU busy time (kernels run one stream at a time in this loop, so
+their sum is the busy time): time the GPU waited for the host (launches, Python, syncs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "triton_tem", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm100_", "cublas", "_mm_", "grouped")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("memcpy / memset", ("memcpy", "memset")),
+    ("norms / elementwise / loss", ("triton_", "elementwise", "reduce", "vectorized", "unrolled", "softmax",
+                                    "cross_entropy", "nll", "index", "scatter", "gather", "copy", "fill", "cat")),
+)
+
+
+def category_of(kernel_name: str) -> str:
+    """The first category whose patterns occur in ``kernel_name`` (lower-cased), else ``other``."""
+    name = kernel_name.lower()
+    for category, patterns in CATEGORIES:
+        if any(p in name for p in patterns):
+            return category
+    return "other"
+
+
+def kernel_times(prof) -> list[tuple[str, float]]:
+    """(kernel name, total self GPU µs) of every device-side event of a finished ``torch.profiler`` run."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+        if t > 0 and str(getattr(e, "device_type", "")).endswith("CUDA"):
+            rows.append((e.key, float(t)))
+    return rows
+
+
+def summarize(prof, steps: int, wall_ms_per_step: float, top: int = 25) -> str:
+    """A markdown summary: ms per step per category (and % of the wall step), the host gap, the top kernels."""
+    rows = kernel_times(prof)
+    per_cat: dict[str, float] = {}
+    for name, us in rows:
+        per_cat[category_of(name)] = per_cat.get(category_of(name), 0.0) + us
+    busy_ms = sum(per_cat.values()) / 1e3 / steps
+    lines = [f"step wall {wall_ms_per_step:.1f} ms, GPU busy {busy_ms:.1f} ms ({steps} profiled steps)", "",
+             "| where | ms / step | % of step |", "|---|---|---|"]
+    for category, us in sorted(per_cat.items(), key=lambda kv: -kv[1]):
+        ms = us / 1e3 / steps
+        lines.append(f"| {category} | {ms:.1f} | {100 * ms / wall_ms_per_step:.1f}% |")
+    gap = max(wall_ms_per_step - busy_ms, 0.0)
+    lines.append(f"| host gap (wall - GPU busy) | {gap:.1f} | {100 * gap / wall_ms_per_step:.1f}% |")
+    lines += ["", "| top kernels | category | ms / step |", "|---|---|---|"]
+    for name, us in sorted(rows, key=lambda r: -r[1])[:top]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"| `{short}` | {category_of(name)} | {us / 1e3 / steps:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def profiling(skip: int, active: int):
+    """torch.profiler (CUDA kernels) over optimizer steps ``skip + 1 .. skip + active`` of the loop, or nothing
+    when ``active`` is 0. Advances the profiler once per step by wrapping the loop's step (this process only)."""
+    if not active:
+        yield None
+        return
+    from mmtrain.train import loop
+
+    sched = torch.profiler.schedule(wait=max(skip - 1, 0), warmup=1 if skip else 0, active=active)
+    original = loop._Run.step
+    activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity], schedule=sched) as prof:
+        def stepping(self, step):
+            out = original(self, step)
+            prof.step()
+            return out
+        loop._Run.step = stepping
+        try:
+            yield prof
+        finally:
+            loop._Run.step = original

@@ -1,0 +1,145 @@
+"""fla-core's Triton kernels on the CPU, under Triton's interpreter, for the tests that check the GPU path's
+conventions on a machine without a GPU (tests/unit/test_ssd_triton.py runs ``python -m tests.triton_interpreter``
+in a child process started with TRITON_INTERPRET=1; the interpreter is chosen when Triton is imported).
+
+Triton 3.6's interpreter runs fla's kernels once three gaps are bridged here (test code only; nothing in mmtrain
+knows of it):
+- autotuning times each config through the GPU driver, and there is none: every config is timed alike, so the
+  first one runs;
+- a scalar kernel argument is a one-element array, which NumPy 2 refuses as an index (``range(NT)``): its item is
+  taken;
+- ``range`` in an interpreted kernel yields Python ints where compiled Triton yields tensors (fla writes
+  ``i_t.to(tl.int64)``): while a kernel runs, its module's ``range`` yields interpreter tensors.
+
+The interpreter computes fp32 dots exactly (no TF32) and has no bf16, so this checks layouts, gates, states,
+document resets and gradients in fp32; precision on the GPU is tests/gpu/test_ssd_triton_gpu.py's business.
+
+Run as a program it prints one JSON line: the relative error of each output and gradient of the fla-backed scan
+(``ssd_triton.fla_scan``) and convolution (``conv_triton.fla_causal_conv``) against the PyTorch references.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+
+import numpy as np
+
+
+def enable() -> None:
+    """Patch Triton's interpreter as the module docstring says (call before running a kernel)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("start the process with TRITON_INTERPRET=1 (Triton reads it when it is imported)")
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    autotuner.Autotuner.do_bench = property(lambda self: lambda kernel_call, quantiles: [1.0, 1.0, 1.0])
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_item_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_with_item_index
+
+    def tensor_range(*bounds):
+        ints = [int(np.asarray(b.handle.data).reshape(-1)[0]) if hasattr(b, "handle") else int(b) for b in bounds]
+        for i in builtins.range(*ints):
+            yield interpreter._implicit_cvt(i)
+
+    run_grid = interpreter.GridExecutor.__call__
+
+    def run_with_tensor_range(self, *args, **kwargs):
+        module_globals = self.fn.__globals__
+        saved = module_globals.get("range", None)
+        module_globals["range"] = tensor_range
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            if saved is None:
+                del module_globals["range"]
+            else:
+                module_globals["range"] = saved
+
+    interpreter.GridExecutor.__call__ = run_with_tensor_range
+
+
+def _relative(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _compare(fn_a, fn_b, inputs, grad_names, seed: int) -> dict[str, float]:
+    """Relative errors of fn_a against fn_b on the same inputs: every output, then the gradients of a random
+    linear function of the outputs with respect to ``grad_names``."""
+    import torch
+
+    errors, grads = {}, []
+    outputs = []
+    for fn in (fn_a, fn_b):
+        leaves = {k: (v.clone().requires_grad_(True) if k in grad_names else v) for k, v in inputs.items()}
+        out = fn(**leaves)
+        out = out if isinstance(out, tuple) else (out,)
+        g = torch.Generator().manual_seed(seed)
+        loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in out)
+        loss.backward()
+        outputs.append(out)
+        grads.append({k: leaves[k].grad for k in grad_names})
+    for i, (a, b) in enumerate(zip(*outputs)):
+        errors[f"out{i}"] = _relative(a, b)
+    for k in grad_names:
+        errors[f"d{k}"] = _relative(grads[0][k], grads[1][k])
+    return errors
+
+
+def main() -> None:
+    enable()
+    import torch
+    import torch.nn.functional as F
+
+    from mmtrain.models.nemotron_h import conv_triton, ssd, ssd_triton
+    from mmtrain.models.nemotron_h.mixer import causal_conv
+
+    torch.manual_seed(0)
+    b, s, h, p, g, n = 2, 150, 4, 16, 2, 32
+    # documents: starts inside a chunk, on fla's 64-token chunk edges (64, 128), a one-token document
+    doc_ids = torch.tensor([[0] * 40 + [1] * 3 + [2] * 21 + [3] * 64 + [4] * 22,
+                            [5] * 70 + [6] * 1 + [7] * 57 + [8] * 22])
+    scan_inputs = {
+        "x_BSHP": torch.randn(b, s, h, p), "dt_BSH": F.softplus(torch.randn(b, s, h) - 1.0),
+        "A_H": -(torch.rand(h) * 4 + 0.5), "B_BSGN": torch.randn(b, s, g, n), "C_BSGN": torch.randn(b, s, g, n),
+        "doc_ids_BS": doc_ids, "initial_state_BHPN": torch.randn(b, h, p, n),
+    }
+    kernel = ssd_triton.load_chunk_simple_gla()
+
+    def fla(**kw):
+        return ssd_triton.fla_scan(kernel, *(kw[k] for k in ("x_BSHP", "dt_BSH", "A_H", "B_BSGN", "C_BSGN",
+                                                             "doc_ids_BS", "initial_state_BHPN")))
+
+    def reference(**kw):
+        return ssd.ssd_chunked_scan(chunk_size=32, **kw)
+
+    report = {"scan_docs_state": _compare(fla, reference, scan_inputs,
+                                          ["x_BSHP", "dt_BSH", "A_H", "B_BSGN", "C_BSGN", "initial_state_BHPN"], 1)}
+    plain = {k: v[:, :100] if k != "A_H" and k != "initial_state_BHPN" else v for k, v in scan_inputs.items()}
+    plain.update(doc_ids_BS=None, initial_state_BHPN=None)
+    report["scan_plain"] = _compare(fla, reference, plain, ["x_BSHP", "dt_BSH", "A_H"], 2)
+
+    c, k = 24, 4
+    conv_inputs = {"x_BSC": torch.randn(b, s, c), "weight_C1K": torch.randn(c, 1, k), "bias_C": torch.randn(c),
+                   "doc_ids_BS": doc_ids}
+    conv = conv_triton.load_causal_conv1d()
+
+    def fla_conv(**kw):
+        return conv_triton.fla_causal_conv(conv, **kw)
+
+    names = ["x_BSC", "weight_C1K", "bias_C"]
+    report["conv_docs"] = _compare(fla_conv, causal_conv, conv_inputs, names, 3)
+    report["conv_plain"] = _compare(fla_conv, causal_conv, {**conv_inputs, "doc_ids_BS": None}, names, 4)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The gradient-writing Triton kernel (``mmtrain.parallel.grad_accumulate``) is bit-identical to PyTorch's
+``copy_`` / ``add_`` of a BF16 gradient into an fp32 buffer. Run by Triton's interpreter on the CPU (a child
+process: the interpreter is chosen when Triton is imported); tests/gpu runs it on CUDA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD = r"""
+import torch
+from mmtrain.parallel.grad_accumulate import launch
+g = torch.Generator().manual_seed(0)
+for n in (1, 4095, 4096, 10_001):
+    grad = torch.randn(n, generator=g).bfloat16()
+    start = torch.randn(n, generator=g)
+    copied, added = start.clone(), start.clone()
+    launch(copied, grad, add=False)
+    launch(added, grad, add=True)
+    assert torch.equal(copied, grad.float()), n
+    assert torch.equal(added, start + grad), n
+print("ok")
+"""
+
+
+def test_kernel_equals_torch_copy_and_add_bit_for_bit():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
