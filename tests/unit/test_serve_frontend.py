@@ -84,7 +84,7 @@ def test_the_app_runs_in_its_own_process_and_sigterm_stops_both(tmp_path):
         assert pid == proc.pid and frontend != pid
         assert f"PPid:\t{pid}\n" in Path(f"/proc/{frontend}/status").read_text()
         bodies = [dict(model="tiny", prompt=PROMPTS[i % 8] + " " * (i // 8), max_tokens=4 + (i * 7) % 29,
-                       temperature=0, stream=bool(i % 2)) for i in range(24)]
+                       temperature=0, stream=bool(i % 2)) for i in range(16)]
         single = [_text(a) for b in bodies for a in _together(url, [b])]
         assert [_text(a) for a in _together(url, bodies)] == single
     finally:
