@@ -194,17 +194,24 @@ def main() -> None:
         print(f"| {name} | {on:.1f} | {wait:.1f} |")
     print(f"| all | {sum(v[0] for v in cpu.values()):.1f} | {sum(v[1] for v in cpu.values()):.1f} |")
     if a.cprofile:
-        for name, suffix in (("event loop", ".loop.prof"), ("engine thread", ".engine.prof")):
-            path = thread_file + suffix
-            if not os.path.exists(path):
-                print(f"(no profile of the {name})")
-                continue
-            print(f"\n{name}: share of its profiled time by part (x its CPU µs/token, unprofiled)")
-            print("| part | share | ≈ µs/token |\n|---|---|---|")
-            for part, share in _split(path):
-                print(f"| {part} | {100 * share:.0f}% | {share * cpu.get(name, [0.0])[0]:.1f} |")
-            if a.top:
-                pstats.Stats(path).sort_stats("tottime").print_stats(a.top)
+        _print_profiles(a, thread_file, cpu)
+    if a.thread_file is None:  # ours: leave nothing behind
+        for suffix in ("", ".loop.prof", ".engine.prof"):
+            Path(thread_file + suffix).unlink(missing_ok=True)
+
+
+def _print_profiles(a, thread_file: str, cpu: dict) -> None:
+    for name, suffix in (("event loop", ".loop.prof"), ("engine thread", ".engine.prof")):
+        path = thread_file + suffix
+        if not os.path.exists(path):
+            print(f"(no profile of the {name})")
+            continue
+        print(f"\n{name}: share of its profiled time by part (x its CPU µs/token, unprofiled)")
+        print("| part | share | ≈ µs/token |\n|---|---|---|")
+        for part, share in _split(path):
+            print(f"| {part} | {100 * share:.0f}% | {share * cpu.get(name, [0.0])[0]:.1f} |")
+        if a.top:
+            pstats.Stats(path).sort_stats("tottime").print_stats(a.top)
 
 
 if __name__ == "__main__":
