@@ -19,6 +19,7 @@ before it (``Sequence.prompt_text_end``, what an echo shows).
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import pickle
 import socket
@@ -31,6 +32,20 @@ from mmtrain.inference.server_engine import EngineStopped, EngineThread
 
 SUBMIT, CANCEL = "submit", "cancel"  # the frontend's messages to the engine's process
 UPDATES, STOPPED = "updates", "stopped"  # the engine's process's messages to the frontend
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Unpickles the channel's messages: tuples, lists, strings, numbers, None and ``SamplingParams`` (its fields
+    are plain values), nothing else. The other end is this program's own process, but a message never gets to
+    name a class to build (the project's rule: exact allow-lists wherever something is unpickled)."""
+
+    ALLOWED = {("mmtrain.inference.sampling", "SamplingParams"): SamplingParams}
+
+    def find_class(self, module: str, name: str):
+        found = self.ALLOWED.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"the engine channel does not carry {module}.{name}")
+        return found
 
 
 class MessageChannel:
@@ -64,7 +79,7 @@ class MessageChannel:
             (n,) = self._LENGTH.unpack_from(pending, at)
             if len(pending) - at - size < n:
                 break
-            messages.append(pickle.loads(memoryview(pending)[at + size:at + size + n]))
+            messages.append(_AllowListUnpickler(io.BytesIO(memoryview(pending)[at + size:at + size + n])).load())
             at += size + n
         del pending[:at]
         return messages

@@ -158,3 +158,21 @@ def test_the_message_channel_reads_every_message_that_has_arrived_at_once():
     with pytest.raises(EOFError):
         receiver.receive()
     receiver.close()
+
+
+def test_the_message_channel_builds_no_class_outside_its_allow_list():
+    import pickle
+    import socket
+
+    from mmtrain.inference.engine_client import MessageChannel
+    from mmtrain.inference.sampling import SamplingParams
+
+    mine, theirs = socket.socketpair()
+    sender, receiver = MessageChannel(mine), MessageChannel(theirs)
+    sender.send(("submit", 1, [1, 2], SamplingParams(temperature=0.5)))
+    assert receiver.receive() == [("submit", 1, [1, 2], SamplingParams(temperature=0.5))]
+    sender.send(("submit", 2, [], socket.socket))  # any other class is refused, never built
+    with pytest.raises(pickle.UnpicklingError, match="does not carry"):
+        receiver.receive()
+    sender.close()
+    receiver.close()
