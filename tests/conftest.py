@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(config, items):
             if kind == rel.parts[0]:
                 item.add_marker(getattr(pytest.mark, kind))
         # for pytest-xdist's --dist loadgroup (the README's test command): a file's tests stay on one worker (its
-        # module fixtures are built once), and so do the docs pages, which share the user guide's session fixture
-        item.add_marker(pytest.mark.xdist_group("docs" if rel.parts[0] == "docs" else rel.as_posix()))
+        # module fixtures are built once); the docs pages spread over the workers, which share one user guide
+        # folder (tests/docs/conftest.py: built once per run, under a file lock)
+        item.add_marker(pytest.mark.xdist_group(rel.as_posix()))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
