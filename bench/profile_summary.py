@@ -10,7 +10,7 @@ matches (lower-cased kernel name):
 - optimizer: the multi-tensor AdamW kernels and the foreach ops of clipping / casts;
 - communication: NCCL;
 - norms / elementwise / loss: Inductor's fused pointwise and reduction kernels (RMSNorm, RoPE, SwiGLU, the
-  cross-entropy) and eager elementwise kernels;
+  cross-entropy, FP8's casts and amaxes), the gradient-accumulation kernel and eager elementwise kernels;
 - memcpy / memset; other: the rest.
 
 The host gap is the step's wall time minus its GPU busy time (kernels run one stream at a time in this loop, so
@@ -26,6 +26,9 @@ import torch
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl",)),
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "triton_tem", "cudnn")),
+    # Inductor's fused pointwise / reduction kernels before the GEMM patterns: their names list the ops they fuse,
+    # e.g. FP8's casts and amaxes around ``_scaled_mm`` (``triton_red_fused_..._scaled_mm_...``), no GEMM
+    ("norms / elementwise / loss", ("triton_poi", "triton_red", "triton_per", "accumulate_kernel")),
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm100_", "cublas", "_mm_", "grouped")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("memcpy / memset", ("memcpy", "memset")),

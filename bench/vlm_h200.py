@@ -32,6 +32,7 @@ from mmtrain.config.vlm_validate import validate_vlm_config  # noqa: E402
 from mmtrain.models.llama.model import flops_per_token  # noqa: E402
 from mmtrain.parallel import ParallelDims, init_distributed, pick_device, shutdown_distributed  # noqa: E402
 from bench.profile_summary import profiling, summarize  # noqa: E402
+from mmtrain.utils.atomic import atomic_write_text  # noqa: E402
 from mmtrain.train.vlm_train import train_vlm, vision_flops_per_image  # noqa: E402
 from mmtrain.utils.log import setup_logging  # noqa: E402
 
@@ -73,7 +74,7 @@ def main() -> None:
     dt = statistics.median(result.step_times[a.warmup:len(result.step_times) - profiled])
     if prof is not None and rank == 0:
         wall = statistics.fmean(result.step_times[-profiled:]) * 1000
-        Path(a.profile).write_text(f"## {a.label}: {a.batch}x{a.seq} {' '.join(a.overrides)}\n\n"
+        atomic_write_text(Path(a.profile), f"## {a.label}: {a.batch}x{a.seq} {' '.join(a.overrides)}\n\n"
                                    + summarize(prof, profiled, wall))
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * mesh.dims.dp
     images_per_s = gbs / dt / world  # mock data: one image per sample

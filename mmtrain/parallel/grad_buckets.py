@@ -151,8 +151,9 @@ class GradBuckets:
         order (those that waited for a gradient that never came on this rank). Late buckets wait for ``finish``:
         their tied gradients are summed over the pipeline stages first."""
         for b in self.buckets:
-            self._zero_unwritten(b)  # late ones too: the tied gradients are summed before they launch
-            if not b.late:
+            if b.late:
+                self._zero_unwritten(b)  # the tied gradients are summed before these launch
+            else:
                 self._launch(b)
 
     @staticmethod
