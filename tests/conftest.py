@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,9 +13,17 @@ import pytest
 _KINDS = ("unit", "distributed", "gpu", "docs")
 
 
+def _is_xdist_controller(config) -> bool:
+    """This process hands the tests to pytest-xdist's workers and runs none itself."""
+    return config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
     # the distributed tests' ranks fork from a server that imports torch and mmtrain once; when they are about
-    # to run, start it now so that it imports on the other core while this process collects
+    # to run, start it now so that it imports on the other core while this process collects (not in pytest-xdist's
+    # controller: it runs no test, and the imports would only take CPU from the workers' collection)
+    if _is_xdist_controller(session.config):
+        return
     distributed = Path(__file__).parent / "distributed"
     for arg in session.config.args:
         path = Path(arg.split("::")[0]).resolve()
@@ -43,3 +55,35 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(rel.as_posix()))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+_GUIDE_BUILDER = "_mmtrain_guide_builder"  # the config attribute holding the background build's process
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist there is no controller
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist's controller, when the first worker has collected docs tests: build the user guide's folder
+    that they share now, in the background (tests/docs/shared_guide.py), instead of a worker waiting idle for
+    it later."""
+    config = node.config
+    if hasattr(config, _GUIDE_BUILDER) or not any(i.startswith("tests/docs/") for i in ids):
+        return
+    root = config._tmp_path_factory.getbasetemp()  # the workers' basetemp is a folder of it (as xdist sets)
+    with open(root / "user_guide_shared.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.docs.shared_guide", str(root)], cwd=config.rootpath,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    setattr(config, _GUIDE_BUILDER, proc)
+
+
+def pytest_sessionfinish(session):
+    """A background guide build still running (the docs tests deselected or the run stopped early) is stopped:
+    SIGTERM lets it stop the command it runs (tests/docs/shared_guide.py)."""
+    proc = getattr(session.config, _GUIDE_BUILDER, None)
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
