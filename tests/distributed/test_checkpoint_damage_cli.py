@@ -5,27 +5,25 @@ does not turn the check off, and an edited ``complete.json`` is noticed (issue #
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+from mmtrain.pretrain_gpt import main
+from tests.cli_fork import ForkedMain
+
 REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _pretrain(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """Every run has train.steps=2 (a resume keeps the schedule): the first saves steps 1 and 2."""
-    return subprocess.Popen([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
-                             str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), f"logging.run_dir={run_dir}",
+def _pretrain(run_dir: Path, *overrides: str) -> ForkedMain:
+    """``python -m mmtrain.pretrain_gpt`` in a process of its own (forked with torch imported: tests/cli_fork.py).
+    Every run has train.steps=2 (a resume keeps the schedule): the first saves steps 1 and 2."""
+    return ForkedMain(main, ["--config", str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), f"logging.run_dir={run_dir}",
                              "train.steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=0", *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                      env={"OMP_NUM_THREADS": "1"})
 
 
-def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=240)
-    return proc.returncode, out, err
+def _finish(proc: ForkedMain) -> tuple[int, str, str]:
+    return proc.finish(timeout=240)
 
 
 def test_damaged_missing_and_mismatched_checkpoints_are_one_line_errors(tmp_path):

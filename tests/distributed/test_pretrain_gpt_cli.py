@@ -62,11 +62,12 @@ def test_bad_numeric_value_and_unwritable_run_dir_are_one_line_exit_2(tmp_path):
 
 
 def test_resume_with_another_schedule_is_one_line_exit_2(tmp_path):
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "mmtrain.pretrain_gpt", "--config",
-                               str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), "train.steps=4",
-                               f"logging.run_dir={tmp_path}",
-                               "model.num_layers=1", *args], capture_output=True, text=True, timeout=300, check=False)
+    from mmtrain.pretrain_gpt import main
+    from tests.cli_fork import run_main
+
+    def run(*args):  # python -m mmtrain.pretrain_gpt, forked with torch imported (tests/cli_fork.py)
+        return run_main(main, ["--config", str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), "train.steps=4",
+                               f"logging.run_dir={tmp_path}", "model.num_layers=1", *args], timeout=300)
 
     first = run("train.exit_at_step=2")
     assert first.returncode == 0, first.stdout + first.stderr
