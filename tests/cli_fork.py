@@ -38,9 +38,29 @@ class ForkedMain:
 
         self._dir = tempfile.TemporaryDirectory(prefix="cli_fork.")
         self._out, self._err = Path(self._dir.name) / "stdout", Path(self._dir.name) / "stderr"
+        self._out.touch()
+        self._err.touch()
         self._proc = _context().Process(target=_child, args=(main, list(argv), {**os.environ, **(env or {})},
                                                              os.getcwd(), str(self._out), str(self._err)))
         self._proc.start()
+
+    def wait_for_output(self, text: str, timeout: float = 120) -> bool:
+        """Whether ``text`` appeared in its stdout within ``timeout`` (False: it ended or the time ran out)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = self._proc.is_alive()  # before reading: what it wrote before ending is in the file
+            if text in self._out.read_text(errors="replace"):
+                return True
+            if not alive:
+                return False
+            time.sleep(0.02)
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL, as ``Popen.kill``: ``finish`` then reports exit code -9."""
+        self._proc.kill()
 
     def finish(self, timeout: float = 240) -> tuple[int, str, str]:
         self._proc.join(timeout)

@@ -47,24 +47,25 @@ def _metrics(run_dir) -> dict[int, float]:
 def test_sigkill_at_a_random_step_then_resume_is_bit_exact(tmp_path):
     import random
     import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from mmtrain.pretrain_gpt import main
+    from tests.cli_fork import ForkedMain, run_main
+
+    # python -m mmtrain.pretrain_gpt, forked with torch imported (tests/cli_fork.py): a process of its own to kill
     config = Path(__file__).resolve().parents[2] / "configs/gpt/tiny_cpu_mock.yaml"
     args = ["train.steps=14", "checkpoint.save_every=2", "checkpoint.keep_last=0", "logging.log_every=1"]
-    cmd = lambda d: [sys.executable, "-u", "-m", "mmtrain.pretrain_gpt", "--config", str(config), *args,  # noqa: E731
-                     f"logging.run_dir={d}"]
-    subprocess.run(cmd(tmp_path / "full"), check=True, capture_output=True, timeout=300)
+    argv = lambda d: ["--config", str(config), *args, f"logging.run_dir={d}"]  # noqa: E731
+    full = run_main(main, argv(tmp_path / "full"), timeout=300)
+    assert full.returncode == 0, full.stdout + full.stderr
     kill_at = random.Random().randint(3, 11)
-    proc = subprocess.Popen(cmd(tmp_path / "killed"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if f"step {kill_at}/14" in line:
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    subprocess.run(cmd(tmp_path / "killed"), check=True, capture_output=True, timeout=300)
+    proc = ForkedMain(main, argv(tmp_path / "killed"))
+    if proc.wait_for_output(f"step {kill_at}/14"):
+        proc.kill()
+    code, out, err = proc.finish(timeout=60)
+    assert code == -signal.SIGKILL, (kill_at, out, err)
+    resumed = run_main(main, argv(tmp_path / "killed"), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "full")  # bit for bit, every step
 
 
