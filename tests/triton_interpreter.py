@@ -1,7 +1,7 @@
 """fla-core's and mamba-ssm's Triton kernels on the CPU, under Triton's interpreter, for the tests that check the GPU
-paths' conventions on a machine without a GPU (tests/unit/test_ssd_triton.py runs ``python -m tests.triton_interpreter``,
-tests/unit/test_ssd_mamba.py ``python -m tests.triton_interpreter mamba``, in a child process started with
-TRITON_INTERPRET=1; the interpreter is chosen when Triton is imported).
+paths' conventions on a machine without a GPU (tests/unit/test_ssd_triton.py runs
+``python -m tests.triton_interpreter``, tests/unit/test_ssd_mamba.py ``python -m tests.triton_interpreter mamba``,
+in a child process started with TRITON_INTERPRET=1; the interpreter is chosen when Triton is imported).
 
 Triton 3.6's interpreter runs fla's kernels once three gaps are bridged here (test code only; nothing in mmtrain
 knows of it):
@@ -146,34 +146,52 @@ def main() -> None:
     print(json.dumps(report))
 
 
-def enable_mamba() -> None:
-    """What mamba-ssm's kernels need on top of ``enable``: its host code enters ``torch.cuda.device(x.device.index)``
-    around each launch, which a machine without CUDA refuses (a no-op here: the interpreter runs on the CPU), and
-    reads the GPU's multiprocessor count to split some backward work (an H200's 132 here); its big autotune configs (up to 128 x 256 blocks, the first one run here) take minutes in NumPy: each
-    autotuner keeps only its smallest config (the product of its block sizes times its stages)."""
-    import contextlib
+def pin_smallest_mamba_configs():
+    """Cut every autotuner of mamba-ssm's Triton kernels to its smallest config (the product of its block sizes
+    times its stages: one that fits any GPU) and return the function that restores them. A one-config autotuner
+    neither times nor compiles others: the CPU interpreter runs small blocks fast, and GPU tests that check values,
+    not speed, compile one config per kernel instead of ~8."""
     import math
     import sys
-    import types
 
-    import torch
     import triton.runtime.autotuner as autotuner
 
     from mmtrain.models.nemotron_h import ssd_mamba
 
-    torch.cuda.device = lambda index: contextlib.nullcontext()
-    torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)
     ssd_mamba.load_mamba_ssd()
 
     def cost(config) -> int:
         blocks = [v for k, v in config.kwargs.items() if k.startswith("BLOCK_SIZE")]
         return math.prod(blocks) * (config.num_stages or 1)
 
+    saved = []
     for name, module in list(sys.modules.items()):
         if name.startswith("mamba_ssm.ops.triton"):
             for value in vars(module).values():
-                if isinstance(value, autotuner.Autotuner):
+                if isinstance(value, autotuner.Autotuner) and len(value.configs) > 1:
+                    saved.append((value, value.configs))
                     value.configs = [min(value.configs, key=cost)]
+
+    def restore() -> None:
+        for tuner, configs in saved:
+            tuner.configs = configs
+
+    return restore
+
+
+def enable_mamba() -> None:
+    """What mamba-ssm's kernels need on top of ``enable``: its host code enters ``torch.cuda.device(x.device.index)``
+    around each launch, which a machine without CUDA refuses (a no-op here: the interpreter runs on the CPU), and
+    reads the GPU's multiprocessor count to split some backward work (an H200's 132 here); its big autotune configs
+    (up to 128 x 256 blocks, the first one run here) take minutes in NumPy: ``pin_smallest_mamba_configs``."""
+    import contextlib
+    import types
+
+    import torch
+
+    torch.cuda.device = lambda index: contextlib.nullcontext()
+    torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)
+    pin_smallest_mamba_configs()
 
 
 def main_mamba() -> None:

@@ -45,7 +45,9 @@ from mmtrain.models.nemotron_h.ssd_triton import KERNEL_DTYPES, check_scan_input
 # Nemotron-H's chunk length: the kernels' when the caller's is not a power of two from 16 to 256.
 DEFAULT_CHUNK_SIZE = 128
 
-INSTALL_HINT = "MAMBA_SKIP_CUDA_BUILD=TRUE pip install mamba-ssm --no-build-isolation --no-deps"
+INSTALL_HINT = (
+    "pip install wheel; MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation --no-deps "
+    "mamba-ssm==2.3.2.post1")
 
 
 def import_skipping_package_init(package: str, submodule: str) -> types.ModuleType:
