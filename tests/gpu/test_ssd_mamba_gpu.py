@@ -26,14 +26,14 @@ Each test prints its errors (``pytest -s``: lines starting ``ssd-errors``) so a 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from mmtrain.models.nemotron_h import ssd
 from mmtrain.models.nemotron_h.ssd import ssd_chunked_scan
 from mmtrain.models.nemotron_h.ssd_mamba import mamba_ssd_available, ssd_chunked_scan_mamba
+from tests.gpu.ssd_inputs import mamba2_scan_inputs, packed_documents, relative
+
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(not mamba_ssd_available(), reason="needs mamba-ssm's Triton kernels")]
@@ -55,23 +55,11 @@ def smallest_configs():
 def _documents(seq: int, seed: int) -> torch.Tensor:
     """Document ids of a packed row: lengths from 1 to ~600 (a one-token document, starts on and off the
     128-token chunk edges), cut at ``seq``."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = [1, 127, 128, 256, 7]
-    while sum(lengths) < seq:
-        lengths.append(int(torch.randint(1, 600, (1,), generator=g)))
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seq]
-    return ids.cuda()
+    return packed_documents(seq, seed, [1, 127, 128, 256, 7])
 
 
 def _scan_inputs(batch: int, seq: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Mamba-2's ranges: dt log-uniform in [1e-3, 1e-1] (its init), A in [-16, -1]; x, B, C ~ N(0, 1)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    cuda = {"device": "cuda", "generator": g}
-    dt = torch.exp(torch.rand(batch, seq, HEADS, **cuda) * math.log(100.0) + math.log(1e-3))
-    return {"x_BSHP": torch.randn(batch, seq, HEADS, P, **cuda).to(dtype), "dt_BSH": dt,
-            "A_H": -torch.exp(torch.rand(HEADS, **cuda) * math.log(16.0)),
-            "B_BSGN": torch.randn(batch, seq, GROUPS, N, **cuda).to(dtype),
-            "C_BSGN": torch.randn(batch, seq, GROUPS, N, **cuda).to(dtype)}
+    return mamba2_scan_inputs(batch, seq, dtype, seed, HEADS, P, GROUPS, N)
 
 
 def _packed_inputs(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -79,11 +67,6 @@ def _packed_inputs(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     inputs["doc_ids_BS"] = _documents(8192, seed + 1)[None]
     inputs["initial_state_BHPN"] = torch.randn(1, HEADS, P, N, device="cuda")
     return inputs
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _run(fn, inputs: dict, grads: list[str], cotangents: list[torch.Tensor] | None):
@@ -101,8 +84,8 @@ def _compare(name: str, inputs: dict, grads: list[str], dtype: torch.dtype) -> N
     out_r, grad_r, _ = _run(ssd_chunked_scan, inputs, grads, cot)
     assert [o.dtype for o in out_k] == [o.dtype for o in out_r]
     assert all(grad_k[k].dtype == inputs[k].dtype for k in grads)
-    errors = {f"out{i}": _relative(a, b) for i, (a, b) in enumerate(zip(out_k, out_r))}
-    errors.update({f"d{k}": _relative(grad_k[k], grad_r[k]) for k in grads})
+    errors = {f"out{i}": relative(a, b) for i, (a, b) in enumerate(zip(out_k, out_r))}
+    errors.update({f"d{k}": relative(grad_k[k], grad_r[k]) for k in grads})
     print(f"ssd-errors mamba {name} {dtype}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
     bound, loose = TOLERANCE[dtype]
     for key, error in errors.items():
