@@ -3,7 +3,9 @@
 # transformers 5.17) lacks: fla-core 0.6.0 and einops 0.8.2 (the hybrid family's GPU scan; pure Python) into
 # .device/whl, which the h200 scripts install into /tmp/site; transformers 5.24.0 into .device/whl-transformers,
 # installed by h200_hybrid.sh for its transformers stage only (its other needs -- huggingface-hub >= 1.31,
-# tokenizers 0.23, safetensors >= 0.8 -- the device has: 1.33, 0.23.2, 0.8.0).
+# tokenizers 0.23, safetensors >= 0.8 -- the device has: 1.33, 0.23.2, 0.8.0); mamba-ssm 2.3.2.post1 built here
+# from its sdist without its CUDA extension (MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE: a pure-Python wheel
+# of its Triton kernels, what ssd_mamba.py loads) into .device/whl-mamba.
 # Run here, where pip can download; then carry=[".device"] (about 15 MB more).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +18,11 @@ get() {  # folder spec
 get .device/whl fla-core==0.6.0
 get .device/whl einops==0.8.2
 get .device/whl-transformers transformers==5.24.0
-ls -la .device/whl-transformers && ls .device/whl && du -sh .device
+# its setup.py imports torch (hence no build isolation: this venv's) and wheel (put on the path for the build only)
+build_tools=$(mktemp -d)
+"$PIP" install -q --target "$build_tools" wheel
+mkdir -p .device/whl-mamba
+MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE PYTHONPATH=$build_tools "$PIP" wheel -q --no-cache-dir --no-deps \
+  --no-build-isolation --no-binary :all: -w .device/whl-mamba mamba-ssm==2.3.2.post1
+rm -rf "$build_tools"
+ls -la .device/whl-transformers .device/whl-mamba && ls .device/whl && du -sh .device

@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -73,7 +74,10 @@ def _sync(device: torch.device) -> None:
 
 
 def time_generation(model: torch.nn.Module, batch: int, prompt: int, new: int, compile: bool, device: torch.device,
-                    warmup: int = 2, compile_mode: str = "reduce-overhead") -> dict:
+                    warmup: int = 2, compile_mode: str = "reduce-overhead",
+                    before_timing: Callable[[], None] | None = None) -> dict:
+    """``before_timing``: called between the warm-up and the timed run (bench/quant_accuracy.py waits there for
+    its turn on the GPU, so several processes compile at once and time one at a time)."""
     torch._dynamo.reset()  # each setting compiles its own step
     engine = DecodeEngine(model, batch, prompt + new, compile=compile, compile_mode=compile_mode)
     g = torch.Generator().manual_seed(batch)
@@ -84,6 +88,8 @@ def time_generation(model: torch.nn.Module, batch: int, prompt: int, new: int, c
         generate(engine, prompts, params)
     _sync(device)
     warm_s = time.perf_counter() - t0
+    if before_timing is not None:
+        before_timing()
     t0 = time.perf_counter()
     seqs = generate(engine, prompts, params)
     _sync(device)

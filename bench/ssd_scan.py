@@ -1,17 +1,22 @@
 """The Mamba-2 mixer's sequence ops alone on one GPU, forward and forward+backward, one table:
 - the SSD chunked scan: the PyTorch reference (``ssd.ssd_chunked_scan``, what the CPU runs) against fla-core's
-  Triton kernels (``ssd_triton.ssd_chunked_scan_triton``, what ``ssd_scan`` runs on CUDA), and mamba-ssm's
-  ``mamba_chunk_scan_combined`` when it is installed;
+  Triton kernels (``ssd_triton.ssd_chunked_scan_triton``, what ``ssd_scan`` runs on CUDA without gradients) and
+  mamba-ssm's (``ssd_mamba.ssd_chunked_scan_mamba``, what it runs with gradients; a row when mamba-ssm is
+  installed, imported as training imports it);
 - the depthwise causal convolution over x|B|C: ``mixer.causal_conv`` eager and compiled (the model compiles its
   blocks) against fla's ``causal_conv1d`` (``conv_triton``).
 
     python bench/ssd_scan.py [--model configs/models/hybrid-1b.yaml] [--shapes 4x4096 1x32768] [--documents 0]
+                             [--scans reference fla mamba] [--convs eager compiled fla]
 
 Dims: the Mamba layers of ``--model``'s ``model.nemotron_h`` (default, or when the file is missing: 64 heads x
 head dim 64, state 128, 8 groups, chunk 128, hidden 2048). bf16 x, B, C; fp32 dt (log-uniform in [1e-3, 1e-1])
 and A (in [-16, -1]), as the mixer passes them. ``--documents N``: packed rows of documents of mean N tokens
-(the state and the conv window reset at each start). Times: median of ``--iters`` calls after warm-up (fla's first
-call autotunes); "fwd" under no_grad, "fwd+bwd" with gradients of every input.
+(the state and the conv window reset at each start). Times: median of ``--iters`` calls after warm-up (fla's and
+mamba-ssm's first calls autotune: mamba-ssm compiles ~120 kernel configs for its forward and backward, once per
+dtype and document mode, kept in Triton's disk cache); "fwd" under no_grad, "fwd+bwd" with gradients of every
+input. ``--scans`` / ``--convs``: the rows to run (default: all that this machine has); a row that fails (fla's
+backward refused on Hopper) is reported and the others still run.
 
 FLOPs: the family's ``flops.ssd_flops_per_token`` (the Mamba-2 paper's count of its chunked algorithm at the
 config's chunk length: C.B^T per group, scores x, chunk states, state read-out and passing), x3 for
@@ -41,6 +46,7 @@ from mmtrain.models.nemotron_h.conv_triton import causal_conv_triton  # noqa: E4
 from mmtrain.models.nemotron_h.flops import ssd_flops_per_token  # noqa: E402
 from mmtrain.models.nemotron_h.mixer import causal_conv  # noqa: E402
 from mmtrain.models.nemotron_h.ssd import ssd_chunked_scan  # noqa: E402
+from mmtrain.models.nemotron_h.ssd_mamba import mamba_ssd_available, ssd_chunked_scan_mamba  # noqa: E402
 from mmtrain.models.nemotron_h.ssd_triton import ssd_chunked_scan_triton  # noqa: E402
 
 
@@ -102,25 +108,16 @@ def measure(fn, inputs: dict, grad_names: list[str], iters: int, sync) -> tuple[
     return forward, timed(step, iters, sync), first
 
 
-def mamba_ssm_scan():
-    """mamba-ssm's chunked scan with this interface's arguments, or None when it is not installed."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:  # not installed (or its CUDA build missing)
-        return None
-
-    def scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS=None):
-        seq_idx = None if doc_ids_BS is None else doc_ids_BS.to(torch.int32)
-        return mamba_chunk_scan_combined(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, seq_idx=seq_idx)
-    return scan
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(REPO / "configs/models/hybrid-1b.yaml"))
     ap.add_argument("--shapes", nargs="+", default=["4x4096", "1x32768"])
     ap.add_argument("--documents", type=int, default=0, help="mean document length of packed rows (0: none)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--scans", nargs="*", choices=["reference", "fla", "mamba"], default=["reference", "fla", "mamba"],
+                    help="the scan rows to run (those this machine has)")
+    ap.add_argument("--convs", nargs="*", choices=["eager", "compiled", "fla"], default=["eager", "compiled", "fla"],
+                    help="the convolution rows to run (none: no conv rows)")
     for flag in ("heads", "head-dim", "state", "groups", "chunk"):
         ap.add_argument(f"--{flag}", type=int, help="override the model's value")
     a = ap.parse_args()
@@ -132,14 +129,19 @@ def main() -> None:
                      shape.chunk_size)
     channels = H * P + 2 * G * N
     per_token = ssd_flops_per_token(shape)
-    scans = {"PyTorch reference": ssd_chunked_scan}
+    scans = {"PyTorch reference": ("reference", ssd_chunked_scan)}
     if cuda:
-        scans["fla-core Triton"] = ssd_chunked_scan_triton
-        if mamba_ssm_scan() is not None:
-            scans["mamba-ssm Triton"] = mamba_ssm_scan()
-    convs = {"PyTorch eager": causal_conv}
+        scans["fla-core Triton"] = ("fla", ssd_chunked_scan_triton)
+        if mamba_ssd_available():
+            scans["mamba-ssm Triton"] = ("mamba", ssd_chunked_scan_mamba)
+        else:
+            print("# no mamba-ssm row: mamba_ssm.ops.triton.ssd_combined does not import here")
+    scans = {name: fn for name, (key, fn) in scans.items() if key in a.scans}
+    convs = {"PyTorch eager": ("eager", causal_conv)}
     if cuda:
-        convs.update({"PyTorch compiled": torch.compile(causal_conv), "fla-core Triton": causal_conv_triton})
+        convs.update({"PyTorch compiled": ("compiled", torch.compile(causal_conv)),
+                      "fla-core Triton": ("fla", causal_conv_triton)})
+    convs = {name: fn for name, (key, fn) in convs.items() if key in a.convs}
     print(f"# {torch.cuda.get_device_name() if cuda else 'CPU'}; heads {H} x head dim {P}, state {N}, groups {G}, "
           f"chunk {Q}; conv channels {channels} x {shape.conv_kernel}; documents: "
           f"{f'mean {a.documents} tokens' if a.documents else 'none'}; SSD forward {per_token / 1e6:.2f} MFLOP "

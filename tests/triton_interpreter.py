@@ -1,5 +1,6 @@
-"""fla-core's Triton kernels on the CPU, under Triton's interpreter, for the tests that check the GPU path's
-conventions on a machine without a GPU (tests/unit/test_ssd_triton.py runs ``python -m tests.triton_interpreter``
+"""fla-core's and mamba-ssm's Triton kernels on the CPU, under Triton's interpreter, for the tests that check the GPU
+paths' conventions on a machine without a GPU (tests/unit/test_ssd_triton.py runs
+``python -m tests.triton_interpreter``, tests/unit/test_ssd_mamba.py ``python -m tests.triton_interpreter mamba``,
 in a child process started with TRITON_INTERPRET=1; the interpreter is chosen when Triton is imported).
 
 Triton 3.6's interpreter runs fla's kernels once three gaps are bridged here (test code only; nothing in mmtrain
@@ -14,8 +15,12 @@ knows of it):
 The interpreter computes fp32 dots exactly (no TF32) and has no bf16, so this checks layouts, gates, states,
 document resets and gradients in fp32; precision on the GPU is tests/gpu/test_ssd_triton_gpu.py's business.
 
+mamba-ssm's kernels need two more (``enable_mamba``: its host code's CUDA device queries, and its autotune configs
+cut to the smallest one, which NumPy runs in seconds).
+
 Run as a program it prints one JSON line: the relative error of each output and gradient of the fla-backed scan
-(``ssd_triton.fla_scan``) and convolution (``conv_triton.fla_causal_conv``) against the PyTorch references.
+(``ssd_triton.fla_scan``) and convolution (``conv_triton.fla_causal_conv``) against the PyTorch references; with
+the argument ``mamba``, of the mamba-ssm-backed scan (``ssd_mamba.mamba_scan``), eager and compiled.
 """
 
 from __future__ import annotations
@@ -141,5 +146,100 @@ def main() -> None:
     print(json.dumps(report))
 
 
+def pin_smallest_mamba_configs():
+    """Cut every autotuner of mamba-ssm's Triton kernels to its smallest config (the product of its block sizes
+    times its stages: one that fits any GPU) and return the function that restores them. A one-config autotuner
+    neither times nor compiles others: the CPU interpreter runs small blocks fast, and GPU tests that check values,
+    not speed, compile one config per kernel instead of ~8."""
+    import math
+    import sys
+
+    import triton.runtime.autotuner as autotuner
+
+    from mmtrain.models.nemotron_h import ssd_mamba
+
+    ssd_mamba.load_mamba_ssd()
+
+    def cost(config) -> int:
+        blocks = [v for k, v in config.kwargs.items() if k.startswith("BLOCK_SIZE")]
+        return math.prod(blocks) * (config.num_stages or 1)
+
+    saved = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mamba_ssm.ops.triton"):
+            for value in vars(module).values():
+                if isinstance(value, autotuner.Autotuner) and len(value.configs) > 1:
+                    saved.append((value, value.configs))
+                    value.configs = [min(value.configs, key=cost)]
+
+    def restore() -> None:
+        for tuner, configs in saved:
+            tuner.configs = configs
+
+    return restore
+
+
+def enable_mamba() -> None:
+    """What mamba-ssm's kernels need on top of ``enable``: its host code enters ``torch.cuda.device(x.device.index)``
+    around each launch, which a machine without CUDA refuses (a no-op here: the interpreter runs on the CPU), and
+    reads the GPU's multiprocessor count to split some backward work (an H200's 132 here); its big autotune configs
+    (up to 128 x 256 blocks, the first one run here) take minutes in NumPy: ``pin_smallest_mamba_configs``."""
+    import contextlib
+    import types
+
+    import torch
+
+    torch.cuda.device = lambda index: contextlib.nullcontext()
+    torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)
+    pin_smallest_mamba_configs()
+
+
+def main_mamba() -> None:
+    """mamba-ssm's scan (``ssd_mamba.mamba_scan``, through its custom op) against the reference: one JSON line."""
+    enable()
+    enable_mamba()
+    import torch
+    import torch.nn.functional as F
+
+    from mmtrain.models.nemotron_h import ssd, ssd_mamba
+
+    torch.manual_seed(0)
+    b, s, h, p, g, n, chunk = 2, 100, 4, 16, 2, 16, 32
+    # documents: row 0 starts inside chunk 0 (the initial state's document ends there), on the 32- and 64-token
+    # chunk edges, a one-token document; row 1's first document (id 5, not 0) crosses two chunk edges
+    doc_ids = torch.tensor([[0] * 20 + [1] * 12 + [2] * 1 + [3] * 31 + [4] * 36,
+                            [5] * 70 + [6] * 1 + [7] * 29])
+    scan_inputs = {
+        "x_BSHP": torch.randn(b, s, h, p), "dt_BSH": F.softplus(torch.randn(b, s, h) - 1.0),
+        "A_H": -(torch.rand(h) * 4 + 0.5), "B_BSGN": torch.randn(b, s, g, n), "C_BSGN": torch.randn(b, s, g, n),
+        "doc_ids_BS": doc_ids, "initial_state_BHPN": torch.randn(b, h, p, n),
+    }
+    names = ("x_BSHP", "dt_BSH", "A_H", "B_BSGN", "C_BSGN", "doc_ids_BS", "initial_state_BHPN")
+
+    def mamba(**kw):
+        return ssd_mamba.mamba_scan(*(kw[k] for k in names[:5]), chunk, kw["doc_ids_BS"], kw["initial_state_BHPN"])
+
+    def reference(**kw):
+        return ssd.ssd_chunked_scan(chunk_size=16, **kw)  # another chunk length: the decomposition is exact
+
+    grads = ["x_BSHP", "dt_BSH", "A_H", "B_BSGN", "C_BSGN", "initial_state_BHPN"]
+    report = {"scan_docs_state": _compare(mamba, reference, scan_inputs, grads, 1)}
+    plain = {k: v[:, :48] if k not in ("A_H", "initial_state_BHPN") else v for k, v in scan_inputs.items()}
+    plain.update(doc_ids_BS=None, initial_state_BHPN=None)
+    report["scan_plain"] = _compare(mamba, reference, plain, grads[:5], 2)
+
+    # the mixer's way: the scan between other ops in one compiled graph (fullgraph: a graph break is an error)
+    # and its final state unused, as the mixer leaves it (no gradient flows into it)
+    def block(**kw):
+        y, _ = mamba(**{**kw, "x_BSHP": kw["x_BSHP"] * 2.0})
+        return y.tanh()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    report["compiled_vs_eager"] = _compare(compiled, block, scan_inputs, grads, 3)
+    print(json.dumps(report))
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main_mamba() if sys.argv[1:] == ["mamba"] else main()

@@ -15,6 +15,7 @@ recorded and encode a set of probe texts to the same ids (a faithful copy in ano
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from mmtrain.core.manifest import read_prefix_manifest
@@ -30,20 +31,34 @@ def checkpoint_tokenizer_record(meta: dict[str, Any]) -> tuple[dict[str, Any], s
     """(the tokenizer record of the checkpoint whose complete.json is ``meta``, where it was read), or None when
     the checkpoint names none (mock data, data without a manifest, an HF conversion without a tokenizer, a
     checkpoint older than the record whose data is gone). Raises ``ManifestError`` for an unreadable manifest."""
-    own = meta.get("tokenizer")
-    if isinstance(own, dict) and isinstance(own.get("path"), str):
-        return own, "complete.json"
     run = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     data = run.get("data") if isinstance(run.get("data"), dict) else {}
     prefixes = data.get("prefixes") if isinstance(data.get("prefixes"), list) else []
-    prefix = next((p for p in prefixes if isinstance(p, str) and not _is_number(p)), None)
-    if prefix is None:
+    prefixes = [p for p in prefixes if isinstance(p, str) and not _is_number(p)]
+    own = meta.get("tokenizer")
+    if isinstance(own, dict) and isinstance(own.get("path"), str):
+        return _found_beside_data(own, prefixes), "complete.json"
+    if not prefixes:
         return None
-    manifest = read_prefix_manifest(prefix) or {}
+    manifest = read_prefix_manifest(prefixes[0]) or {}
     rec = manifest.get("tokenizer")
     if isinstance(rec, dict) and isinstance(rec.get("path"), str) and rec["path"]:
-        return rec, f"{prefix}.manifest.json"
+        return _found_beside_data(rec, prefixes), f"{prefixes[0]}.manifest.json"
     return None
+
+
+def _found_beside_data(record: dict[str, Any], prefixes: list[str]) -> dict[str, Any]:
+    """``record``, its path made to name the file where it is: a manifest records the tokenizer path as given to
+    ``mmtrain-prep``, relative to where that ran (often the data folder), so a relative path that is not there
+    from here is looked for in the run's data folders. The first such file is taken; callers check its checksum."""
+    path = Path(record["path"])
+    if path.is_absolute() or path.exists():
+        return record
+    for prefix in prefixes:
+        beside = Path(prefix).parent / path
+        if beside.exists():
+            return {**record, "path": str(beside)}
+    return record
 
 
 def _is_number(text: str) -> bool:  # Megatron-style prefix lists interleave weights: "0.3 path 0.7 path"

@@ -19,8 +19,6 @@ Each test prints its errors (``pytest -s``: lines starting ``ssd-errors``) so a 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -29,6 +27,8 @@ from mmtrain.models.nemotron_h.conv_triton import causal_conv_triton
 from mmtrain.models.nemotron_h.mixer import causal_conv
 from mmtrain.models.nemotron_h.ssd import ssd_chunked_scan
 from mmtrain.models.nemotron_h.ssd_triton import fla_backward_trusted, ssd_chunked_scan_triton
+from tests.gpu.ssd_inputs import mamba2_scan_inputs, packed_documents, relative
+
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -39,28 +39,11 @@ TOLERANCE = {torch.float32: (5e-3, 1e-2), torch.bfloat16: (2e-2, 5e-2)}  # (most
 def _documents(seq: int, seed: int) -> torch.Tensor:
     """Document ids of a packed row: lengths from 1 to ~600 (a one-token document, starts on 64- and 128-token
     chunk edges), cut at ``seq``."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = [1, 63, 64, 128, 7]
-    while sum(lengths) < seq:
-        lengths.append(int(torch.randint(1, 600, (1,), generator=g)))
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seq]
-    return ids.cuda()
+    return packed_documents(seq, seed, [1, 63, 64, 128, 7])
 
 
 def _scan_inputs(batch: int, seq: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Mamba-2's ranges: dt log-uniform in [1e-3, 1e-1] (its init), A in [-16, -1]; x, B, C ~ N(0, 1)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    cuda = {"device": "cuda", "generator": g}
-    dt = torch.exp(torch.rand(batch, seq, HEADS, **cuda) * math.log(100.0) + math.log(1e-3))
-    return {"x_BSHP": torch.randn(batch, seq, HEADS, P, **cuda).to(dtype), "dt_BSH": dt,
-            "A_H": -torch.exp(torch.rand(HEADS, **cuda) * math.log(16.0)),
-            "B_BSGN": torch.randn(batch, seq, GROUPS, N, **cuda).to(dtype),
-            "C_BSGN": torch.randn(batch, seq, GROUPS, N, **cuda).to(dtype)}
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return mamba2_scan_inputs(batch, seq, dtype, seed, HEADS, P, GROUPS, N)
 
 
 def _run(fn, inputs: dict, grads: list[str], cotangents: list[torch.Tensor] | None, **fixed):
@@ -81,8 +64,8 @@ def _compare(name: str, kernel, reference, inputs: dict, grads: list[str], dtype
     out_k, grad_k, cot = _run(kernel, inputs, grads, None, **fixed)
     out_r, grad_r, _ = _run(reference, inputs, grads, cot, **fixed)
     assert [o.dtype for o in out_k] == [o.dtype for o in out_r]
-    errors = {f"out{i}": _relative(a, b) for i, (a, b) in enumerate(zip(out_k, out_r))}
-    errors.update({f"d{k}": _relative(grad_k[k], grad_r[k]) for k in grads})
+    errors = {f"out{i}": relative(a, b) for i, (a, b) in enumerate(zip(out_k, out_r))}
+    errors.update({f"d{k}": relative(grad_k[k], grad_r[k]) for k in grads})
     print(f"ssd-errors {name} {dtype}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
     bound, loose = TOLERANCE[dtype]
     for key, error in errors.items():
@@ -119,7 +102,7 @@ def test_a_ragged_packed_row_equals_its_documents_one_by_one():
         alone = {k: (v[:, where] if k != "A_H" else v) for k, v in inputs.items()}
         y_doc, last_final = ssd_chunked_scan_triton(**alone, chunk_size=CHUNK)
         pieces.append(y_doc)
-    errors = {"y": _relative(y, torch.cat(pieces, dim=1)), "final": _relative(final, last_final)}
+    errors = {"y": relative(y, torch.cat(pieces, dim=1)), "final": relative(final, last_final)}
     print(f"ssd-errors packed-vs-one-by-one: {errors}")
     assert max(errors.values()) < 5e-3, errors  # TF32 rounding on differently placed chunks, see the docstring
 

@@ -1,5 +1,6 @@
 """The Mamba-2 state-space recurrence (SSD), in plain PyTorch: the CPU reference, and ``ssd_scan``, what the mixer
-calls (CUDA tensors to fla-core's Triton kernels, ``ssd_triton.py``; the rest to the reference).
+calls (CUDA tensors to Triton kernels: mamba-ssm's, ``ssd_mamba.py``, or fla-core's, ``ssd_triton.py``; the rest to
+the reference; ``scan_backend`` says which).
 
 Per head ``h`` (of ``H``, in ``G`` groups: head h reads group ``h // (H // G)`` of B and C) and token ``t``::
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmtrain.models.nemotron_h.ssd_mamba import mamba_ssd_available, ssd_chunked_scan_mamba
 from mmtrain.models.nemotron_h.ssd_triton import KERNEL_DTYPES, fla_backward_trusted, ssd_chunked_scan_triton
 
 
@@ -137,16 +139,31 @@ def ssd_step(state_BHPN: torch.Tensor, x_BHP: torch.Tensor, dt_BH: torch.Tensor,
     return y.to(x_BHP.dtype), new_state.to(state_BHPN.dtype)
 
 
+def scan_backend(x_BSHP: torch.Tensor, needs_grad: bool) -> str:
+    """Which scan ``ssd_scan`` runs: "mamba" (mamba-ssm's kernels), "fla" (fla-core's) or "reference" (PyTorch).
+
+    CUDA tensors in fp32, bf16 or fp16 take a kernel, anything else (the CPU, fp64) the reference. Without
+    gradients (decoding, evaluation) fla: its forward is trusted everywhere, and serving keeps the kernels it was
+    measured with. With gradients mamba-ssm when it is installed (``ssd_mamba.mamba_ssd_available``), else fla
+    where its backward is trusted (``fla_backward_trusted``: not on Hopper with torch 2.11's Triton), else the
+    reference (compiled with the block; at long sequences it saves several (chunks x chunk x chunk) fp32 tensors
+    per head and layer). Both availability checks are constants while compiling."""
+    if not x_BSHP.is_cuda or x_BSHP.dtype not in KERNEL_DTYPES:
+        return "reference"
+    if not needs_grad:
+        return "fla"
+    if mamba_ssd_available():
+        return "mamba"
+    return "fla" if fla_backward_trusted() else "reference"
+
+
 def ssd_scan(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B_BSGN: torch.Tensor,
              C_BSGN: torch.Tensor, chunk_size: int, doc_ids_BS: torch.Tensor | None = None,
              initial_state_BHPN: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan the mixer calls (``ssd_chunked_scan``'s signature and results): CUDA tensors in fp32, bf16 or fp16
-    go to fla-core's Triton kernels (``ssd_triton.ssd_chunked_scan_triton``: the same result up to rounding, no
-    host sync), the rest (the CPU, fp64) to the PyTorch reference; so does a scan that needs gradients where
-    fla's backward is not trusted (``fla_backward_trusted``: Hopper with torch 2.11's Triton)."""
+    """The scan the mixer calls (``ssd_chunked_scan``'s signature and results, up to rounding, no host sync) on the
+    backend ``scan_backend`` picks."""
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, initial_state_BHPN) if t is not None)
-    if x_BSHP.is_cuda and x_BSHP.dtype in KERNEL_DTYPES and (not needs_grad or fla_backward_trusted()):
-        return ssd_chunked_scan_triton(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS,
-                                       initial_state_BHPN)
-    return ssd_chunked_scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)
+    scan = {"mamba": ssd_chunked_scan_mamba, "fla": ssd_chunked_scan_triton,
+            "reference": ssd_chunked_scan}[scan_backend(x_BSHP, needs_grad)]
+    return scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)

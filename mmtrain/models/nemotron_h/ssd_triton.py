@@ -60,8 +60,9 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def fla_backward_trusted() -> bool:
     """Whether fla-core's backward kernels give correct results here. fla 0.6 refuses its gated backward
     (``chunk_bwd_dqkwg``) on Hopper with Triton >= 3.4, < 3.7.1 unless tilelang is installed (its issue #640);
-    torch 2.11 ships Triton 3.6, so on an H100/H200 training takes the PyTorch scan (compiled with the block)
-    while decoding (no gradient) keeps the kernels. A constant while compiling: the answer cannot change."""
+    torch 2.11 ships Triton 3.6, so on an H100/H200 training takes mamba-ssm's kernels (``ssd_mamba``) or, without
+    them, the PyTorch scan (compiled with the block), while decoding (no gradient) keeps these kernels
+    (``ssd.scan_backend``). A constant while compiling: the answer cannot change."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return True
     import triton
@@ -83,7 +84,7 @@ def ssd_chunked_scan_triton(
     """The SSD chunked scan on CUDA tensors through fla-core's Triton kernels; same signature and result as
     ``mmtrain.models.nemotron_h.ssd.ssd_chunked_scan`` (see the module docstring for what differs: rounding,
     fla's chunk length). Returns ``(y_BSHP in x's dtype, final_state_BHPN in fp32)``."""
-    _check_scan_inputs(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)
+    check_scan_inputs(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN)
     if x_BSHP.device.type != "cuda" or x_BSHP.dtype not in KERNEL_DTYPES:
         raise ValueError(f"ssd_chunked_scan_triton runs on CUDA tensors in fp32, bf16 or fp16, got x in "
                          f"{x_BSHP.dtype} on {x_BSHP.device}; use ssd.ssd_chunked_scan (the PyTorch reference)")
@@ -134,9 +135,9 @@ def fla_scan(
     return y_BSHP.to(dtype), final_state_BHPN
 
 
-def _check_scan_inputs(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN) -> None:
-    """One-line ValueError naming the argument (``ssd_chunked_scan_triton``'s) whose shape, dtype or device does not
-    fit the others."""
+def check_scan_inputs(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size, doc_ids_BS, initial_state_BHPN) -> None:
+    """One-line ValueError naming the argument (of ``ssd_chunked_scan_triton`` or ``ssd_mamba.ssd_chunked_scan_mamba``)
+    whose shape, dtype or device does not fit the others."""
     if x_BSHP.dim() != 4:
         raise ValueError(f"ssd scan: x must be (batch, seq, heads, head_dim), got shape {tuple(x_BSHP.shape)}")
     b, s, h, p = x_BSHP.shape
