@@ -62,6 +62,10 @@ class ForkedMain:
         """SIGKILL, as ``Popen.kill``: ``finish`` then reports exit code -9."""
         self._proc.kill()
 
+    def terminate(self) -> None:
+        """SIGTERM, as ``Popen.terminate``."""
+        self._proc.terminate()
+
     def finish(self, timeout: float = 240) -> tuple[int, str, str]:
         self._proc.join(timeout)
         if self._proc.exitcode is None:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -65,25 +61,24 @@ def test_nan_between_logging_steps_is_skipped_on_the_device_and_reported_at_the_
 
 
 def test_sigterm_saves_and_exits_zero_then_restart_resumes(tmp_path):
-    cmd = [sys.executable, "-u", "-m", "mmtrain.pretrain_gpt", "--config", str(REPO / "configs/gpt/tiny_cpu_mock.yaml"),
-           "train.steps=100000", f"logging.run_dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:
-        seen.append(line)
-        if "step 3/100000" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-        assert time.monotonic() < deadline, "".join(seen)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, "".join(seen) + out
+    from mmtrain.pretrain_gpt import main
+    from tests.cli_fork import ForkedMain, run_main
+
+    # python -m mmtrain.pretrain_gpt, forked with torch imported (tests/cli_fork.py): a process of its own to signal
+    argv = ["--config", str(REPO / "configs/gpt/tiny_cpu_mock.yaml"), "train.steps=100000",
+            f"logging.run_dir={tmp_path}"]
+    proc = ForkedMain(main, argv)
+    reached = proc.wait_for_output("step 3/100000", timeout=120)
+    if reached:
+        proc.terminate()
+    code, out, err = proc.finish(timeout=120)
+    assert reached and code == 0, out + err
     assert "SIGTERM received: saved step" in out
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     saved_step = int(latest.split("_")[1])
     assert saved_step >= 3
     # the same run (train.steps is its schedule), stopped two steps later
-    again = subprocess.run(cmd + [f"train.exit_at_step={saved_step + 2}"], capture_output=True, text=True, timeout=120)
+    again = run_main(main, [*argv, f"train.exit_at_step={saved_step + 2}"], timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"(step {saved_step})" in again.stdout and f"step {saved_step + 2}/100000" in again.stdout
     assert f"train.exit_at_step={saved_step + 2} reached" in again.stdout
