@@ -4,7 +4,6 @@ per-component learning rates, bit-exact resume, and config errors that name the 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,9 @@ from mmtrain.config import ConfigError, load_config
 from mmtrain.config.vlm_run_schema import VLMRunConfig
 from mmtrain.config.vlm_validate import validate_vlm_config
 from mmtrain.parallel import ParallelDims
+from mmtrain.pretrain_vlm import main as vlm_main
 from mmtrain.testing import run_distributed
+from tests.cli_fork import run_main
 from tests.vlm_helpers import prep_text_and_media
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,12 +121,11 @@ def _prep_tiny_data(root: Path) -> tuple[Path, Path]:
 def test_entry_point_trains_on_prepped_images_audio_and_text(tmp_path):
     blend, tokenizer = _prep_tiny_data(tmp_path / "data")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "mmtrain.pretrain_vlm", "--config", str(CONFIG), "train.steps=12",
-           f"logging.run_dir={run_dir}", f"data.blend={blend}", f"media.tokenizer={tokenizer}",
-           "model.vision.num_layers=1", "model.language.num_layers=1", "train.micro_batch_size=4",
-           "freeze=[audio]", "logging.log_every=4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    argv = ["--config", str(CONFIG), "train.steps=12", f"logging.run_dir={run_dir}", f"data.blend={blend}",
+            f"media.tokenizer={tokenizer}", "model.vision.num_layers=1", "model.language.num_layers=1",
+            "train.micro_batch_size=4", "freeze=[audio]", "logging.log_every=4"]
+    # python -m mmtrain.pretrain_vlm, forked with torch and the VLM loader imported (tests/cli_fork.py)
+    proc = run_main(vlm_main, argv, env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
