@@ -23,7 +23,8 @@
 # accelerate 1.16.0, datasets 5.2.0, dill, multiprocess: bench/fetch_after_training_wheels.sh), data/ (text.*, sp.model).
 # Usage (device, repo root):  bash bench/h200_after_training.sh        [STAGES="train quant table grpo distill trl"]
 # CPU check of every entry point (tiny shapes, few steps, no compile, the real data):  TINY=1 bash bench/h200_after_training.sh
-# Results in $OUT (or /tmp/h200_after_training): after_training.log, after_training.md, rows.jsonl, quant_accuracy.json
+# Results in $OUT (or /tmp/h200_after_training): after_training.log, after_training.md, rows.jsonl, quant_accuracy.json and
+# every stage's own log (train, q-*, teacher, gputest, table, grpo, distill, trl)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
@@ -39,7 +40,7 @@ DATA=$DEV/data/text; TOK=$DEV/data/sp.model
 MODEL=configs/models/llama3.2-1b.yaml; MODEL_OV=()
 TEACHER=${TEACHER:-llama3-8b}; TEACHER_OV=()
 RUN=(train.device=cuda train.precision=bf16 train.compile=true)
-STEPS=${STEPS:-150}; DSTEPS=${DSTEPS:-30}; MB=8; SEQ=2048; SPLIT=96,3,1; LOG=10; WARM=15
+STEPS=${STEPS:-150}; DSTEPS=${DSTEPS:-30}; MB=8; SEQ=2048; SPLIT=96,3,1; LOG=10; WARM=40
 CALIB=${CALIB:-64}; EVAL=${EVAL:-32}; NEW=${NEW:-256}
 QA=(--device cuda --precision bf16); QDEV=cuda
 GRPO=(--device cuda --prompts 16 --group 8 --micro 4 --max-new 128 --steps 3 --warmup 2)
@@ -88,14 +89,14 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
       echo "### train: $MODEL, $STEPS steps of $MB x $SEQ on $DATA"
       rm -rf "$WORK/run"
       timeout -k 10 "$(cap 200)" $PY -m mmtrain.pretrain_gpt --config $MODEL "${MODEL_OV[@]}" "${PACKED[@]}" \
-        train.steps=$STEPS optim.lr=6.0e-4 optim.min_lr=6.0e-5 optim.warmup_steps=$WARM \
-        logging.run_dir=$WORK/run > "$WORK/train.log" 2>&1
-      grep -E "step +[0-9]+/" "$WORK/train.log" | awk 'NR % 5 == 1' | tail -8
+        train.steps=$STEPS optim.lr=3.0e-4 optim.min_lr=3.0e-5 optim.warmup_steps=$WARM \
+        logging.run_dir=$WORK/run > "$RES/train.log" 2>&1
+      grep -E "step +[0-9]+/" "$RES/train.log" | awk 'NR % 5 == 1' | tail -8
       if [ -f "$CKPT/latest" ]; then
         $PY bench/after_training_table.py metrics "$WORK/run/metrics.jsonl" --skip $LOG --part train --label plain \
           | tee -a "$RES/rows.jsonl"
         done_stage train $t0 ok
-      else tail -6 "$WORK/train.log"; done_stage train $t0 failed; fi ;;
+      else tail -6 "$RES/train.log"; done_stage train $t0 failed; fi ;;
     quant)
       need 60 quant || continue
       [ -f "$CKPT/latest" ] || { echo "### quant: no checkpoint"; done_stage quant $t0 failed; continue; }
@@ -105,22 +106,22 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
         set -- $spec
         rm -rf "$WORK/$1-$2"
         timeout -k 10 "$c" $PY -m mmtrain.quantize --ckpt "$CKPT" --scheme "$1" --method "$2" --calib "$DATA" \
-          --samples "$CALIB" --seq-len $SEQ --dtype bf16 --device $QDEV --tokenizer "$TOK" --out "$WORK/$1-$2" > "$WORK/q-$1-$2.log" 2>&1 &
+          --samples "$CALIB" --seq-len $SEQ --dtype bf16 --device $QDEV --tokenizer "$TOK" --out "$WORK/$1-$2" > "$RES/q-$1-$2.log" 2>&1 &
         pids+=($!)
       done
       rm -rf "$TCKPT"
       vocab=$($PY -c "import sys, yaml; m = yaml.safe_load(open(sys.argv[1]))['model']; print(m['vocab_size'])" $MODEL)
       [ ${#MODEL_OV[@]} -gt 0 ] && vocab=32000
       timeout -k 10 "$c" $PY bench/random_checkpoint.py --model configs/models/$TEACHER.yaml --out "$TCKPT" \
-        --device $QDEV --tokenizer "$TOK" "${TEACHER_OV[@]}" model.vocab_size=$vocab > "$WORK/teacher.log" 2>&1 &
+        --device $QDEV --tokenizer "$TOK" "${TEACHER_OV[@]}" model.vocab_size=$vocab > "$RES/teacher.log" 2>&1 &
       pids+=($!)
       timeout -k 5 "$(cap 120)" $PY -m pytest -q -rf -p no:cacheprovider tests/gpu/test_quantize_gpu.py \
-        > "$WORK/gputest.log" 2>&1 &
+        > "$RES/gputest.log" 2>&1 &
       pids+=($!)
       for p in "${pids[@]}"; do wait "$p"; done
-      for f in "$WORK"/q-*.log "$WORK/teacher.log"; do echo "# $(basename "$f"):"; tail -3 "$f"; done
-      echo "# GPU tests: $(grep -E "passed|failed|skipped|error" "$WORK/gputest.log" | tail -1)"
-      grep -E "^FAILED|Error" "$WORK/gputest.log" | head -5
+      for f in "$RES"/q-*.log "$RES/teacher.log"; do echo "# $(basename "$f"):"; tail -3 "$f"; done
+      echo "# GPU tests: $(grep -E "passed|failed|skipped|error" "$RES/gputest.log" | tail -1)"
+      grep -E "^FAILED|Error" "$RES/gputest.log" | head -5
       n=$(ls -d "$WORK"/fp8-rtn "$WORK"/w4a16-rtn "$WORK"/w4a16-gptq 2>/dev/null | wc -l)
       done_stage quant $t0 "$n of 3 folders"
       ;;
@@ -135,26 +136,33 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
       echo "### table: bf16 ${folders[*]}"
       timeout -k 10 "$(cap 240)" $PY bench/quant_accuracy.py --ckpt "$CKPT" "${folders[@]}" --data "$DATA" \
         --data-split $SPLIT --max-samples $EVAL --new $NEW "${QA[@]}" --output "$RES/quant_accuracy.json" \
-        > "$WORK/table.log" 2>&1
-      grep -vE "^\s*$" "$WORK/table.log" | tail -14
+        > "$RES/table.log" 2>&1
+      grep -vE "^\s*$" "$RES/table.log" | tail -14
       [ -f "$RES/quant_accuracy.json" ] && done_stage table $t0 ok || done_stage table $t0 failed ;;
     grpo|trl)
       need 60 $stage || continue
       engine=mmtrain; extra=()
       if [ $stage = trl ]; then
         engine=trl
+        # TRL gets the tokenizer as an HF export: transformers 5.17's SentencePiece-BPE conversion encodes it
+        # differently (the export refuses it: 'Hello world' split otherwise), 5.24's is faithful
+        if [ "${TINY:-0}" != 1 ] && ls "$DEV"/whl-transformers/*.whl >/dev/null 2>&1; then
+          $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/transformers \
+            "$DEV"/whl-transformers/*.whl 2>&1 | grep -v "already exists"
+          extra=(); export PYTHONPATH=/tmp/transformers:$PYTHONPATH
+        fi
         $PY -c "import datasets, pandas; datasets.Dataset.from_list([{'a': 1}])" >/dev/null 2>&1 \
           || { echo "# datasets does not import here: --shim-datasets"; extra=(--shim-datasets); }
       fi
       echo "### $stage: bench/grpo_h200.py $engine"
       timeout -k 5 "$(cap 150)" $PY bench/grpo_h200.py $engine "${MODEL_OV[@]}" --model $MODEL --tokenizer "$TOK" "${GRPO[@]}" \
-        "${extra[@]}" > "$WORK/$stage.log" 2>&1
-      r=$(row "$WORK/$stage.log")
+        "${extra[@]}" > "$RES/$stage.log" 2>&1
+      r=$(row "$RES/$stage.log")
       if [ -n "$r" ]; then
         echo "$r" | $PY -c "import json, sys; print(json.dumps({'part': 'grpo', **json.loads(sys.stdin.read())}))" \
           | tee -a "$RES/rows.jsonl"
         done_stage $stage $t0 ok
-      else tail -8 "$WORK/$stage.log"; done_stage $stage $t0 failed; fi ;;
+      else tail -8 "$RES/$stage.log"; done_stage $stage $t0 failed; fi ;;
     distill)
       need 70 distill || continue
       [ -f "$TCKPT/latest" ] || { echo "### distill: no teacher checkpoint"; done_stage distill $t0 failed; continue; }
@@ -162,13 +170,13 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
       rm -rf "$WORK/distill"
       timeout -k 10 "$(cap 180)" $PY -m mmtrain.pretrain_gpt --config $MODEL "${MODEL_OV[@]}" "${PACKED[@]}" \
         train.steps=$DSTEPS train.objective=distill "distill.teacher=$TCKPT" checkpoint.save_final=false \
-        logging.run_dir=$WORK/distill > "$WORK/distill.log" 2>&1
+        logging.run_dir=$WORK/distill > "$RES/distill.log" 2>&1
       if [ -s "$WORK/distill/metrics.jsonl" ] && [ "$(wc -l < "$WORK/distill/metrics.jsonl")" -ge "$DSTEPS" ]; then
         r=$($PY bench/after_training_table.py metrics "$WORK/distill/metrics.jsonl" teacher=$TEACHER --skip $LOG \
             --part distill --label distill)
         echo "$r" | tee -a "$RES/rows.jsonl"
         [ -n "$r" ] && done_stage distill $t0 ok || done_stage distill $t0 failed
-      else tail -6 "$WORK/distill.log"; done_stage distill $t0 failed; fi
+      else tail -6 "$RES/distill.log"; done_stage distill $t0 failed; fi
       rm -rf "$TCKPT" ;;
     *) echo "### unknown stage $stage" ;;
   esac

@@ -63,7 +63,13 @@ def mamba_path(hf_config) -> str | None:
     Mamba mixers."""
     if not hasattr(hf_config, "mamba_num_heads"):
         return None
-    return "mamba-ssm kernels" if importlib.util.find_spec("mamba_ssm") else "PyTorch"
+    # imported, not just found: a mamba-ssm built without its CUDA extension (what mmtrain's hybrid loads its
+    # Triton kernels from) is found, but its package import fails, and transformers then takes its PyTorch path
+    try:
+        importlib.import_module("mamba_ssm")
+    except Exception:  # noqa: BLE001 - any failure of the package import is transformers' fallback
+        return "PyTorch"
+    return "mamba-ssm kernels"
 
 
 def batches(cfg: GPTRunConfig, batch: int):
