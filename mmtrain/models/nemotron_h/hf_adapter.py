@@ -14,9 +14,11 @@ The layers come from ``layers_block_type`` (what transformers 5 writes; also rea
 legacy names ``mamba`` / ``attention``), else from ``hybrid_override_pattern`` (what the Hub's configs and Megatron
 write); the export writes both, and ``num_hidden_layers``. The ``mamba_*`` aliases transformers accepts
 (``mamba_n_groups``, ``mamba_d_conv``, ``mamba_chunk_size``, ``mamba_conv_bias``, ``mamba_dt_min``, ...) are read
-the way it reads them (the alias wins). transformers' mixer clamps ``dt`` from below at ``time_step_min`` and
-from above at nothing (its ``time_step_limit`` is read by nothing), so ``time_step_min`` becomes our
+the way it reads them (the alias wins). transformers 5.24's mixer clamps ``dt`` from below at ``time_step_min``
+and from above at nothing (its ``time_step_limit`` is read by nothing), so ``time_step_min`` becomes our
 ``time_step_limit`` [time_step_min, null], and the export writes our limit's low end as ``time_step_min``.
+(transformers 5.25 clamps at the config's ``time_step_limit`` instead; pyproject pins 5.24 until this mapping
+follows it.)
 
 Strict both ways: a missing, unexpected or misshapen tensor and an HF option this model lacks are
 ``HFAdapterError``\\ s naming the key: mixture-of-experts layers (``moe`` / ``E``), multi-token prediction
