@@ -87,18 +87,3 @@ def pytest_sessionfinish(session):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-@pytest.fixture(autouse=True)
-def _torch_numeric_defaults_restored():
-    """Each test starts with torch's default dtype and thread count as the previous test found them: a library
-    call that sets a default dtype and fails before restoring it (a model load in a given dtype, say) must not
-    change the numbers of whatever test runs next in this worker."""
-    import torch
-
-    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
-    yield
-    if torch.get_default_dtype() != dtype:
-        torch.set_default_dtype(dtype)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)

@@ -174,10 +174,10 @@ def test_lora_exports_give_the_adapted_logits(tmp_path, dora):
     peft = pytest.importorskip("peft")
     from mmtrain.convert.hf_files import write_peft_adapter
 
-    base_hf = tiny_hf_nemotron_h().float()
+    base_hf = tiny_hf_nemotron_h()
     cfg = config_from_hf(base_hf.config.to_dict())
     lora = LoraConfig(rank=2, alpha=4.0, dora=dora, targets=list(cfg.lora_targets()))
-    adapted = NemotronHModel(cfg, lora=lora).float()
+    adapted = NemotronHModel(cfg, lora=lora)
     adapted.load_state_dict(hf_adapter.state_dict_from_hf(base_hf.state_dict(), cfg), strict=False)
     with torch.no_grad():  # trained-looking adapters: B nonzero, magnitudes off the row norms
         g = torch.Generator().manual_seed(5)
@@ -189,7 +189,7 @@ def test_lora_exports_give_the_adapted_logits(tmp_path, dora):
     with torch.no_grad():
         expected = adapted.eval()(ids)
 
-    merged = transformers.NemotronHForCausalLM(base_hf.config).float().eval()
+    merged = transformers.NemotronHForCausalLM(base_hf.config).eval()
     merged.load_state_dict(_in_memory_names(hf_adapter.state_dict_to_hf(merge_lora(full, cfg, lora), cfg)))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-4)
