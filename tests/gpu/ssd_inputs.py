@@ -35,3 +35,19 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in fp64."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run_without_host_sync(scan, inputs: dict[str, torch.Tensor], chunk_size: int, backward: bool) -> None:
+    """``scan(**inputs)`` (and its backward when ``backward``) twice: once plainly (a warm-up: an autotuner times
+    its configs then), once under CUDA's sync detection, which raises on any host sync."""
+    for strict in (False, True):
+        leaves = {k: (v.clone().requires_grad_(True) if v.is_floating_point() else v) for k, v in inputs.items()}
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if strict else "default")
+        try:
+            y, final = scan(**leaves, chunk_size=chunk_size)
+            if backward:
+                (y.float().sum() + final.sum()).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
