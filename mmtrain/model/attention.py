@@ -150,10 +150,12 @@ def _block_ranges(ids_BS: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
 
 
 def _ordered_blocks(keep_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(count, indices) in BlockMask's layout: per query block, the kept key blocks first, in order."""
+    """(count, indices) in BlockMask's layout: per query block, the kept key blocks first, in order. Both
+    contiguous: flex's kernels read them as if they were, and a sort keeps its input's strides (the transposed
+    keep matrices of the backward's side gave transposed indices, and wrong gradients)."""
     keep = keep_BQK[:, None]
     indices = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return keep.sum(-1, dtype=torch.int32), indices
+    return keep.sum(-1, dtype=torch.int32).contiguous(), indices.contiguous()
 
 
 def document_block_mask(q_ids_BQ: torch.Tensor, kv_ids_BK: torch.Tensor, q_offset: int, block: int = FLEX_BLOCK,

@@ -302,3 +302,8 @@ def test_block_mask_backward_side_equals_flex_own_transpose(S, K, q_offset, wind
                                    mask.full_kv_indices, BLOCK_SIZE=128, seq_lengths=(S, K))
     for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(mask, name), getattr(ref, name)), name
+    # flex's kernels index these as contiguous: transposed strides (what a sort of the transposed matrices
+    # keeps) gave the H200's packed 1B run gradient norms of 1e8 with a right loss
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices"):
+        assert getattr(mask, name).is_contiguous(), name
