@@ -32,6 +32,18 @@ from tests.inference_helpers import NEMOTRON_H_SHAPE, tiny_hf_nemotron_h  # noqa
 pytestmark = pytest.mark.unit
 BIASES = dict(use_bias=True, mlp_bias=True)
 TEXT = "a prompt of many four-token chunks through every layer kind"
+INF = {"__float__": "Infinity"}  # transformers' config.json form of inf
+
+
+def _clamps(config: dict) -> tuple[tuple, tuple]:
+    """The dt clamp each transformers version builds from a config.json mapping, as their sources read it: 5.24's
+    mixer (time_step_min, inf), 5.25's time_step_limit (default [0.0, inf]); a mamba_dt_* alias wins."""
+    def number(value):
+        return math.inf if value == INF else value
+
+    low = config.get("mamba_dt_min", config.get("time_step_min", 0.001))
+    limit = config.get("mamba_dt_limit", config.get("time_step_limit", [0.0, math.inf]))
+    return (number(low), math.inf), tuple(number(end) for end in limit)
 
 
 def _ours(hf_model, **model_args) -> NemotronHModel:
@@ -59,6 +71,9 @@ def test_cli_round_trip_is_exact_and_compare_gives_hf_logits(tmp_path, capsys):
     assert exported["layers_block_type"] == source["layers_block_type"]
     assert exported["hybrid_override_pattern"] == NEMOTRON_H_SHAPE["hybrid_override_pattern"]
     assert config_from_hf(exported) == config_from_hf(source)
+    text = (tmp_path / "o" / "config.json").read_text()  # strict JSON: inf as transformers writes it
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"config.json holds {name}"))
+    assert _clamps(exported) == ((0.001, math.inf), (0.001, math.inf)) and exported["time_step_limit"][1] == INF
 
     capsys.readouterr()
     assert len(TEXT.encode()) > 10 * NEMOTRON_H_SHAPE["chunk_size"]  # the prompt (its bytes) spans many chunks
@@ -97,24 +112,10 @@ def test_the_older_config_form_reads_as_transformers_reads_it():
     assert config_from_hf(legacy) == ours
 
 
-INF = {"__float__": "Infinity"}  # transformers' config.json form of inf
-
-
-def _clamps(config: dict) -> tuple[tuple, tuple]:
-    """The dt clamp each transformers version builds from a config.json mapping, as their sources read it: 5.24's
-    mixer (time_step_min, inf), 5.25's time_step_limit (default [0.0, inf]); a mamba_dt_* alias wins."""
-    def number(value):
-        return math.inf if value == INF else value
-
-    low = config.get("mamba_dt_min", config.get("time_step_min", 0.001))
-    limit = config.get("mamba_dt_limit", config.get("time_step_limit", [0.0, math.inf]))
-    return (number(low), math.inf), tuple(number(end) for end in limit)
-
-
 @pytest.mark.parametrize("low", [0.003, 0.0])
-def test_the_export_clamps_dt_alike_in_transformers_5_24_and_5_25(tmp_path, low):
-    """The export writes the clamp where both versions read it, over a Hub-like base whose own keys disagree, in
-    strict JSON; the installed transformers builds its mixers with that clamp."""
+def test_the_export_clamps_dt_alike_in_transformers_5_24_and_5_25(low):
+    """The export writes the clamp where both versions read it, over a Hub-like base whose own keys disagree; the
+    installed transformers builds its mixers with that clamp."""
     cfg = config_from_hf(tiny_hf_nemotron_h().config.to_dict())
     cfg = type(cfg)(**{**vars(cfg), "time_step_limit": [low, None]})
     base = {"model_type": "nemotron_h", "time_step_limit": [0.0, INF], "mamba_dt_limit": [0.0, INF],
@@ -124,8 +125,8 @@ def test_the_export_clamps_dt_alike_in_transformers_5_24_and_5_25(tmp_path, low)
     assert config_from_hf(exported).time_step_limit == [low, None]
     if low == 0.0:
         return  # transformers cannot initialize a model of time_step_min 0 (it takes its log); loading one works
-    (tmp_path / "config.json").write_text(json.dumps(exported, allow_nan=False))
-    model = transformers.NemotronHForCausalLM(transformers.AutoConfig.from_pretrained(tmp_path))
+    fields = dict(exported)
+    model = transformers.NemotronHForCausalLM(transformers.AutoConfig.for_model(fields.pop("model_type"), **fields))
     assert tuple(model.model.layers[0].mixer.time_step_limit) == (low, math.inf)
 
 

@@ -20,7 +20,7 @@ to ``time_step_limit`` (``mamba_dt_limit``; default [0.0, inf]). A folder comput
 two agree, so the import reads [low, inf] from a config where they do (our ``time_step_limit`` [low, null]) and
 refuses one where they do not (the Hub's configs: ``time_step_limit`` [0.0, inf] with ``time_step_min`` 0.001),
 naming both keys; the export writes our limit's low end as ``time_step_min`` and ``time_step_limit`` [low, inf]
-(inf as transformers writes it, ``{"__float__": "Infinity"}``).
+(which the folder writer puts into config.json as transformers does, inf as ``{"__float__": "Infinity"}``).
 
 Strict both ways: a missing, unexpected or misshapen tensor and an HF option this model lacks are
 ``HFAdapterError``\\ s naming the key: mixture-of-experts layers (``moe`` / ``E``), multi-token prediction
@@ -256,7 +256,7 @@ def config_to_hf(cfg: NemotronHConfig, base: dict[str, Any] | None = None) -> di
         "layers_block_type": [_TYPES[c] for c in pattern], "hybrid_override_pattern": pattern,
         "num_hidden_layers": len(pattern), "residual_in_fp32": False,
         # the clamp both transformers versions apply: 5.24 reads time_step_min, 5.25 time_step_limit
-        "time_step_min": float(low), "time_step_limit": [float(low), dict(_INFINITY)],
+        "time_step_min": float(low), "time_step_limit": [float(low), math.inf],
         "num_nextn_predict_layers": 0, "sliding_window": None, "attention_bias": False, "attention_dropout": 0.0,
         "hidden_dropout": 0.0,
     })
