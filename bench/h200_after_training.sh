@@ -2,7 +2,7 @@
 # Issue #34's GPU figures (distillation, post-training quantization, GRPO) in ONE device call on one H200 (ends by
 # LIMIT seconds, default 550), one combined table at the end. Stages, in this order (each under `timeout -k`, each
 # skipped when fewer than its NEED seconds are left before LIMIT, each timeout cut to end by LIMIT):
-#   train   : python -m mmtrain.pretrain_gpt, Llama-3.2-1B shape, STEPS (150) steps of 8 x 2048 tokens of
+#   train   : python -m mmtrain.pretrain_gpt, Llama-3.2-1B shape, STEPS (250) steps of 8 x 2048 tokens of
 #             .device/data/text (mmtrain-prep text, SentencePiece 32k, 2.75M tokens: ~one epoch), packed documents,
 #             compiled bf16, data.split=96,3,1, checkpoint at the end. Its steps after the first log interval (the
 #             compile) are also the "plain" row of the distillation table (same loop, data, batch as the KD row).
@@ -40,7 +40,7 @@ DATA=$DEV/data/text; TOK=$DEV/data/sp.model
 MODEL=configs/models/llama3.2-1b.yaml; MODEL_OV=()
 TEACHER=${TEACHER:-llama3-8b}; TEACHER_OV=()
 RUN=(train.device=cuda train.precision=bf16 train.compile=true)
-STEPS=${STEPS:-150}; DSTEPS=${DSTEPS:-30}; MB=8; SEQ=2048; SPLIT=96,3,1; LOG=10; WARM=40
+STEPS=${STEPS:-250}; DSTEPS=${DSTEPS:-30}; MB=8; SEQ=2048; SPLIT=96,3,1; LOG=10; WARM=40
 CALIB=${CALIB:-64}; EVAL=${EVAL:-32}; NEW=${NEW:-256}
 QA=(--device cuda --precision bf16); QDEV=cuda
 GRPO=(--device cuda --prompts 16 --group 8 --micro 4 --max-new 128 --steps 3 --warmup 2)
@@ -79,6 +79,14 @@ done_stage() {  # stage t0 status
   echo "### $1: $3 in $((SECONDS - $2)) s (elapsed $SECONDS s)"
   echo "{\"part\": \"stage\", \"stage\": \"$1\", \"status\": \"$3\", \"seconds\": $((SECONDS - $2))}" >> "$RES/rows.jsonl"
 }
+make_teacher() {  # timeout: the random TEACHER checkpoint with the student's vocabulary at $TCKPT
+  rm -rf "$TCKPT"
+  local vocab
+  vocab=$($PY -c "import sys, yaml; m = yaml.safe_load(open(sys.argv[1]))['model']; print(m['vocab_size'])" $MODEL)
+  [ ${#MODEL_OV[@]} -gt 0 ] && vocab=32000
+  timeout -k 10 "$1" $PY bench/random_checkpoint.py --model configs/models/$TEACHER.yaml --out "$TCKPT" \
+    --device $QDEV --tokenizer "$TOK" "${TEACHER_OV[@]}" model.vocab_size=$vocab
+}
 row() { grep -E '^\{' "$1" | tail -1; }  # the last JSON line of a log
 
 for stage in ${STAGES:-train quant table grpo distill trl}; do
@@ -109,11 +117,7 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
           --samples "$CALIB" --seq-len $SEQ --dtype bf16 --device $QDEV --tokenizer "$TOK" --out "$WORK/$1-$2" > "$RES/q-$1-$2.log" 2>&1 &
         pids+=($!)
       done
-      rm -rf "$TCKPT"
-      vocab=$($PY -c "import sys, yaml; m = yaml.safe_load(open(sys.argv[1]))['model']; print(m['vocab_size'])" $MODEL)
-      [ ${#MODEL_OV[@]} -gt 0 ] && vocab=32000
-      timeout -k 10 "$c" $PY bench/random_checkpoint.py --model configs/models/$TEACHER.yaml --out "$TCKPT" \
-        --device $QDEV --tokenizer "$TOK" "${TEACHER_OV[@]}" model.vocab_size=$vocab > "$RES/teacher.log" 2>&1 &
+      make_teacher "$c" > "$RES/teacher.log" 2>&1 &
       pids+=($!)
       timeout -k 5 "$(cap 120)" $PY -m pytest -q -rf -p no:cacheprovider tests/gpu/test_quantize_gpu.py \
         > "$RES/gputest.log" 2>&1 &
@@ -165,6 +169,9 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
       else tail -8 "$RES/$stage.log"; done_stage $stage $t0 failed; fi ;;
     distill)
       need 70 distill || continue
+      if [ ! -f "$TCKPT/latest" ]; then  # a call without the quant stage makes the teacher here
+        make_teacher "$(cap 150)" > "$RES/teacher.log" 2>&1; tail -2 "$RES/teacher.log"
+      fi
       [ -f "$TCKPT/latest" ] || { echo "### distill: no teacher checkpoint"; done_stage distill $t0 failed; continue; }
       echo "### distill: $TEACHER -> $MODEL, $DSTEPS steps"
       rm -rf "$WORK/distill"

@@ -216,7 +216,11 @@ class MultimodalLoader:
         """The whole loader state (every slice), the same on every rank: collective over the dp group. Save it
         once per checkpoint (it is replicated); any data-parallel size dividing ``num_slices`` resumes from it.
         ``consumed``: as for ``state_dict``."""
-        own = self.state_dict(consumed)
+        return self.gather_state_dicts(self.state_dict(consumed))
+
+    def gather_state_dicts(self, own: dict[str, Any]) -> dict[str, Any]:
+        """The whole loader state from every rank's ``state_dict`` (each taken at the same global count; a
+        prefetching reader takes its own ahead of time): collective over the dp group."""
         if self.dp_size == 1:
             return own
         import torch.distributed as dist

@@ -102,6 +102,14 @@ class EnergonRows:
         (None: as many as this rank's count implies): collective over the data-parallel group."""
         return self.loader.global_state_dict(consumed) if self.loader.training else {}
 
+    def own_state(self, consumed: int) -> dict:
+        """This rank's part of ``state_dict(consumed)``, now (no collective): ``gather_state`` completes it later."""
+        return self.loader.state_dict(consumed) if self.loader.training else {}
+
+    def gather_state(self, own: dict) -> dict:
+        """The whole loader state from every rank's ``own_state``: collective over the data-parallel group."""
+        return self.loader.gather_state_dicts(own) if self.loader.training else {}
+
     def load_state_dict(self, state: dict) -> None:
         if self.loader.training and state:
             self.loader.load_state_dict(state)
@@ -165,13 +173,23 @@ class VLMBatches:
         self.consumed_rows += self.mbs * self.dp_size
         return concat_rows([self._row(n) for n in mine])
 
-    def state_dict(self) -> dict[str, Any]:
-        """The global row count and (energon media) the whole multimodal loader state: collective over the
-        data-parallel group, the same on every rank."""
-        state: dict[str, Any] = {"consumed_rows": self.consumed_rows}
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's position right after the last ``next()``, taken without any collective (a prefetching
+        reader takes one per batch it builds ahead; ``state_dict(snapshot)`` saves the position of the batches
+        the step has used)."""
+        snap: dict[str, Any] = {"consumed_rows": self.consumed_rows}
+        if isinstance(self.media, EnergonRows):
+            snap["energon"] = self.media.own_state(self.consumed_rows - self._texts_before(self.consumed_rows))
+        return snap
+
+    def state_dict(self, snapshot: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The global row count and (energon media) the whole multimodal loader state, now or at ``snapshot``'s
+        position: collective over the data-parallel group, the same on every rank."""
+        snap = self.snapshot() if snapshot is None else snapshot
+        state: dict[str, Any] = {"consumed_rows": snap["consumed_rows"]}
         if isinstance(self.media, EnergonRows):
             state["version"] = _STATE_VERSION
-            state["energon"] = self.media.state_dict(self.consumed_rows - self._texts_before(self.consumed_rows))
+            state["energon"] = self.media.gather_state(snap["energon"])
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -7,9 +7,12 @@ its own parameter names follow the prefix).
 
 Splicing: the task encoder (``mmtrain.data.multimodal``) writes ``tokens_per_image`` copies of
 ``image_token_id`` per image (``tokens_per_audio`` of ``audio_token_id`` per clip) and stacks the batch's
-images in row-major placeholder order. The first stage embeds the tokens, checks each row's placeholder count
-against its media count (an error names the sample), and writes the projected features into the placeholder
-positions in that same order (``masked_scatter``, differentiable both ways); ``unsplice_media`` reads them back.
+images in row-major placeholder order. Each row's placeholder count is checked against its media count (an
+error names the sample): the training step checks its batch on the host, before the copy to the device
+(``check_media_placeholders``), and tells the splice so; ``splice_media`` checks itself otherwise (free on the
+CPU; on a GPU it reads the counts back, a sync that would drain the device's queue mid-step). The first stage
+embeds the tokens and writes the projected features into the placeholder positions in that same order
+(``masked_scatter``, differentiable both ways); ``unsplice_media`` reads them back.
 
 Pipeline parallelism: like the GPT, a stage holds the global LM layers of ``layer_range``; only the first stage
 holds the encoders and projectors. Context/sequence parallelism: the first stage splices the *whole* sequence
@@ -41,20 +44,17 @@ def _sample_name(keys: Sequence[str] | None, row: int) -> str:
     return f"sample {keys[row]!r} (batch row {row})" if keys is not None and row < len(keys) else f"batch row {row}"
 
 
-def splice_media(x_BSD: torch.Tensor, tokens_BS: torch.Tensor, token_id: int, feats_NTD: torch.Tensor | None,
-                 counts_B: torch.Tensor | None, what: str = "image",
-                 sample_keys: Sequence[str] | None = None) -> torch.Tensor:
-    """``x_BSD`` with the placeholder positions of ``token_id`` replaced by ``feats_NTD`` (N items of T vectors,
-    row-major placeholder order; ``counts_B[b]`` items belong to row b). Raises ``MediaPlaceholderError`` naming
-    the sample when a row's placeholders are not ``counts_B[b] * T``."""
-    mask_BS = tokens_BS == token_id
-    per_row = mask_BS.sum(dim=1).cpu()
-    n_items = 0 if feats_NTD is None else feats_NTD.shape[0]
-    T = 0 if feats_NTD is None else feats_NTD.shape[1]
+def check_placeholders(tokens_BS: torch.Tensor, token_id: int, counts_B: torch.Tensor | None, n_items: int,
+                       tokens_per_item: int, what: str = "image", sample_keys: Sequence[str] | None = None) -> None:
+    """Raise ``MediaPlaceholderError`` naming the sample when a row's ``token_id`` placeholders are not
+    ``counts_B[b] * tokens_per_item``, or the counts do not sum to ``n_items``. Reads the tensors on the host: call
+    it on host tensors (on a GPU's it is a device->host sync)."""
+    per_row = (tokens_BS == token_id).sum(dim=1).cpu()
     counts = torch.zeros_like(per_row) if counts_B is None else counts_B.cpu().to(per_row.dtype)
     if int(counts.sum()) != n_items:
         raise MediaPlaceholderError(f"{what} counts per row {counts.tolist()} sum to {int(counts.sum())} but the "
                                     f"batch holds {n_items} {what}(s)")
+    T = tokens_per_item if n_items else 0
     expected = counts * T
     bad = (per_row != expected).nonzero().flatten().tolist()
     if bad:
@@ -64,9 +64,22 @@ def splice_media(x_BSD: torch.Tensor, tokens_BS: torch.Tensor, token_id: int, fe
             f"{int(counts[b])} {what}(s) x {T} tokens = {int(expected[b])}; the data's tokens per {what} "
             "(model.tokens_per_image, model.audio.num_tokens) must match the model's, and the text must not contain "
             "the placeholder id")
+
+
+def splice_media(x_BSD: torch.Tensor, tokens_BS: torch.Tensor, token_id: int, feats_NTD: torch.Tensor | None,
+                 counts_B: torch.Tensor | None, what: str = "image",
+                 sample_keys: Sequence[str] | None = None, checked: bool = False) -> torch.Tensor:
+    """``x_BSD`` with the placeholder positions of ``token_id`` replaced by ``feats_NTD`` (N items of T vectors,
+    row-major placeholder order; ``counts_B[b]`` items belong to row b). Raises ``MediaPlaceholderError`` naming
+    the sample when a row's placeholders are not ``counts_B[b] * T`` -- unless ``checked`` (the caller ran
+    ``check_placeholders`` on the batch's host copy) and the tokens are on a device, where the check would sync."""
+    n_items = 0 if feats_NTD is None else feats_NTD.shape[0]
+    if not checked or tokens_BS.device.type == "cpu":
+        check_placeholders(tokens_BS, token_id, counts_B, n_items, 0 if feats_NTD is None else feats_NTD.shape[1],
+                           what, sample_keys)
     if n_items == 0:
         return x_BSD
-    return x_BSD.masked_scatter(mask_BS[..., None], feats_NTD.to(x_BSD.dtype))
+    return x_BSD.masked_scatter((tokens_BS == token_id)[..., None], feats_NTD.to(x_BSD.dtype))
 
 
 def unsplice_media(x_BSD: torch.Tensor, tokens_BS: torch.Tensor, token_id: int, tokens_per_item: int) -> torch.Tensor:
@@ -155,27 +168,42 @@ class VLMModel(nn.Module):
             raise MediaPlaceholderError("the batch has audio but model.audio.enabled is false")
         return self.projector["audio"](self.audio(audio_MT, lengths_M))
 
+    def check_media_placeholders(self, tokens_BS: torch.Tensor, image_counts: torch.Tensor | None, num_images: int,
+                                 audio_counts: torch.Tensor | None = None, num_audio: int = 0,
+                                 sample_keys: Sequence[str] | None = None) -> None:
+        """The splice's placeholder checks (same errors) on a batch's host tensors, before it goes to the device:
+        then the splice may skip them (``placeholders_checked=True``) and the step reads nothing back."""
+        check_placeholders(tokens_BS, self.cfg.image_token_id, image_counts, num_images, self.cfg.tokens_per_image,
+                           "image", sample_keys)
+        if self.cfg.audio.enabled:  # without it a batch with audio fails in encode_audio, as in the splice path
+            check_placeholders(tokens_BS, self.cfg.audio_token_id, audio_counts, num_audio,
+                               self.cfg.tokens_per_audio, "audio", sample_keys)
+
     def splice(self, tokens_BS: torch.Tensor, image_feats: torch.Tensor | None, image_counts: torch.Tensor | None,
                audio_feats: torch.Tensor | None = None, audio_counts: torch.Tensor | None = None,
-               sample_keys: Sequence[str] | None = None) -> torch.Tensor:
-        """Token embeddings (B, S, D) of the whole sequence with the media features at their placeholders."""
+               sample_keys: Sequence[str] | None = None, placeholders_checked: bool = False) -> torch.Tensor:
+        """Token embeddings (B, S, D) of the whole sequence with the media features at their placeholders
+        (``placeholders_checked``: ``check_media_placeholders`` passed on the batch's host copy)."""
         x = self.language.embed(tokens_BS)
-        x = splice_media(x, tokens_BS, self.cfg.image_token_id, image_feats, image_counts, "image", sample_keys)
+        x = splice_media(x, tokens_BS, self.cfg.image_token_id, image_feats, image_counts, "image", sample_keys,
+                         placeholders_checked)
         if self.cfg.audio.enabled or audio_feats is not None:
-            x = splice_media(x, tokens_BS, self.cfg.audio_token_id, audio_feats, audio_counts, "audio", sample_keys)
+            x = splice_media(x, tokens_BS, self.cfg.audio_token_id, audio_feats, audio_counts, "audio", sample_keys,
+                             placeholders_checked)
         return x
 
     def embed_inputs(self, tokens_BS: torch.Tensor, images: torch.Tensor | None = None,
                      image_counts: torch.Tensor | None = None, audio: torch.Tensor | None = None,
                      audio_lengths: torch.Tensor | None = None, audio_counts: torch.Tensor | None = None,
-                     frame_index: torch.Tensor | None = None,
-                     sample_keys: Sequence[str] | None = None) -> torch.Tensor:
+                     frame_index: torch.Tensor | None = None, sample_keys: Sequence[str] | None = None,
+                     placeholders_checked: bool = False) -> torch.Tensor:
         """Encode the batch's media and splice them into the full-sequence token embeddings (first stage)."""
         image_feats = self.encode_images(images, frame_index) if images is not None and len(images) else None
         audio_feats = None
         if audio is not None and len(audio):
             audio_feats = self.encode_audio(audio, audio_lengths)
-        return self.splice(tokens_BS, image_feats, image_counts, audio_feats, audio_counts, sample_keys)
+        return self.splice(tokens_BS, image_feats, image_counts, audio_feats, audio_counts, sample_keys,
+                           placeholders_checked)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, inputs: torch.Tensor, labels_BS: torch.Tensor | None = None,
@@ -185,7 +213,7 @@ class VLMModel(nn.Module):
         received hidden states otherwise. ``labels_BS``/``position_ids_BS``/``doc_ids_BS``: this rank's part of the
         sequence (context-parallel zig-zag chunks, as for the GPT). ``media``: the ``embed_inputs`` keywords
         (``images``, ``image_counts``, ``audio``, ``audio_lengths``, ``audio_counts``, ``frame_index``,
-        ``sample_keys``), first stage only. Returns per-token losses (B, S_local), 0 where the label is -100,
+        ``sample_keys``, ``placeholders_checked``), first stage only. Returns per-token losses (B, S_local), 0 where the label is -100,
         on the last stage when labels are given; else logits (last stage) or hidden states."""
         if self.pre_process:
             x = self.embed_inputs(inputs, **media)

@@ -95,7 +95,9 @@ def vlm_forward_step(module: VLMModel, batch, received: torch.Tensor | None, mes
 
     Per-token tensors are cut to this rank's context-parallel chunks here; the tokens go whole to the first
     stage (it splices media, then shards). Document ids are passed only for packed batches (several samples in a
-    row), so unpacked batches keep the plain causal kernel."""
+    row), so unpacked batches keep the plain causal kernel. A batch on the host (as the loader hands it) has its
+    placeholders checked here, before the copies (``MediaPlaceholderError`` naming the sample), so nothing in the
+    step reads the device back; copies from pinned memory (``PrefetchedBatches``) overlap the GPU's work."""
     cp, cp_rank = mesh.dims.cp, mesh.coord.cp
     labels, positions, loss_mask = (shard_sequence(t.to(device, non_blocking=True), cp, cp_rank)
                                     for t in (batch.labels, batch.position_ids, batch.loss_mask))
@@ -103,12 +105,19 @@ def vlm_forward_step(module: VLMModel, batch, received: torch.Tensor | None, mes
     if int(batch.document_ids.max()) > 0:
         doc_ids = shard_sequence(batch.document_ids.to(device, non_blocking=True), cp, cp_rank)
     if module.pre_process:
+        keys = getattr(batch, "__key__", None)
+        # the placeholder check on the host copy, before it goes to the device: the splice then reads nothing back
+        # (a device->host sync mid-forward would drain the GPU's queue every step)
+        on_host = batch.tokens.device.type == "cpu"
+        if on_host:
+            module.check_media_placeholders(batch.tokens, batch.image_counts, batch.images.shape[0],
+                                            batch.audio_counts, batch.audio.shape[0], keys)
         # frame_index: each image's temporal row (video frames); every TP/CP rank of stage 0 encodes all media
         frame_index = getattr(batch, "frame_index", None)
         media = {"images": batch.images.to(device, non_blocking=True), "image_counts": batch.image_counts,
                  "frame_index": None if frame_index is None else frame_index.to(device, non_blocking=True),
                  "audio": batch.audio.to(device, non_blocking=True), "audio_lengths": batch.audio_lengths,
-                 "audio_counts": batch.audio_counts, "sample_keys": getattr(batch, "__key__", None)}
+                 "audio_counts": batch.audio_counts, "sample_keys": keys, "placeholders_checked": on_host}
         out = module(batch.tokens.to(device, non_blocking=True), labels if module.post_process else None,
                      positions, doc_ids, **media)
     else:
