@@ -146,9 +146,10 @@ def _config_json(config: Any) -> Any:
 
 def write_hf_folder(folder: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
                     max_shard_bytes: int = 5 * 2**30, extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write ``config.json`` (an infinite float as transformers writes it), ``extra_files``  (name -> bytes: tokenizer files, generation_config.json), the
-    weights, sharded (with an index) past ``max_shard_bytes``, and ``mmtrain-checksums.json`` (every file);
-    every file is written atomically, the index or single file last so a reader never sees a partial set."""
+    """Write ``config.json`` (an infinite float as transformers writes it), ``extra_files`` (name -> bytes:
+    tokenizer files, generation_config.json), the weights, sharded (with an index) past ``max_shard_bytes``, and
+    ``mmtrain-checksums.json`` (every file); every file is written atomically, the index or single file last so a
+    reader never sees a partial set."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     reserved = {"config.json", CHECKSUMS_NAME, SINGLE_NAME, INDEX_NAME}
