@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -50,12 +51,15 @@ def tiny_nemotron_h_config(**overrides) -> ModelConfig:
 def tiny_hf_nemotron_h(**overrides):
     """A random transformers ``NemotronHForCausalLM`` of ``NEMOTRON_H_SHAPE`` (``overrides``: NemotronHConfig
     fields), fp32, eval mode, weights set so that greedy completions vary (a unit embedding and output layer, the
-    other matrices doubled, vectors near their init: norms near 1, dt well above the time_step_min clamp)."""
+    other matrices doubled, vectors near their init: norms near 1, dt well above the time_step_min clamp). Its
+    time_step_limit is [time_step_min, inf], the clamp transformers 5.24 applies, so that 5.25 (which reads
+    time_step_limit) computes the same and the adapter reads it."""
     import transformers
 
     torch.manual_seed(0)
+    clamp = (overrides.get("time_step_min", transformers.NemotronHConfig.time_step_min), math.inf)
     config = transformers.NemotronHConfig(**{**NEMOTRON_H_SHAPE, "pad_token_id": 0, "eos_token_id": None,
-                                             **overrides})
+                                             "time_step_limit": clamp, **overrides})
     model = transformers.NemotronHForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

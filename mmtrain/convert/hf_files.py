@@ -9,6 +9,7 @@ file) is an ``HFFolderError`` naming it."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +132,24 @@ def read_hf_tensors(folder: str | Path, verify: bool = True, lazy: bool = False)
     return tensors
 
 
+def _config_json(config: Any) -> Any:
+    """``config`` with each infinite or NaN float as transformers writes it into config.json (its JSON stays
+    strict): ``{"__float__": "Infinity"}``, which transformers reads back as the float."""
+    if isinstance(config, float) and not math.isfinite(config):
+        return {"__float__": "NaN" if math.isnan(config) else ("Infinity" if config > 0 else "-Infinity")}
+    if isinstance(config, dict):
+        return {key: _config_json(value) for key, value in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [_config_json(value) for value in config]
+    return config
+
+
 def write_hf_folder(folder: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
                     max_shard_bytes: int = 5 * 2**30, extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write ``config.json``, ``extra_files`` (name -> bytes: tokenizer files, generation_config.json), the
-    weights, sharded (with an index) past ``max_shard_bytes``, and ``mmtrain-checksums.json`` (every file);
-    every file is written atomically, the index or single file last so a reader never sees a partial set."""
+    """Write ``config.json`` (an infinite float as transformers writes it), ``extra_files`` (name -> bytes:
+    tokenizer files, generation_config.json), the weights, sharded (with an index) past ``max_shard_bytes``, and
+    ``mmtrain-checksums.json`` (every file); every file is written atomically, the index or single file last so a
+    reader never sees a partial set."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     reserved = {"config.json", CHECKSUMS_NAME, SINGLE_NAME, INDEX_NAME}
@@ -152,7 +166,7 @@ def write_hf_folder(folder: str | Path, config: dict[str, Any], tensors: dict[st
             size = 0
         shards[-1][name] = tensors[name].contiguous()
         size += nbytes
-    config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    config_text = json.dumps(_config_json(config), indent=2, sort_keys=True, allow_nan=False) + "\n"
     atomic_write_text(folder / "config.json", config_text)
     sums = {"config.json": entry_of_bytes(config_text.encode("utf-8"))}
     for name, data in sorted((extra_files or {}).items()):

@@ -54,12 +54,12 @@ def _hf_names(state: dict, pattern: str) -> dict:
 
 def test_logits_equal_transformers_nemotron_h():
     """Every layer kind, groups of B/C shared by four heads, chunks of 4 over 19 tokens, GQA, all biases. The dt
-    clamp's low end is time_step_min, which transformers' mixer uses as its clamp (time_step_limit there is
-    read by nothing)."""
+    clamp [0.02, inf] is both transformers' time_step_min (what 5.24's mixer clamps at) and its time_step_limit
+    (what 5.25's clamps to)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf_shape = {k: v for k, v in SHAPE.items()}
-    hf_config = transformers.NemotronHConfig(**hf_shape, time_step_min=0.02)
+    hf_config = transformers.NemotronHConfig(**hf_shape, time_step_min=0.02, time_step_limit=(0.02, math.inf))
     hf_config._attn_implementation = "eager"
     hf = transformers.NemotronHForCausalLM(hf_config).eval()
     with torch.no_grad():  # non-trivial norms, biases and step sizes; larger weights (sharper attention)

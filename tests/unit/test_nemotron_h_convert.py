@@ -1,12 +1,15 @@
 """The nemotron_h family's HF bridge (``mmtrain/models/nemotron_h/hf_adapter.py``, ``lora_export.py``):
 ``python -m mmtrain.convert`` HF -> TP2 x PP2 checkpoint -> HF is bit-exact and ``compare`` gives HF's fp32 logits
 on a prompt of many chunks; a packed batch of two documents gives HF's logits of each document alone; the Hub's
-older config form (``hybrid_override_pattern``, ``mamba_*`` aliases) reads as transformers reads it; tied
-embeddings; refusals in one line naming the key; LoRA exports (merged, peft) give the adapted model's logits."""
+older config form (``hybrid_override_pattern``, ``mamba_*`` aliases) reads as transformers reads it; the dt clamp
+exported so that transformers 5.24 and 5.25 apply the same one, and a config whose clamp differs between them
+refused; tied embeddings; refusals in one line naming the key; LoRA exports (merged, peft) give the adapted model's
+logits."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -29,6 +32,18 @@ from tests.inference_helpers import NEMOTRON_H_SHAPE, tiny_hf_nemotron_h  # noqa
 pytestmark = pytest.mark.unit
 BIASES = dict(use_bias=True, mlp_bias=True)
 TEXT = "a prompt of many four-token chunks through every layer kind"
+INF = {"__float__": "Infinity"}  # transformers' config.json form of inf
+
+
+def _clamps(config: dict) -> tuple[tuple, tuple]:
+    """The dt clamp each transformers version builds from a config.json mapping, as their sources read it: 5.24's
+    mixer (time_step_min, inf), 5.25's time_step_limit (default [0.0, inf]); a mamba_dt_* alias wins."""
+    def number(value):
+        return math.inf if value == INF else value
+
+    low = config.get("mamba_dt_min", config.get("time_step_min", 0.001))
+    limit = config.get("mamba_dt_limit", config.get("time_step_limit", [0.0, math.inf]))
+    return (number(low), math.inf), tuple(number(end) for end in limit)
 
 
 def _ours(hf_model, **model_args) -> NemotronHModel:
@@ -56,6 +71,9 @@ def test_cli_round_trip_is_exact_and_compare_gives_hf_logits(tmp_path, capsys):
     assert exported["layers_block_type"] == source["layers_block_type"]
     assert exported["hybrid_override_pattern"] == NEMOTRON_H_SHAPE["hybrid_override_pattern"]
     assert config_from_hf(exported) == config_from_hf(source)
+    text = (tmp_path / "o" / "config.json").read_text()  # strict JSON: inf as transformers writes it
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"config.json holds {name}"))
+    assert _clamps(exported) == ((0.001, math.inf), (0.001, math.inf)) and exported["time_step_limit"][1] == INF
 
     capsys.readouterr()
     assert len(TEXT.encode()) > 10 * NEMOTRON_H_SHAPE["chunk_size"]  # the prompt (its bytes) spans many chunks
@@ -84,7 +102,7 @@ def test_the_older_config_form_reads_as_transformers_reads_it():
     older = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*M-MM", "num_hidden_layers": 6,
              **{k: v for k, v in NEMOTRON_H_SHAPE.items() if k != "hybrid_override_pattern"},
              "mamba_n_groups": 4, "n_groups": 2, "mamba_d_conv": 3, "mamba_chunk_size": 8, "mamba_dt_min": 0.002,
-             "mamba_conv_bias": False}
+             "mamba_dt_limit": [0.002, math.inf], "time_step_limit": [0.0, math.inf], "mamba_conv_bias": False}
     ours = config_from_hf(older)
     theirs = transformers.NemotronHConfig(**{k: v for k, v in older.items() if k != "model_type"})
     assert ours == config_from_hf(theirs.to_dict())
@@ -92,6 +110,54 @@ def test_the_older_config_form_reads_as_transformers_reads_it():
     assert ours.time_step_limit == [0.002, None] and ours.time_step_min == 0.002
     legacy = {**theirs.to_dict(), "layers_block_type": ["mamba", "attention", "mamba", "mlp", "mamba", "mamba"]}
     assert config_from_hf(legacy) == ours
+
+
+@pytest.mark.parametrize("low", [0.003, 0.0])
+def test_the_export_clamps_dt_alike_in_transformers_5_24_and_5_25(low):
+    """The export writes the clamp where both versions read it, over a Hub-like base whose own keys disagree; the
+    installed transformers builds its mixers with that clamp."""
+    cfg = config_from_hf(tiny_hf_nemotron_h().config.to_dict())
+    cfg = type(cfg)(**{**vars(cfg), "time_step_limit": [low, None]})
+    base = {"model_type": "nemotron_h", "time_step_limit": [0.0, INF], "mamba_dt_limit": [0.0, INF],
+            "time_step_min": 0.001, "mamba_dt_min": 0.001}
+    exported = hf_adapter.config_to_hf(cfg, base)
+    assert _clamps(exported) == ((low, math.inf), (low, math.inf))
+    assert config_from_hf(exported).time_step_limit == [low, None]
+    if low == 0.0:
+        return  # transformers cannot initialize a model of time_step_min 0 (it takes its log); loading one works
+    fields = dict(exported)
+    model = transformers.NemotronHForCausalLM(transformers.AutoConfig.for_model(fields.pop("model_type"), **fields))
+    assert tuple(model.model.layers[0].mixer.time_step_limit) == (low, math.inf)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"time_step_limit": [0.0, INF], "time_step_min": 0.001},
+     r"^config\.json: time_step_limit=\[0\.0, inf\] disagrees with time_step_min=0\.001: transformers 5\.24 clamps "
+     r"dt to \[time_step_min, inf\], 5\.25 to time_step_limit, .*; make them agree: time_step_limit: \[0\.001, "
+     r"Infinity\] \(5\.24's clamp\) or time_step_min: 0\.0 \(5\.25's\)$"),
+    ({"time_step_limit": None, "time_step_min": 0.002},
+     r"^config\.json: no time_step_limit \(default \[0\.0, inf\]\) disagrees with time_step_min=0\.002"),
+    ({"time_step_limit": [0.001, 0.5]}, r"time_step_limit=\[0\.001, 0\.5\] disagrees with time_step_min=0\.001: "
+                                        r".*make them agree: time_step_limit: \[0\.001, Infinity\] \(5\.24's clamp\)$"),
+    ({"mamba_dt_limit": [0.0, INF]}, r"^config\.json: mamba_dt_limit=\[0\.0, inf\] disagrees with time_step_min"),
+    ({"time_step_limit": [0.001, None]}, r"time_step_limit\[1\]=None must be a number \(Infinity, or"),
+    ({"time_step_limit": [0.001]}, r"time_step_limit=\[0\.001\] must be \[low, high\]"),
+    ({"time_step_limit": [0.5, 0.1]}, r"time_step_limit=\[0\.5, 0\.1\] must be \[low, high\] with 0 <= low < high"),
+], ids=["hub", "no_limit", "upper", "alias", "null", "short", "reversed"])
+def test_a_clamp_transformers_5_24_and_5_25_read_differently_is_refused(changes, message):
+    with pytest.raises(HFAdapterError, match=message) as info:
+        config_from_hf(_config(**changes))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("changes, limit", [
+    ({"time_step_limit": [0.002, INF], "time_step_min": 0.002}, [0.002, None]),
+    ({"time_step_limit": [0.002, math.inf], "mamba_dt_min": 0.002}, [0.002, None]),
+    ({"mamba_dt_limit": [0.0, INF], "time_step_min": 0.0}, [0.0, None]),
+    ({"time_step_limit": None, "time_step_min": 0.0}, [0.0, None]),
+], ids=["tagged", "bare_inf_alias", "limit_alias", "no_limit_no_clamp"])
+def test_a_clamp_both_versions_read_alike_is_imported(changes, limit):
+    assert config_from_hf(_config(**changes)).time_step_limit == limit
 
 
 def test_tied_embeddings_export_the_lm_head_transformers_reads():
@@ -153,8 +219,8 @@ def test_weights_that_disagree_are_one_line_and_the_cli_exits_2(tmp_path, capsys
         hf_adapter.state_dict_from_hf(state, config_from_hf({**hf.config.to_dict(), "ssm_state_size": 8}))
     with pytest.raises(HFAdapterError, match=r"HF state dict has 'mtp\.layers\.0\.norm\.weight' \(1 unused"):
         hf_adapter.state_dict_from_hf({**state, "mtp.layers.0.norm.weight": torch.ones(32)}, cfg)
-    with pytest.raises(HFAdapterError, match=r"time_step_limit=\[0\.0, 0\.5\]: transformers' NemotronHForCausalLM "
-                                             r"clamps dt only from below"):
+    with pytest.raises(HFAdapterError, match=r"time_step_limit=\[0\.0, 0\.5\]: transformers 5\.24's "
+                                             r"NemotronHForCausalLM clamps dt only from below"):
         hf_adapter.config_to_hf(type(cfg)(**{**vars(cfg), "time_step_limit": [0.0, 0.5]}))
     hf.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -14,17 +14,19 @@ The layers come from ``layers_block_type`` (what transformers 5 writes; also rea
 legacy names ``mamba`` / ``attention``), else from ``hybrid_override_pattern`` (what the Hub's configs and Megatron
 write); the export writes both, and ``num_hidden_layers``. The ``mamba_*`` aliases transformers accepts
 (``mamba_n_groups``, ``mamba_d_conv``, ``mamba_chunk_size``, ``mamba_conv_bias``, ``mamba_dt_min``, ...) are read
-the way it reads them (the alias wins). transformers 5.24's mixer clamps ``dt`` from below at ``time_step_min``
-and from above at nothing (its ``time_step_limit`` is read by nothing), so ``time_step_min`` becomes our
-``time_step_limit`` [time_step_min, null], and the export writes our limit's low end as ``time_step_min``.
-(transformers 5.25 clamps at the config's ``time_step_limit`` instead; pyproject pins 5.24 until this mapping
-follows it.)
+the way it reads them (the alias wins). The dt clamp is read differently by the two transformers versions we
+support: 5.24's mixer clamps ``dt`` to [``time_step_min``, inf] (its ``time_step_limit`` is read by nothing), 5.25's
+to ``time_step_limit`` (``mamba_dt_limit``; default [0.0, inf]). A folder computes the same in both only when the
+two agree, so the import reads [low, inf] from a config where they do (our ``time_step_limit`` [low, null]) and
+refuses one where they do not (the Hub's configs: ``time_step_limit`` [0.0, inf] with ``time_step_min`` 0.001),
+naming both keys; the export writes our limit's low end as ``time_step_min`` and ``time_step_limit`` [low, inf]
+(which the folder writer puts into config.json as transformers does, inf as ``{"__float__": "Infinity"}``).
 
 Strict both ways: a missing, unexpected or misshapen tensor and an HF option this model lacks are
 ``HFAdapterError``\\ s naming the key: mixture-of-experts layers (``moe`` / ``E``), multi-token prediction
 (``num_nextn_predict_layers``), ``residual_in_fp32``, a ``sliding_window``, dropout, activations other than
-relu2 / silu; the export refuses an upper dt limit (transformers' mixer has none). Keys transformers' model reads
-nothing from (``attention_bias``, ``mamba_proj_bias``, ``expand``, ``time_step_limit``, ``use_mamba_kernels``,
+relu2 / silu; the export refuses an upper dt limit (5.24's mixer has none). Keys transformers' model reads
+nothing from (``attention_bias``, ``mamba_proj_bias``, ``expand``, ``use_mamba_kernels``,
 ``mamba_ssm_cache_dtype``, the MoE sizes of a model without MoE layers) are left as they are.
 """
 
@@ -51,7 +53,7 @@ _TYPES = {letter: name for name, letter in _LETTERS.items()}
 # our field -> the alias transformers' NemotronHConfig also accepts (and prefers when both are given)
 _ALIASES = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "chunk_size": "mamba_chunk_size",
             "use_conv_bias": "mamba_conv_bias", "time_step_min": "mamba_dt_min", "time_step_max": "mamba_dt_max",
-            "time_step_floor": "mamba_dt_init_floor"}
+            "time_step_floor": "mamba_dt_init_floor", "time_step_limit": "mamba_dt_limit"}
 # the integer keys each layer kind's tensors are shaped by: config.json must hold them
 _SIZE_KEYS = {None: ("vocab_size", "hidden_size"),
               MAMBA: ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel"),
@@ -75,6 +77,10 @@ _WHY = {"num_nextn_predict_layers": ": multi-token-prediction layers are not bui
                           "window either); set it to null"}
 _MAMBA_NAMES = ("in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
 _QKV = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+# how transformers writes an infinite float into config.json (strict JSON), and reads it back
+_INFINITY = {"__float__": "Infinity"}
+# transformers' defaults of the two dt clamp keys
+_DEFAULT_TIME_STEP_MIN, _DEFAULT_TIME_STEP_LIMIT = 0.001, (0.0, math.inf)
 
 
 class HFAdapterError(ValueError):
@@ -131,6 +137,53 @@ def _number(hf: dict[str, Any], field: str, zero_ok: bool) -> float | None:
     return float(value)
 
 
+def _limit_end(key: str, i: int, value: Any) -> float:
+    """One end of config.json's ``time_step_limit``: a number, Infinity (Python's JSON) or transformers' tag."""
+    if value == _INFINITY:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise HFAdapterError(f"config.json: {key}[{i}]={value!r} must be a number (Infinity, or "
+                             f"{_INFINITY}, for no upper bound)")
+    return float(value)
+
+
+def _time_step_limit(hf: dict[str, Any]) -> tuple[float, float] | None:
+    """The dt clamp transformers 5.25 applies: config.json's ``time_step_limit`` (its alias wins); None when absent
+    (transformers' default then)."""
+    key = _key(hf, "time_step_limit")
+    if key not in hf:
+        return None
+    value = hf[key]
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise HFAdapterError(f"config.json: {key}={value!r} must be [low, high]")
+    low, high = (_limit_end(key, i, end) for i, end in enumerate(value))
+    if not (math.isfinite(low) and low >= 0) or high <= low:
+        raise HFAdapterError(f"config.json: {key}={[low, high]} must be [low, high] with 0 <= low < high")
+    return low, high
+
+
+def _dt_clamp_low(hf: dict[str, Any]) -> float:
+    """The low end of the dt clamp, read where transformers 5.24 (``time_step_min``, no upper end) and 5.25
+    (``time_step_limit``) agree; ``HFAdapterError`` naming both keys where they do not (the folder computes
+    differently in the two versions)."""
+    min_key, limit_key = _key(hf, "time_step_min"), _key(hf, "time_step_limit")
+    low = _number(hf, "time_step_min", zero_ok=True)
+    limit = _time_step_limit(hf)
+    by_min = (_DEFAULT_TIME_STEP_MIN if low is None else low, math.inf)
+    by_limit = _DEFAULT_TIME_STEP_LIMIT if limit is None else limit
+    if by_min == by_limit:
+        return by_min[0]
+    said_min = f"{min_key}={low}" if low is not None else f"no {min_key} (default {_DEFAULT_TIME_STEP_MIN})"
+    said_limit = (f"{limit_key}={list(limit)}" if limit is not None
+                  else f"no {limit_key} (default {list(_DEFAULT_TIME_STEP_LIMIT)})")
+    fixes = f"{limit_key}: [{by_min[0]}, Infinity] (5.24's clamp)"
+    if by_limit[1] == math.inf:
+        fixes += f" or {min_key}: {by_limit[0]} (5.25's)"
+    raise HFAdapterError(f"config.json: {said_limit} disagrees with {said_min}: transformers 5.24 clamps dt to "
+                         f"[{min_key}, inf], 5.25 to {limit_key}, so the model computes differently in the two; "
+                         f"make them agree: {fixes}")
+
+
 def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
     """Our config for an HF ``config.json`` mapping (checked); ``HFAdapterError`` names an unusable key."""
     if hf.get("model_type") != MODEL_TYPE:
@@ -166,8 +219,7 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
         value = _number(hf, field, zero_ok)
         if value is not None:
             fields[field] = value
-    clamp = _number(hf, "time_step_min", zero_ok=True)  # transformers' dt clamp, and its init range's low end
-    clamp = 0.001 if clamp is None else clamp  # transformers' default
+    clamp = _dt_clamp_low(hf)
     fields["time_step_limit"] = [clamp, None]
     if clamp > 0:  # 0 (no clamp) keeps our default init range
         fields["time_step_min"] = clamp
@@ -181,12 +233,12 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
 
 def config_to_hf(cfg: NemotronHConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """An HF ``config.json`` mapping; ``base`` (the config converted from, if any) supplies the fields this model
-    does not use (token ids, MoE sizes, ...). ``HFAdapterError`` for an upper dt limit, which
+    does not use (token ids, MoE sizes, ...). ``HFAdapterError`` for an upper dt limit, which transformers 5.24's
     ``NemotronHForCausalLM`` would not apply."""
     low, high = cfg.time_step_limit
     if high is not None:
-        raise HFAdapterError(f"time_step_limit={cfg.time_step_limit}: transformers' NemotronHForCausalLM clamps dt "
-                             "only from below (at time_step_min), so the exported model would compute "
+        raise HFAdapterError(f"time_step_limit={cfg.time_step_limit}: transformers 5.24's NemotronHForCausalLM "
+                             "clamps dt only from below (at time_step_min), so the exported model would compute "
                              "differently; train with time_step_limit=[low, null]")
     rewritten = {*_ALIASES.values(), "layers_block_type", "layer_types", "hybrid_override_pattern"}
     hf: dict[str, Any] = {}
@@ -202,7 +254,9 @@ def config_to_hf(cfg: NemotronHConfig, base: dict[str, Any] | None = None) -> di
     hf.update({
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "layers_block_type": [_TYPES[c] for c in pattern], "hybrid_override_pattern": pattern,
-        "num_hidden_layers": len(pattern), "time_step_min": low, "residual_in_fp32": False,
+        "num_hidden_layers": len(pattern), "residual_in_fp32": False,
+        # the clamp both transformers versions apply: 5.24 reads time_step_min, 5.25 time_step_limit
+        "time_step_min": float(low), "time_step_limit": [float(low), math.inf],
         "num_nextn_predict_layers": 0, "sliding_window": None, "attention_bias": False, "attention_dropout": 0.0,
         "hidden_dropout": 0.0,
     })
