@@ -16,10 +16,10 @@ write); the export writes both, and ``num_hidden_layers``. The ``mamba_*`` alias
 (``mamba_n_groups``, ``mamba_d_conv``, ``mamba_chunk_size``, ``mamba_conv_bias``, ``mamba_dt_min``, ...) are read
 the way it reads them (the alias wins). The dt clamp is read differently by the two transformers versions we
 support: 5.24's mixer clamps ``dt`` to [``time_step_min``, inf] (its ``time_step_limit`` is read by nothing), 5.25's
-to ``time_step_limit`` (``mamba_dt_limit``; default [0.0, inf]). A folder computes the same in both only when the
-two agree, so the import reads [low, inf] from a config where they do (our ``time_step_limit`` [low, null]) and
-refuses one where they do not (the Hub's configs: ``time_step_limit`` [0.0, inf] with ``time_step_min`` 0.001),
-naming both keys; the export writes our limit's low end as ``time_step_min`` and ``time_step_limit`` [low, inf]
+to ``time_step_limit`` (``mamba_dt_limit``; default [0.0, inf]), as Mamba-2 itself does. The import follows
+Mamba-2: ``time_step_limit`` where config.json has it (the Hub's configs: [0.0, inf], no clamp; their
+``time_step_min`` 0.001 is only the init range), else [``time_step_min``, inf] (folders written for 5.24). The export
+writes a clamp both versions apply alike: our limit's low end as ``time_step_min`` and ``time_step_limit`` [low, inf]
 (which the folder writer puts into config.json as transformers does, inf as ``{"__float__": "Infinity"}``).
 
 Strict both ways: a missing, unexpected or misshapen tensor and an HF option this model lacks are
@@ -162,26 +162,16 @@ def _time_step_limit(hf: dict[str, Any]) -> tuple[float, float] | None:
     return low, high
 
 
-def _dt_clamp_low(hf: dict[str, Any]) -> float:
-    """The low end of the dt clamp, read where transformers 5.24 (``time_step_min``, no upper end) and 5.25
-    (``time_step_limit``) agree; ``HFAdapterError`` naming both keys where they do not (the folder computes
-    differently in the two versions)."""
-    min_key, limit_key = _key(hf, "time_step_min"), _key(hf, "time_step_limit")
+def _dt_clamp(hf: dict[str, Any]) -> tuple[list[float | None], float | None]:
+    """(our ``time_step_limit``, the init range's low end when config.json gives it): the dt clamp as Mamba-2 and
+    transformers >= 5.25 apply it, ``time_step_limit`` (its alias wins), where config.json has one; else the clamp
+    5.24 applied, [``time_step_min``, inf] (what folders without the key were written for)."""
     low = _number(hf, "time_step_min", zero_ok=True)
     limit = _time_step_limit(hf)
-    by_min = (_DEFAULT_TIME_STEP_MIN if low is None else low, math.inf)
-    by_limit = _DEFAULT_TIME_STEP_LIMIT if limit is None else limit
-    if by_min == by_limit:
-        return by_min[0]
-    said_min = f"{min_key}={low}" if low is not None else f"no {min_key} (default {_DEFAULT_TIME_STEP_MIN})"
-    said_limit = (f"{limit_key}={list(limit)}" if limit is not None
-                  else f"no {limit_key} (default {list(_DEFAULT_TIME_STEP_LIMIT)})")
-    fixes = f"{limit_key}: [{by_min[0]}, Infinity] (5.24's clamp)"
-    if by_limit[1] == math.inf:
-        fixes += f" or {min_key}: {by_limit[0]} (5.25's)"
-    raise HFAdapterError(f"config.json: {said_limit} disagrees with {said_min}: transformers 5.24 clamps dt to "
-                         f"[{min_key}, inf], 5.25 to {limit_key}, so the model computes differently in the two; "
-                         f"make them agree: {fixes}")
+    if limit is None:
+        clamp = _DEFAULT_TIME_STEP_MIN if low is None else low
+        return [clamp, None], clamp if clamp > 0 else None  # 0 (no clamp) keeps our default init range
+    return [limit[0], None if math.isinf(limit[1]) else limit[1]], low if low else None
 
 
 def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
@@ -219,10 +209,9 @@ def config_from_hf(hf: dict[str, Any]) -> NemotronHConfig:
         value = _number(hf, field, zero_ok)
         if value is not None:
             fields[field] = value
-    clamp = _dt_clamp_low(hf)
-    fields["time_step_limit"] = [clamp, None]
-    if clamp > 0:  # 0 (no clamp) keeps our default init range
-        fields["time_step_min"] = clamp
+    fields["time_step_limit"], init_low = _dt_clamp(hf)
+    if init_low is not None:
+        fields["time_step_min"] = init_low
     cfg = NemotronHConfig(name=str(hf.get("_name_or_path") or "nemotron-h"), hybrid_override_pattern=pattern,
                           **fields)
     try:
