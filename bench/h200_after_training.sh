@@ -119,7 +119,7 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
       done
       make_teacher "$c" > "$RES/teacher.log" 2>&1 &
       pids+=($!)
-      timeout -k 5 "$(cap 120)" $PY -m pytest -q -rf -p no:cacheprovider tests/gpu/test_quantize_gpu.py \
+      timeout -k 5 "$(cap 120)" $PY -m pytest -q -rf -p no:cacheprovider tests/gpu/test_quantize_gpu.py tests/gpu/test_packed_attention_gpu.py \
         > "$RES/gputest.log" 2>&1 &
       pids+=($!)
       for p in "${pids[@]}"; do wait "$p"; done
