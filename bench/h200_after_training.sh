@@ -57,7 +57,13 @@ else
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$dir"/*.whl 2>&1 \
       | grep -v "already exists"
   done
-  export PYTHONPATH=/tmp/site:$PWD
+  # transformers 5.24 (the pinned range): the device's 5.17 converts the SentencePiece-BPE tokenizer otherwise, and
+  # the exports (quantize's folders, TRL's tokenizer) refuse a tokenizer that does not encode as the original
+  if ls "$DEV"/whl-transformers/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/transformers \
+      "$DEV"/whl-transformers/*.whl 2>&1 | grep -v "already exists"
+  else echo "missing $DEV/whl-transformers/*.whl: carry .device"; fi
+  export PYTHONPATH=/tmp/transformers:/tmp/site:$PWD
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
@@ -148,13 +154,6 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
       engine=mmtrain; extra=()
       if [ $stage = trl ]; then
         engine=trl
-        # TRL gets the tokenizer as an HF export: transformers 5.17's SentencePiece-BPE conversion encodes it
-        # differently (the export refuses it: 'Hello world' split otherwise), 5.24's is faithful
-        if [ "${TINY:-0}" != 1 ] && ls "$DEV"/whl-transformers/*.whl >/dev/null 2>&1; then
-          $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/transformers \
-            "$DEV"/whl-transformers/*.whl 2>&1 | grep -v "already exists"
-          extra=(); export PYTHONPATH=/tmp/transformers:$PYTHONPATH
-        fi
         $PY -c "import datasets, pandas; datasets.Dataset.from_list([{'a': 1}])" >/dev/null 2>&1 \
           || { echo "# datasets does not import here: --shim-datasets"; extra=(--shim-datasets); }
       fi
