@@ -26,7 +26,14 @@ from mmtrain.inference.decoder import (UnsupportedModelError, check_decodable, d
                                        kv_cache_for)
 from mmtrain.inference.detokenize import CompletionText
 from mmtrain.inference.memory import check_cache_fits
-from mmtrain.inference.sampling import SamplingParams, argmax_rows, find_stop, make_generator, next_tokens
+from mmtrain.inference.sampling import (
+    RowRandom,
+    SamplingParams,
+    argmax_rows,
+    find_stop,
+    make_generator,
+    next_tokens,
+)
 from mmtrain.inference.step_broadcast import StepLeader
 
 
@@ -53,7 +60,7 @@ class Sequence:
     error: str | None = None  # why it ended with "error" (this sequence alone: the others go on)
     cancelled: bool = False  # set from any thread (a client went away): the engine drops it at its next step
     slot: int = -1
-    generator: torch.Generator | None = None
+    generator: RowRandom | None = None  # the row's random stream (sampled rows)
     _emitted: int = 0  # characters of ``text`` already handed to on_token
     _detok: CompletionText | None = field(default=None, repr=False)  # the text, decoded a few tokens at a time
 

@@ -1,12 +1,14 @@
 """How the next token is chosen, and when a sequence stops.
 
 ``SamplingParams`` is one request's choice: greedy (temperature 0) or temperature / top-k / top-p sampling from
-its own seeded generator, so a row's tokens never depend on the other rows of its batch. Stops: max new tokens,
+its own seeded random stream (``RowRandom``), so a row's tokens never depend on the other rows of its batch; every
+sampled row of a step draws at once on the logits' device. Stops: max new tokens,
 stop token ids (the tokenizer's end-of-document id by default) and stop strings, checked on the decoded text.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +16,6 @@ import torch.nn.functional as F
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # a sanity bound; the context length is the real one
 _TINY = torch.finfo(torch.float32).tiny  # the smallest temperature divided by (see filtered_probs)
-_SHIFT_BELOW = 1e-3  # temperatures below which the logits are shifted before dividing (fp32 could overflow)
 
 
 class SamplingError(ValueError):
@@ -56,42 +57,79 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """The row's own CPU generator (None for greedy): sampling draws on the host from the row's probabilities."""
+class RowRandom:
+    """A sampled row's own random stream: draw ``n`` of seed ``s`` is a pure function of (s, n) (a SplitMix64
+    hash), so a row's tokens never depend on its batch mates, its slot or the device's other work."""
+
+    __slots__ = ("seed", "draws")
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.draws = seed, 0
+
+    def next_uniform(self) -> float:
+        """The row's next uniform number in [0, 1) (53 random bits), advancing the stream."""
+        u = (_mix64(_mix64(self.seed) ^ self.draws) >> 11) * (1.0 / (1 << 53))
+        self.draws += 1
+        return u
+
+
+def make_generator(params: SamplingParams) -> RowRandom | None:
+    """The row's own random stream (None for greedy); a request without a seed gets a fresh random one."""
     if params.greedy:
         return None
-    g = torch.Generator()
-    if params.seed is None:
-        g.seed()
-    else:
-        g.manual_seed(params.seed)
-    return g
+    return RowRandom(secrets.randbits(63) if params.seed is None else params.seed)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64: its finalizer of ``x`` plus the golden-ratio increment."""
+    z = (x + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def inverse_cdf(probs_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose cumulative probability first exceeds the row's uniform times the row's total
+    (fp64 sums): index i with probability p_i, never one of probability 0."""
+    cdf = probs_BV.double().cumsum(-1)
+    target = uniforms_B.double()[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_max(probs_BV.shape[-1] - 1)
+
+
+def filtered_probs_rows(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
+                        top_p_B: torch.Tensor) -> torch.Tensor:
+    """Each row's probabilities (fp32) after its temperature, top-k (0: none) and top-p (1: none): the smallest set
+    of most likely tokens whose mass reaches top_p; the most likely token always stays. Finite for every
+    temperature > 0 and top_p in (0, 1] the checks accept: the logits are shifted so each row's largest is 0 before
+    the division (nothing overflows to inf - inf), a temperature below fp32's smallest normal number divides as
+    that number (the distribution is the greedy one already), and the most likely token is never filtered out (a
+    top_p below fp32's resolution keeps it alone). Sorts only when a row asks for top-k or top-p."""
+    logits = logits_BV.float()
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature_B.float().clamp_min(_TINY)[:, None]
+    V = logits.shape[-1]
+    k = torch.where((top_k_B > 0) & (top_k_B < V), top_k_B, V)
+    if bool((k < V).any()):
+        kth = logits.sort(-1, descending=True).values.gather(1, (k - 1)[:, None].long())
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if bool((top_p_B < 1).any()):
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
+        drop = before >= torch.where(top_p_B < 1, top_p_B.float(), float("inf"))[:, None]
+        drop[:, 0] = False
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities (fp32) after temperature, top-k and top-p (the smallest set of most likely tokens whose
-    mass reaches top_p; the most likely token always stays). Finite for every temperature > 0 and top_p in (0, 1]
-    the checks accept: below ``_SHIFT_BELOW`` the logits are shifted so the largest is 0 before the division
-    (nothing overflows to inf - inf; softmax shifts them anyway, so larger temperatures skip the pass), a
-    temperature below fp32's smallest normal number divides as that number (the distribution is the greedy one
-    already), and the most likely token is never filtered out (a top_p below fp32's resolution keeps it alone)."""
-    logits = logits_V.float()
-    if params.temperature < _SHIFT_BELOW:
-        logits = logits - logits.max()
-    logits = logits / max(params.temperature, _TINY)
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
-        drop = before >= params.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+    """``filtered_probs_rows`` of one row and its parameters."""
+    row = [(params.temperature, params.top_k, params.top_p)]
+    t, k, p = (torch.tensor([r[i] for r in row], device=logits_V.device) for i in range(3))
+    return filtered_probs_rows(logits_V[None], t, k, p)[0]
 
 
 def argmax_rows(logits_BV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -107,24 +145,38 @@ def argmax_rows(logits_BV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return c * chunk + where_BC.gather(1, c[:, None])[:, 0]
 
 
+def draw_rows(logits_BV: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> tuple[torch.Tensor,
+                                                                                                     torch.Tensor]:
+    """One draw per row from its filtered probabilities, all rows at once on the logits' device (``inverse_cdf``
+    of the row's uniform). Returns the tokens (B,) and whether each row's probabilities were finite (a row with
+    NaN or inf logits, or a NaN temperature, is not)."""
+    dev = logits_BV.device
+    t = torch.tensor([p.temperature for p in params], device=dev)
+    k = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    probs = filtered_probs_rows(logits_BV, t, k, top_p)
+    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+    return inverse_cdf(probs.nan_to_num(0.0), torch.tensor(uniforms, dtype=torch.float64, device=dev)), ok
+
+
 def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams | None],
-                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, list[int], dict[int, str]]:
+                generators: list[RowRandom | None]) -> tuple[torch.Tensor, list[int], dict[int, str]]:
     """One token per row, as a device tensor (B,) and a host list: the argmax for greedy rows (and rows whose
-    params are None: free slots), a draw from the row's generator otherwise. One device op and one read-back
-    for an all-greedy batch. A row whose draw fails (its logits hold NaN or inf) keeps the argmax and is named
-    in the third result, row -> why: the caller ends that row alone."""
+    params are None: free slots), a draw from the row's random stream otherwise, every sampled row at once on the
+    logits' device (one read-back in all). A row whose draw fails (its logits hold NaN or inf) keeps the argmax
+    and is named in the third result, row -> why: the caller ends that row alone."""
     chosen = argmax_rows(logits_BV)
-    drawn, failed = {}, {}
-    for b, (p, g) in enumerate(zip(params, generators)):
-        if p is not None and not p.greedy:
-            try:
-                drawn[b] = int(torch.multinomial(filtered_probs(logits_BV[b].cpu(), p), 1, generator=g))
-            except Exception as exc:  # noqa: BLE001 - one row's failure must not end the batch
-                failed[b] = f"sampling failed: {exc}"
-    if drawn:
-        rows = torch.tensor(list(drawn), device=chosen.device)
-        chosen = chosen.index_put((rows,), torch.tensor(list(drawn.values()), device=chosen.device))
-    return chosen, chosen.tolist(), failed
+    rows = [b for b, p in enumerate(params) if p is not None and not p.greedy]
+    if not rows:
+        return chosen, chosen.tolist(), {}
+    index = torch.tensor(rows, device=chosen.device)
+    drawn, ok = draw_rows(logits_BV.index_select(0, index), [params[b] for b in rows],
+                          [generators[b].next_uniform() for b in rows])
+    chosen = chosen.index_put((index,), torch.where(ok, drawn, chosen.index_select(0, index)))
+    tokens, ok_rows = torch.cat([chosen, ok.long()]).tolist(), ok.tolist()
+    failed = {b: "sampling failed: the row's probabilities are not finite (NaN or inf logits, or a NaN "
+                 "temperature)" for b, good in zip(rows, ok_rows) if not good}
+    return chosen, tokens[:len(chosen)], failed
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmtrain.inference.engine import DecodeEngine, Sequence, generate
-from mmtrain.inference.sampling import SamplingParams, filtered_probs, next_tokens
+from mmtrain.inference.sampling import RowRandom, SamplingParams, filtered_probs, inverse_cdf, next_tokens
 from tests.inference_helpers import tiny_model
 
 TINY_VALUES = [1e-38, 1e-46, 5e-324]
@@ -33,11 +33,40 @@ def test_a_row_whose_draw_fails_is_named_and_the_others_are_drawn():
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     logits[1, 5] = float("nan")
     params = [SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, seed=0), None]
-    gens = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(0), None]
-    chosen, tokens, failed = next_tokens(logits, params, gens)
+    chosen, tokens, failed = next_tokens(logits, params, [RowRandom(0), RowRandom(0), None])
     assert list(failed) == [1] and "sampling failed" in failed[1]
-    alone = torch.multinomial(filtered_probs(logits[0], params[0]), 1, generator=torch.Generator().manual_seed(0))
-    assert tokens[0] == int(alone) and tokens[2] == int(logits[2].argmax()) and chosen.tolist() == tokens
+    _, alone, _ = next_tokens(logits[:1], params[:1], [RowRandom(0)])
+    assert tokens[0] == alone[0] and tokens[2] == int(logits[2].argmax()) and chosen.tolist() == tokens
+
+
+def test_a_rows_draws_are_its_own_whatever_its_batch():
+    """A row's token depends on its logits, parameters and random stream only: alone, among other rows, at any
+    position of the batch; its stream advances one key per draw."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 300, generator=g)
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=5), None, SamplingParams(temperature=1.3, top_p=0.9,
+              seed=6), SamplingParams(temperature=1.0, seed=7)]
+    streams = [RowRandom(5), None, RowRandom(6), RowRandom(7)]
+    _, together, _ = next_tokens(logits, params, streams)
+    for b in (0, 2, 3):
+        _, alone, _ = next_tokens(logits[b:b + 1], [params[b]], [RowRandom(params[b].seed)])
+        _, reversed_batch, _ = next_tokens(logits.flip(0), params[::-1], [s and RowRandom(s.seed) for s in streams[::-1]])
+        assert together[b] == alone[0] == reversed_batch[3 - b]
+    assert [s.draws for s in streams if s] == [1, 1, 1]
+
+
+def test_the_draws_follow_the_filtered_distribution():
+    """Many uniforms of one row's stream: the tokens' frequencies match its filtered probabilities (a bound of a few
+    standard errors), and a filtered-out token is never drawn."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    probs = filtered_probs(logits, SamplingParams(temperature=0.8, top_p=0.9))
+    n, stream = 40000, RowRandom(11)
+    uniforms = torch.tensor([stream.next_uniform() for _ in range(n)], dtype=torch.float64)
+    drawn = inverse_cdf(probs.expand(n, 6), uniforms)
+    freq = torch.bincount(drawn, minlength=6).double() / n
+    assert float((freq - probs.double()).abs().max()) < 0.01
+    assert bool((freq[probs == 0] == 0).all()) and int((probs == 0).sum()) >= 1
+    assert 0.45 < float(uniforms.mean()) < 0.55 and len(set(uniforms.tolist())) == n
 
 
 def _greedy_alone(model, prompt, n):
