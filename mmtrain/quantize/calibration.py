@@ -34,10 +34,10 @@ def calibration_batches(ckpt: str | Path, calib: str, samples: int, seq_len: int
     return [torch.stack(rows[i:i + batch_size]) for i in range(0, samples, batch_size)]
 
 
-def block_hessians(model: nn.Module, index: str, batches: list[torch.Tensor],
-                   device: torch.device) -> dict[str, torch.Tensor]:
-    """The input Hessian ``2/n sum x x^T`` (fp32, on ``device``) of every quantizable linear of block ``index``
-    over the calibration ``batches`` (the model's forward, stopped after that block)."""
+def _hessians_of(model: nn.Module, index: str, run: Callable[[], None],
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """The input Hessian ``2/n sum x x^T`` (fp32, on ``device``) of every quantizable linear of block ``index`` over
+    what ``run()`` feeds them."""
     names = {n: m for n, m in quantizable_linears(model).items() if n.startswith(f"layers.{index}.")}
     sums = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float32, device=device)
             for n, m in names.items()}
@@ -50,24 +50,97 @@ def block_hessians(model: nn.Module, index: str, batches: list[torch.Tensor],
             counts[name] += x.shape[0]
         return hook
 
-    def stop(module, args, output) -> None:
-        raise _StopAfterBlock
-
     handles = [m.register_forward_pre_hook(collect(n)) for n, m in names.items()]
-    handles.append(model.layers[index].register_forward_hook(stop))
     try:
         with torch.no_grad():
-            for batch in batches:
-                try:
-                    model(batch.to(device))
-                except _StopAfterBlock:
-                    pass
+            run()
     finally:
         for h in handles:
             h.remove()
     return {n: sums[n] * (2.0 / max(counts[n], 1)) for n in names}
 
 
-def blocks_in_order(model: nn.Module) -> Iterator[str]:
-    """The block indices of the model's stage, in the order the forward runs them."""
-    yield from model.layers.keys()
+def block_hessians(model: nn.Module, index: str, batches: list[torch.Tensor],
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """``_hessians_of`` block ``index`` over the calibration ``batches``: the model's whole forward, stopped after
+    that block (any model; ``BlockChain`` runs the block alone where the blocks form a chain)."""
+    def run() -> None:
+        for batch in batches:
+            try:
+                model(batch.to(device))
+            except _StopAfterBlock:
+                pass
+
+    def stop(module, args, output) -> None:
+        raise _StopAfterBlock
+
+    handle = model.layers[index].register_forward_hook(stop)
+    try:
+        return _hessians_of(model, index, run, device)
+    finally:
+        handle.remove()
+
+
+class BlockChain:
+    """The calibration batches carried through the blocks one block at a time: one forward of the model records
+    each block's call (its input for the first block; its other arguments for every block), after which a block
+    runs alone on the previous block's outputs. ``capture`` returns None where the blocks are not a plain chain
+    (a block's input is not the previous block's output object): then ``block_hessians`` (a forward from the
+    start per block) is the way."""
+
+    def __init__(self, model: nn.Module, inputs: list[torch.Tensor], calls: dict[str, list[tuple]]) -> None:
+        self.model, self.inputs, self.calls = model, inputs, calls
+
+    @classmethod
+    def capture(cls, model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> BlockChain | None:
+        order = list(model.layers.keys())
+        calls: dict[str, list[tuple]] = {i: [] for i in order}
+        inputs: list[torch.Tensor] = []
+        state = {"chain": True, "last": None}
+
+        def before(index: str) -> Callable:
+            def hook(module, args, kwargs) -> None:
+                if index == order[0]:
+                    inputs.append(args[0])
+                elif args[0] is not state["last"]:
+                    state["chain"] = False
+                calls[index].append((args[1:], kwargs))  # references: shared rotary tables, masks
+            return hook
+
+        def after(module, args, kwargs, output) -> None:
+            state["last"] = output
+
+        def stop(module, args, output) -> None:
+            raise _StopAfterBlock
+
+        handles = [model.layers[i].register_forward_pre_hook(before(i), with_kwargs=True) for i in order]
+        handles += [model.layers[i].register_forward_hook(after, with_kwargs=True) for i in order]
+        handles.append(model.layers[order[-1]].register_forward_hook(stop))
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    state["last"] = None
+                    try:
+                        model(batch.to(device))
+                    except _StopAfterBlock:
+                        pass
+        finally:
+            for h in handles:
+                h.remove()
+        if not state["chain"] or not all(isinstance(x, torch.Tensor) for x in inputs):
+            return None
+        return cls(model, inputs, calls)
+
+    def _outputs(self, index: str) -> list[torch.Tensor]:
+        block = self.model.layers[index]
+        return [block(x, *args, **kwargs) for x, (args, kwargs) in zip(self.inputs, self.calls[index])]
+
+    def hessians(self, index: str, device: torch.device) -> dict[str, torch.Tensor]:
+        """``_hessians_of`` block ``index`` on the current inputs (the block alone)."""
+        return _hessians_of(self.model, index, lambda: self._outputs(index), device)
+
+    @torch.no_grad()
+    def advance(self, index: str) -> None:
+        """The inputs of the block after ``index``: its outputs with its current (quantized) weights."""
+        self.inputs = self._outputs(index)
+        self.calls[index] = []

@@ -23,7 +23,7 @@ from mmtrain.convert.compressed_tensors_format import (
 from mmtrain.convert.convert import export_tokenizer
 from mmtrain.model.quantized_linear import quantizable_linears
 from mmtrain.models.registry import model_family
-from mmtrain.quantize.calibration import block_hessians, calibration_batches
+from mmtrain.quantize.calibration import BlockChain, block_hessians, calibration_batches
 from mmtrain.quantize.export import check_output_folder, quantized_hf_tensors, write_quantized_folder
 from mmtrain.quantize.gptq import quantize_gptq, quantize_rtn
 
@@ -114,15 +114,20 @@ def _dense_model(full: dict[str, torch.Tensor], cfg, device: torch.device | str)
 def _gptq(model: torch.nn.Module, batches: list[torch.Tensor], spec: QuantSpec, scale_dtype: torch.dtype,
           device: torch.device, log: Callable[[str], None]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ block after block: each block's linears measured on what the (already quantized) blocks before it
-    give, quantized, and their weights set to the dequantized values for the blocks after."""
+    give, quantized, and their weights set to the dequantized values for the blocks after. Where the blocks form
+    a chain, the batches go through each block once to measure and once to move on (``BlockChain``), not
+    through every block before it again."""
     linears = quantizable_linears(model)
+    chain = BlockChain.capture(model, batches, device)
     out = {}
     for index in model.layers.keys():
-        hessians = block_hessians(model, index, batches, device)
+        hessians = chain.hessians(index, device) if chain else block_hessians(model, index, batches, device)
         for name, h in hessians.items():
             weight = linears[name].weight
             values, scale = quantize_gptq(weight.data, h, spec, scale_dtype)
             out[name] = (values, scale)
             weight.data = dequantize_values(values, scale, spec).to(weight.dtype)
+        if chain:
+            chain.advance(index)
         log(f"block {index}: {len(hessians)} linears quantized (GPTQ)")
     return out
