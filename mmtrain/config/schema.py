@@ -184,7 +184,8 @@ class LoggingConfig:
     """What is printed and written during a run."""
 
     run_dir: str = doc("runs/default", "Folder of this run: resolved config, metrics, checkpoints.")
-    log_every: int = doc(1, "Print one metrics line every N steps (rank 0).", ge=1)
+    log_every: int = doc(1, "Print one metrics line every N steps (rank 0). At 1, a step's line comes once the next "
+                            "step is queued (reading a step back as it ends would drain the device every step).", ge=1)
     tensorboard: bool = doc(False, "Also write TensorBoard event files to run_dir/tb (needs the tensorboard package).")
     peak_tflops: float = doc(0.0, "Per-device peak TFLOP/s for MFU; 0 hides MFU.", ge=0)
     wandb: bool = doc(False, "Also log to Weights & Biases from rank 0: every metrics.jsonl figure per step and "

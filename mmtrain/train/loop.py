@@ -425,6 +425,7 @@ class _Run:
     skipped: int = 0
     phase: str = "start-up"
     pending: list[_PendingStep] = field(default_factory=list)
+    read_at: float = 0.0  # perf_counter of the last metrics read-back
 
     def steps(self, start_step: int) -> None:
         """The step loop; a collective that times out is re-raised naming rank, step and phase."""
@@ -477,8 +478,12 @@ class _Run:
         sync_point = (step % cfg.logging.log_every == 0 or step == cfg.train.steps or exiting or save or evaluate)
         self.phase = "checkpoint save"
         preempted = any([h.stop_requested(sync_point) for h in self.hooks])  # a list: every hook is asked
+        # logging every step: read the step before this one back, not this one, so the device always has a step
+        # queued while the host prepares the next (a read of this step would drain its queue every step); steps
+        # that save, evaluate, end or stop the run read everything
+        lag = cfg.logging.log_every == 1 and not (save or evaluate or preempted or exiting or step == cfg.train.steps)
         if sync_point or preempted:
-            self._read_back(evaluate)
+            self._read_back(evaluate, keep_newest=lag)
         if save or preempted:
             self.phase = "checkpoint save"
             self.writer.save(step, stage, optimizer, self.batches.state_dict(), self.device, c.keep_last,
@@ -494,18 +499,25 @@ class _Run:
             return False
         return True
 
-    def _read_back(self, evaluate: bool) -> None:
+    def _read_back(self, evaluate: bool, keep_newest: bool = False) -> None:
         """A sync point: read the pending steps' numbers (one host sync), apply the NaN/Inf policy in step order,
-        evaluate if due, write one metrics row per pending step."""
+        evaluate if due, write one metrics row per pending step. ``keep_newest``: the step just run stays pending
+        (read at the next sync point)."""
         cfg, mesh, device, dims = self.cfg, self.mesh, self.device, self.mesh.dims
         log = get_logger("train")
-        pending, self.pending = self.pending, []
+        split = len(self.pending) - 1 if keep_newest else len(self.pending)
+        pending, self.pending = self.pending[:split], self.pending[split:]
+        if not pending:
+            return
         self.phase = "metrics read-back"
         numbers = torch.stack([torch.stack([p.stats[0] / p.stats[1], p.grad_norm.double(), p.finite.double()])
                                for p in pending]).tolist()
         stats = [p.stats.cpu() for p in pending]
-        # per-step time: the interval since the first pending step began, shared out (steps run ahead of the device)
-        dt = (time.perf_counter() - pending[0].t0) / len(pending)
+        # per-step time: since the first pending step began or the previous read-back, whichever is later (steps
+        # run ahead of the device: with one step kept pending, each read waits for one step's device time)
+        now = time.perf_counter()
+        dt = (now - max(pending[0].t0, self.read_at)) / len(pending)
+        self.read_at = now
         rows = []
         for p, (loss, grad_norm, finite), step_stats in zip(pending, numbers, stats):
             if not finite:

@@ -5,6 +5,8 @@ own sync detection)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -99,3 +101,29 @@ def test_ep2_exact_all_to_all_reads_the_split_sizes_once_per_layer(tmp_path):
         per_step = {s: sum(1 for t, _ in off if t == s) for s, _ in off}
         assert set(per_step) == {1, 2, 3, 4, 6, 7, 8, 9}
         assert len(set(per_step.values())) == 1 and next(iter(per_step.values())) % 2 == 0  # 2 MoE layers
+
+
+def _reads_per_step(rank: int, world_size: int, run_dir: str) -> list[tuple[int, list[int]]]:
+    reads: list[tuple[int, list[int]]] = []
+    read_back = loop._Run._read_back
+
+    def recorded(self, evaluate, keep_newest=False):
+        before = [p.step for p in self.pending]
+        read_back(self, evaluate, keep_newest)
+        kept = {p.step for p in self.pending}
+        reads.append((before[-1], [s for s in before if s not in kept]))
+    loop._Run._read_back = recorded
+    base = [b for b in BASE if not b.startswith(("logging.log_every", "train.steps"))]
+    cfg = load_config(GPTRunConfig, None, [*base, "logging.log_every=1", "train.steps=6", "checkpoint.save_every=4",
+                                           f"logging.run_dir={run_dir}"])
+    loop.train_gpt(cfg, ParallelDims.from_config(cfg.parallel, 1).build(), torch.device("cpu"))
+    return reads
+
+
+def test_logging_every_step_reads_the_step_before_back(tmp_path):
+    """At logging.log_every=1 a step reads the previous step's numbers, so the device keeps a step queued; a step
+    that saves (4) or ends the run (6) reads its own too. Every step keeps its one row, in order."""
+    reads = run_distributed(_reads_per_step, 1, str(tmp_path))[0]
+    assert reads == [(1, []), (2, [1]), (3, [2]), (4, [3, 4]), (5, []), (6, [5, 6])]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["step_time_s"] > 0 for r in rows)
