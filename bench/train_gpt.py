@@ -6,8 +6,8 @@
     torchrun --nproc_per_node 2 bench/train_gpt.py parallel.tp=2 parallel.sequence_parallel=true
 
 Runs the real training loop (``mmtrain.train.loop.train_gpt``) for warmup + timed steps and reports the median
-timed step (``logging.log_every=1``: every step is a sync point, so each step's time is its own; with a
-longer interval the loop shares the interval's wall time out over its steps, compile steps included): tokens/s per GPU, model TFLOP/s per GPU (6N + causal attention, the anchors' formula), MFU against
+timed step (``logging.log_every=1``: every step reads the step before it back, so each step's time is the
+time between two read-backs, one step of device time; with a longer interval the loop shares the interval's wall time out over its steps, compile steps included): tokens/s per GPU, model TFLOP/s per GPU (6N + causal attention, the anchors' formula), MFU against
 the measured H200 bf16 ceiling (736 TFLOP/s), peak memory. Compare with ../shared/bench anchors in the same call.
 
 Data: mock tokens by default (no documents: the EOD token only by chance); ``--data PREFIX`` reads
