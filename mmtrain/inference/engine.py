@@ -27,9 +27,11 @@ from mmtrain.inference.decoder import (UnsupportedModelError, check_decodable, d
 from mmtrain.inference.detokenize import CompletionText
 from mmtrain.inference.memory import check_cache_fits
 from mmtrain.inference.sampling import (
+    DRAW_FAILED,
     RowRandom,
     SamplingParams,
     argmax_rows,
+    draw_filtered,
     find_stop,
     make_generator,
     next_tokens,
@@ -102,7 +104,7 @@ class DecodeEngine:
     """``model``: a whole Llama-family ``GPTModel`` or DeepSeek-V3-family ``DeepseekV3Model`` (TP-sharded or
     not) on ``device``, in its compute dtype. ``slots``: sequences decoded together; ``max_len``: positions per slot (prompt + new tokens).
     ``compile``: run the decode step under ``torch.compile`` (with CUDA graphs on a GPU). ``overlap``: run
-    all-greedy batches one step ahead (default: on a GPU, where the host's work then overlaps the device's).
+    decode steps one ahead (default: on a GPU, where the host's work then overlaps the device's).
     ``compile_mode``: one of ``COMPILE_MODES`` (how inductor builds the compiled step; all capture CUDA graphs).
     ``peers``: on the server rank of a tensor-parallel group, the ``StepLeader`` that sends each model call's
     inputs to the other ranks first (they run ``step_broadcast.follow`` with an engine built like this one).
@@ -130,14 +132,23 @@ class DecodeEngine:
         self._compiled, self._compile_mode = compile, compile_mode
         if compile:
             self._decode, self._greedy = self._compile(self._decode_all), self._compile(self._greedy_all)
-        # On a GPU an all-greedy batch runs one step ahead: the next step is launched (its input tokens are on the
-        # device already) before this step's tokens are read back and checked, so the host's work overlaps the
-        # GPU's. A sequence that finished is decoded once more, harmlessly (its row is ignored, then freed).
+        # On a GPU decoding runs one step ahead: the next step is launched (its input tokens are on the device
+        # already) before this step's tokens are read back and checked, so the host's work overlaps the GPU's. A
+        # sequence that finished is decoded once more, harmlessly (its row is ignored, then freed). Sampled rows
+        # draw on the device from per-slot parameters (set when they join) and uniforms copied from pinned memory:
+        # a copy from pageable memory would wait for the device. Pinned buffers alternate between the step in
+        # flight and the one being launched.
         cuda = self.device.type == "cuda"
         self._overlap = cuda if overlap is None else overlap
         self._inflight: tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None] | None = None
-        self._host_tokens = [torch.zeros(slots, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._host_out = [torch.zeros(2, slots, dtype=torch.long, pin_memory=cuda) for _ in range(2)]  # tokens, ok
+        self._host_uniforms = [torch.zeros(slots, dtype=torch.float64, pin_memory=cuda) for _ in range(2)]
         self._flip = 0
+        self._uniforms = torch.zeros(slots, dtype=torch.float64, device=self.device)
+        self._temperature = torch.ones(slots, device=self.device)  # a slot's sampling parameters (sampled rows)
+        self._top_k = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self._top_p = torch.ones(slots, device=self.device)
+        self._sampled = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self._peers = peers
 
     # ------------------------------------------------------------------------------------------ steps
@@ -182,25 +193,20 @@ class DecodeEngine:
         for the sequences already running. Returns the sequences that finished in this step."""
         finished = self._drop_cancelled()
         running = list(self.active.values())
-        if running and self._overlap and all(s.params.greedy for s in running):
-            previous, self._inflight = self._inflight, self._launch_greedy(running)
+        if running and self._overlap:
+            previous, self._inflight = self._inflight, self._launch(running)
             if previous is not None:
                 finished += self._finish_inflight(previous)
         elif running:
-            if self._inflight is not None:  # a sampled row joined: finish the step ahead first, then go in step
-                finished += self._finish_inflight(self._inflight)
-                self._inflight = None
-                running = list(self.active.values())
-            if running:
-                logits = self._run_decode()
-                by_slot = [self.active.get(i) for i in range(self.slots)]
-                chosen, tokens, failed = next_tokens(logits, [s and s.params for s in by_slot],
-                                                     [s and s.generator for s in by_slot])
-                for slot, why in failed.items():
-                    by_slot[slot].error = why
-                self._last.copy_(chosen[:, None])  # free slots decode garbage tokens, harmlessly
-                self._positions += self._running
-                finished += self._accept(running, [tokens[s.slot] for s in running])
+            logits = self._run_decode()
+            by_slot = [self.active.get(i) for i in range(self.slots)]
+            chosen, tokens, failed = next_tokens(logits, [s and s.params for s in by_slot],
+                                                 [s and s.generator for s in by_slot])
+            for slot, why in failed.items():
+                by_slot[slot].error = why
+            self._last.copy_(chosen[:, None])  # free slots decode garbage tokens, harmlessly
+            self._positions += self._running
+            finished += self._accept(running, [tokens[s.slot] for s in running])
         if self._inflight is not None and not self.active:
             self._inflight = None  # every row it decoded has finished: nothing to read
         joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self._free)))]
@@ -243,31 +249,50 @@ class DecodeEngine:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are consumed
         return step(self._last, self._positions)
 
-    def _launch_greedy(self, running: list[Sequence]) -> tuple[list[Sequence], torch.Tensor, torch.cuda.Event]:
-        """Queue one greedy decode step on the device: next tokens into the inputs, their copy to pinned host
-        memory; nothing waits."""
-        if self._peers is None:
-            chosen = self._graph_step(self._greedy)
+    def _launch(self, running: list[Sequence]) -> tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None]:
+        """Queue one decode step on the device: next tokens into the inputs (the argmax, or the draw of sampled
+        rows), their copy (and whether each draw was finite) to pinned host memory; nothing waits."""
+        sampled = [s for s in running if not s.params.greedy]
+        cuda = self.device.type == "cuda"
+        host = self._host_out[self._flip]
+        if not sampled and self._peers is None:
+            chosen, ok = self._graph_step(self._greedy), None
         else:  # the other TP ranks repeat the model call only (step_broadcast.follow)
-            chosen = argmax_rows(self._run_decode())
+            logits = self._run_decode()
+            chosen, ok = argmax_rows(logits), None
+            if sampled:
+                uniforms = [0.0] * self.slots
+                for s in sampled:
+                    uniforms[s.slot] = s.generator.next_uniform()
+                pinned = self._host_uniforms[self._flip]
+                pinned.copy_(torch.tensor(uniforms, dtype=torch.float64))
+                self._uniforms.copy_(pinned, non_blocking=cuda)
+                drawn, ok = draw_filtered(logits, self._temperature, self._top_k, self._top_p, self._uniforms,
+                                          sort_k=any(s.params.top_k > 0 for s in sampled),
+                                          sort_p=any(s.params.top_p < 1 for s in sampled))
+                chosen = torch.where(self._sampled & ok, drawn, chosen)
+        self._flip ^= 1
         self._last.copy_(chosen[:, None])
         self._positions += self._running
-        host = self._host_tokens[self._flip]
-        self._flip ^= 1
-        cuda = self.device.type == "cuda"
-        host.copy_(chosen, non_blocking=cuda)
+        host[0].copy_(chosen, non_blocking=cuda)
+        if ok is not None:
+            host[1].copy_(ok, non_blocking=cuda)
         done = torch.cuda.Event() if cuda else None
         if done is not None:
             done.record()
         return running, host, done
 
     def _finish_inflight(self, inflight) -> list[Sequence]:
-        """Read a launched step's tokens back and accept them for its rows that are still running."""
+        """Read a launched step's tokens back and accept them for its rows that are still running; a sampled row
+        whose draw failed ends with an error, alone."""
         seqs, host, done = inflight
         if done is not None:
             done.synchronize()
-        tokens = host.tolist()
+        tokens, ok = host.tolist()
         alive = [s for s in seqs if self.active.get(s.slot) is s]
+        for s in alive:
+            if not s.params.greedy and not ok[s.slot]:
+                s.error = DRAW_FAILED
         return self._accept(alive, [tokens[s.slot] for s in alive])
 
     def _drop_cancelled(self) -> list[Sequence]:
@@ -331,6 +356,7 @@ class DecodeEngine:
         S = max(lengths)
         dev = self.device
         slots = torch.tensor([s.slot for s in seqs], device=dev)
+        self._set_slot_params(slots, [s.params for s in seqs])
         last = torch.tensor(lengths, device=dev) - 1
         if any(s.prompt_embeds is not None for s in seqs):
             positions = torch.arange(S, device=dev).expand(len(seqs), S)
@@ -355,6 +381,15 @@ class DecodeEngine:
             seqs[b].error = why
         self._last[slots, 0] = chosen
         return self._accept(seqs, tokens)
+
+    def _set_slot_params(self, slots: torch.Tensor, params: list[SamplingParams]) -> None:
+        """The joining rows' sampling parameters into their slots (the overlapped step draws from these)."""
+        sampled = [not p.greedy for p in params]
+        rows = [(p.temperature, p.top_k, p.top_p) if d else (1.0, 0, 1.0) for p, d in zip(params, sampled)]
+        self._temperature[slots] = torch.tensor([r[0] for r in rows], dtype=torch.float32, device=self.device)
+        self._top_k[slots] = torch.tensor([r[1] for r in rows], dtype=torch.long, device=self.device)
+        self._top_p[slots] = torch.tensor([r[2] for r in rows], dtype=torch.float32, device=self.device)
+        self._sampled[slots] = torch.tensor(sampled, device=self.device)
 
     def prefill_forward(self, tokens_BS: torch.Tensor, slots_B: torch.Tensor, last_B: torch.Tensor) -> torch.Tensor:
         """The prefill of right-padded prompts ``tokens_BS`` into ``slots_B``; (B, V) logits at ``last_B``."""

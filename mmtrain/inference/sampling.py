@@ -100,31 +100,32 @@ def inverse_cdf(probs_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tenso
 
 
 def filtered_probs_rows(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
-                        top_p_B: torch.Tensor) -> torch.Tensor:
+                        top_p_B: torch.Tensor, sort_k: bool | None = None, sort_p: bool | None = None) -> torch.Tensor:
     """Each row's probabilities (fp32) after its temperature, top-k (0: none) and top-p (1: none): the smallest set
     of most likely tokens whose mass reaches top_p; the most likely token always stays. Finite for every
     temperature > 0 and top_p in (0, 1] the checks accept: the logits are shifted so each row's largest is 0 before
     the division (nothing overflows to inf - inf), a temperature below fp32's smallest normal number divides as
     that number (the distribution is the greedy one already), and the most likely token is never filtered out (a
-    top_p below fp32's resolution keeps it alone). Sorts only when a row asks for top-k or top-p."""
+    top_p below fp32's resolution keeps it alone). Sorts only when a row asks for top-k or top-p: ``sort_k`` /
+    ``sort_p`` say whether one does where the caller knows (None: read from the tensors, a wait for the device).
+    A row's probabilities do not depend on the other rows' parameters."""
     logits = logits_BV.float()
     logits = (logits - logits.max(-1, keepdim=True).values) / temperature_B.float().clamp_min(_TINY)[:, None]
     V = logits.shape[-1]
     k = torch.where((top_k_B > 0) & (top_k_B < V), top_k_B, V)
-    if bool((k < V).any()):
+    if bool((k < V).any()) if sort_k is None else sort_k:
         kth = logits.sort(-1, descending=True).values.gather(1, (k - 1)[:, None].long())
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # k = V: the smallest value, nothing goes
     probs = logits.softmax(-1)
-    if bool((top_p_B < 1).any()):
+    if bool((top_p_B < 1).any()) if sort_p is None else sort_p:
         sorted_probs, order = probs.sort(-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one
-        drop = before >= torch.where(top_p_B < 1, top_p_B.float(), float("inf"))[:, None]
+        nucleus = top_p_B < 1
+        drop = before >= torch.where(nucleus, top_p_B.float(), float("inf"))[:, None]
         drop[:, 0] = False
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
+        kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        probs = torch.where(nucleus[:, None], kept / kept.sum(-1, keepdim=True), probs)
     return probs
-
-
 def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``filtered_probs_rows`` of one row and its parameters."""
     row = [(params.temperature, params.top_k, params.top_p)]
@@ -154,9 +155,22 @@ def draw_rows(logits_BV: torch.Tensor, params: list[SamplingParams], uniforms: l
     t = torch.tensor([p.temperature for p in params], device=dev)
     k = torch.tensor([p.top_k for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
-    probs = filtered_probs_rows(logits_BV, t, k, top_p)
+    return draw_filtered(logits_BV, t, k, top_p, torch.tensor(uniforms, dtype=torch.float64, device=dev),
+                         sort_k=any(p.top_k > 0 for p in params), sort_p=any(p.top_p < 1 for p in params))
+
+
+def draw_filtered(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor,
+                  uniforms_B: torch.Tensor, sort_k: bool | None = None,
+                  sort_p: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw_rows`` from parameters and uniforms already on the device: nothing waits for the device when
+    ``sort_k`` and ``sort_p`` are given (``filtered_probs_rows``), so the engine can queue a sampled step ahead."""
+    probs = filtered_probs_rows(logits_BV, temperature_B, top_k_B, top_p_B, sort_k, sort_p)
     ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
-    return inverse_cdf(probs.nan_to_num(0.0), torch.tensor(uniforms, dtype=torch.float64, device=dev)), ok
+    return inverse_cdf(probs.nan_to_num(0.0), uniforms_B), ok
+
+
+DRAW_FAILED = ("sampling failed: the row's probabilities are not finite (NaN or inf logits, or a NaN "
+               "temperature)")
 
 
 def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams | None],
@@ -174,8 +188,7 @@ def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams | None],
                           [generators[b].next_uniform() for b in rows])
     chosen = chosen.index_put((index,), torch.where(ok, drawn, chosen.index_select(0, index)))
     tokens, ok_rows = torch.cat([chosen, ok.long()]).tolist(), ok.tolist()
-    failed = {b: "sampling failed: the row's probabilities are not finite (NaN or inf logits, or a NaN "
-                 "temperature)" for b, good in zip(rows, ok_rows) if not good}
+    failed = {b: DRAW_FAILED for b, good in zip(rows, ok_rows) if not good}
     return chosen, tokens[:len(chosen)], failed
 
 

@@ -1,7 +1,7 @@
 """Tensor-parallel generation: TP2 on gloo gives the same tokens as one process (greedy and seeded sampling),
 from a checkpoint written at another layout; Llama (dense, MoE) and DeepSeek-V3 (MLA heads split, the latent
 cache replicated, MoE routed in decode) and Nemotron-H (Mamba heads and groups split: each rank's recurrent state
-holds its heads)."""
+holds its heads). Each both in step and one step ahead."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ PARAMS = [SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24, t
 
 def _tokens(rank: int, world_size: int, ckpt: str) -> list[list[list[int]]]:
     model, _ = load_checkpoint_model(ckpt, ParallelDims(world_size, tp=world_size).build(), "cpu", torch.float32)
-    return [[s.token_ids for s in generate(DecodeEngine(model, 3, 64), PROMPTS, p)] for p in PARAMS]
+    # both schedules: in step (the CPU's default) and one step ahead (the GPU's)
+    return [[s.token_ids for s in generate(DecodeEngine(model, 3, 64, overlap=ahead), PROMPTS, p)]
+            for ahead in (False, True) for p in PARAMS]
 
 
 def test_tp2_generates_the_tokens_of_one_process(tmp_path):
@@ -30,3 +32,4 @@ def test_tp2_generates_the_tokens_of_one_process(tmp_path):
         one = run_distributed(_tokens, 1, ckpt)[0]
         two = run_distributed(_tokens, 2, ckpt)
         assert two[0] == two[1] == one, name
+        assert one[:2] == one[2:], name

@@ -105,3 +105,24 @@ def test_split_k_linear_equals_the_linear_on_the_gpu(rows):
         assert y.shape == plain.shape and y.dtype == plain.dtype
         err, plain_err = float((y.float() - ref).abs().max()), float((plain.float() - ref).abs().max())
         assert err <= 2 * plain_err + 1e-3, (err, plain_err)
+
+
+def test_sampled_step_is_queued_without_waiting_for_the_gpu():
+    """A decode step of sampled rows (top-k and top-p too) is launched without a host sync (it overlaps the host's
+    work on the previous step), and gives the tokens drawn in step."""
+    model = tiny_model(tiny_config()).cuda()
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, top_k=[0, 20][i % 2], top_p=[0.9, 1.0][i % 2],
+                             seed=i) for i in range(len(PROMPTS))]
+    ref = generate(DecodeEngine(model, 3, 64, overlap=False), PROMPTS, params)
+    engine = DecodeEngine(model, 3, 64, overlap=True)
+    launch = engine._launch
+
+    def checked(running):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(running)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine._launch = checked
+    ahead = generate(engine, PROMPTS, params)
+    assert [s.token_ids for s in ahead] == [s.token_ids for s in ref]

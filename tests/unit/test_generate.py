@@ -39,12 +39,45 @@ def test_one_step_ahead_decoding_gives_the_same_tokens():
     """The GPU's overlapped schedule (run on the CPU here): rows that finish, join and sample mid-run."""
     model = tiny_model()
     params = [SamplingParams(max_new_tokens=3 + 4 * i, stop_token_ids=(7,)) for i in range(6)]
-    params[4] = SamplingParams(max_new_tokens=9, temperature=0.7, seed=1)  # a sampled row joins: back in step
+    params[4] = SamplingParams(max_new_tokens=9, temperature=0.7, seed=1)  # a sampled row joins a greedy one
     prompts = PROMPTS + [[8, 9], [1, 2, 3]]
     ref = generate(DecodeEngine(model, 2, 64, overlap=False), prompts, params)
     ahead = generate(DecodeEngine(model, 2, 64, overlap=True), prompts, params)
     assert [s.token_ids for s in ahead] == [s.token_ids for s in ref]
     assert [s.finish_reason for s in ahead] == [s.finish_reason for s in ref]
+
+
+def test_sampled_rows_decode_one_step_ahead_alike():
+    """Sampled rows (temperature, top-k, top-p, each its own) with greedy ones, in slots freed and taken again, draw
+    from the per-slot parameters the engine keeps on the device: the same tokens as drawn in step, and a row whose
+    logits turn NaN ends alone with an error in both schedules."""
+    model = tiny_model()
+    params = [SamplingParams(max_new_tokens=4 + 3 * (i % 4), temperature=[0.0, 0.8, 1.3, 0.5][i % 4],
+                             top_k=[0, 0, 20, 5][i % 4], top_p=[1.0, 0.9, 1.0, 0.7][i % 4], seed=i)
+              for i in range(9)]
+    prompts = [PROMPTS[i % 4] + [i + 1] for i in range(9)]
+
+    def run(overlap: bool, poison: int | None = None):
+        engine = DecodeEngine(model, 3, 64, overlap=overlap)
+        if poison is not None:  # the slot's logits are NaN once the sequence of that prompt holds it
+            decode = engine._decode
+
+            def poisoned(tokens, positions):
+                logits = decode(tokens, positions)
+                for s in engine.active.values():
+                    if s.prompt_ids == prompts[poison]:
+                        logits[s.slot] = float("nan")
+                return logits
+            engine._decode = poisoned
+        return generate(engine, prompts, params)
+
+    ref, ahead = run(False), run(True)
+    assert [s.token_ids for s in ahead] == [s.token_ids for s in ref]
+    assert len({tuple(s.token_ids) for s in ref}) > 5  # the rows differ (the draws are not all the argmax)
+    for overlap in (False, True):
+        out = run(overlap, poison=5)
+        assert out[5].finish_reason == "error" and "not finite" in out[5].error
+        assert [s.token_ids for i, s in enumerate(out) if i != 5] == [s.token_ids for i, s in enumerate(ref) if i != 5]
 
 
 def test_more_prompts_than_slots_and_bf16():
