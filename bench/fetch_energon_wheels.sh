@@ -9,11 +9,12 @@
 #     psutil, prettytable, wcwidth, jmespath, tzdata, pyroute2
 #   filetype, mfusepy, rapidyaml, deprecation, wrapt        energon's own imports
 #   xxhash                                                  mmtrain's checksums (also in the other runners)
-# Versions are the ones in /work/main/.venv (the suite's). Installed with --no-deps. About 12 MB.
+# Versions are the ones in the project's .venv (the suite's). Installed with --no-deps. About 12 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP=${PIP:-/work/main/.venv/bin/pip}
-mkdir -p .device/whl
+. bench/find_venv.sh  # PIP: the repo's .venv (or the main checkout's)
+DEV=${DEV:-.device}  # where to put them (bench/make_device_dir.sh points it at a temporary folder)
+mkdir -p "$DEV"/whl
 for spec in megatron-energon==7.4.1 webdataset==1.0.2 braceexpand==0.1.7 multi-storage-client==1.3.1 \
     opentelemetry-api==1.45.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
     rpds-py==2026.9.1 attrs==26.1.0 python-dateutil==2.9.0.post0 six==1.17.0 lark==1.3.1 wcmatch==10.2.1 \
@@ -22,6 +23,6 @@ for spec in megatron-energon==7.4.1 webdataset==1.0.2 braceexpand==0.1.7 multi-s
     deprecation==2.1.0 wrapt==2.5.2 xxhash==4.1.0; do
   "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    -d .device/whl "$spec"
+    -d "$DEV"/whl "$spec"
 done
-ls .device/whl && du -sh .device/whl
+ls "$DEV"/whl && du -sh "$DEV"/whl

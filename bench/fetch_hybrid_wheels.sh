@@ -9,20 +9,21 @@
 # Run here, where pip can download; then carry=[".device"] (about 15 MB more).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP=${PIP:-/work/main/.venv/bin/pip}
+. bench/find_venv.sh  # PIP: the repo's .venv (or the main checkout's)
+DEV=${DEV:-.device}  # where to put them (bench/make_device_dir.sh points it at a temporary folder)
 get() {  # folder spec
   mkdir -p "$1"
   "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$1" "$2"
 }
-get .device/whl fla-core==0.6.0
-get .device/whl einops==0.8.2
-get .device/whl-transformers transformers==5.24.0
+get "$DEV"/whl fla-core==0.6.0
+get "$DEV"/whl einops==0.8.2
+get "$DEV"/whl-transformers transformers==5.24.0
 # its setup.py imports torch (hence no build isolation: this venv's) and wheel (put on the path for the build only)
 build_tools=$(mktemp -d)
 "$PIP" install -q --target "$build_tools" wheel
-mkdir -p .device/whl-mamba
+mkdir -p "$DEV"/whl-mamba
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE PYTHONPATH=$build_tools "$PIP" wheel -q --no-cache-dir --no-deps \
-  --no-build-isolation --no-binary :all: -w .device/whl-mamba mamba-ssm==2.3.2.post1
+  --no-build-isolation --no-binary :all: -w "$DEV"/whl-mamba mamba-ssm==2.3.2.post1
 rm -rf "$build_tools"
-ls -la .device/whl-transformers .device/whl-mamba && ls .device/whl && du -sh .device
+ls -la "$DEV"/whl-transformers "$DEV"/whl-mamba && ls "$DEV"/whl && du -sh "$DEV"

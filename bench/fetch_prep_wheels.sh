@@ -9,7 +9,7 @@
 #   braceexpand 0.1.7        ... and its one dependency
 #   megatron-energon 7.4.1   ... and `energon prepare` (its other declared dependencies are not imported by
 #                            `prepare` on a local folder; installed with --no-deps)
-# Versions are the ones in /work/main/.venv. Also exported (git archive, no history):
+# Versions are the ones in the project's .venv. Also exported (git archive, no history):
 #   .device/megatron-lm              Megatron-LM core_v0.16.1 megatron/ + tools/ (the version of the
 #                                    megatron-core the tests use; still has the pure-Python GPT-2 BPE)
 #   .device/megatron-lm-head.tar.gz  the mirror's newest commit, same folders (needs Python 3.12; its
@@ -19,17 +19,18 @@
 # stay under the 64 MiB carry) for the text benchmark's Parquet rows (prep_device.sh PARQUET=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP=${PIP:-/work/main/.venv/bin/pip}
+. bench/find_venv.sh  # PIP: the repo's .venv (or the main checkout's)
+DEV=${DEV:-.device}  # where to put them (bench/make_device_dir.sh points it at a temporary folder)
 MIRROR=${MEGATRON_MIRROR:-/work/.mirror/NVIDIA+Megatron-LM/repo}
-mkdir -p .device/whl
+mkdir -p "$DEV"/whl
 SPECS="six==1.17.0"
 [ "${TEXT_ONLY:-0}" = 1 ] || SPECS="$SPECS av==18.1.0 webdataset==1.0.2 braceexpand==0.1.7 megatron-energon==7.4.1"
 [ "${PARQUET:-0}" = 1 ] && SPECS="$SPECS pyarrow==26.0.1"
 for spec in $SPECS; do
   "$PIP" download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .device/whl "$spec"
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$DEV"/whl "$spec"
 done
-rm -rf .device/megatron-lm && mkdir -p .device/megatron-lm
-git --git-dir="$MIRROR" archive core_v0.16.1 megatron tools | tar -x -C .device/megatron-lm
-git --git-dir="$MIRROR" archive --format=tar.gz -o .device/megatron-lm-head.tar.gz HEAD megatron tools
-ls -la .device/whl && du -sh .device/*
+rm -rf "$DEV"/megatron-lm && mkdir -p "$DEV"/megatron-lm
+git --git-dir="$MIRROR" archive core_v0.16.1 megatron tools | tar -x -C "$DEV"/megatron-lm
+git --git-dir="$MIRROR" archive --format=tar.gz -o "$DEV"/megatron-lm-head.tar.gz HEAD megatron tools
+ls -la "$DEV"/whl && du -sh "$DEV"/*

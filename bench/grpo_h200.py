@@ -17,7 +17,8 @@ TRL: the time in ``GRPOTrainer._generate``, synchronized), ``train_s`` (the rest
 
 TRL needs ``trl``, ``accelerate`` and (imported by TRL) ``datasets`` and ``pandas``; ``--shim-datasets`` puts
 stand-ins for the last two in their place (for a machine without them: pyarrow, which datasets needs, is too large
-to carry to the device; the run uses neither): the prompts are then a list-backed dataset the trainer indexes.
+to carry to the device; the run uses neither), and for pyarrow itself when it does not import (trl.data_utils
+imports it): the prompts are then a list-backed dataset the trainer indexes.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ class _ListDataset:
 
 
 def _install_shims() -> None:
-    """Stand-in ``datasets`` / ``pandas`` modules (TRL imports names from them; the run uses neither)."""
+    """Stand-in ``datasets`` / ``pandas`` modules (TRL imports names from them; the run uses neither), and
+    ``pyarrow`` when it does not import (trl.data_utils imports it at the top and names its types in annotations;
+    only dataset packing calls it, which this run does not use)."""
     for name in ("datasets", "pandas"):
         module = types.ModuleType(name)
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # torch._dynamo looks modules up by spec
@@ -113,6 +116,21 @@ def _install_shims() -> None:
             setattr(module, cls, type(cls, (), {}))
         module.Dataset = _ListDataset
         sys.modules[name] = module
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        def stand_in(attr: str):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return type(attr, (), {})
+
+        for name in ("pyarrow", "pyarrow.compute", "pyarrow.types"):
+            module = types.ModuleType(name)
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+            module.__getattr__ = stand_in  # any name TRL reads at import (pa.Table, pa.Array, ...): an empty class
+            sys.modules[name] = module
+        sys.modules["pyarrow"].compute = sys.modules["pyarrow.compute"]
+        sys.modules["pyarrow"].types = sys.modules["pyarrow.types"]
 
 
 def _dataset(rows: list[dict]):

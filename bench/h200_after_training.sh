@@ -20,11 +20,13 @@
 #   trl     : bench/grpo_h200.py trl: TRL's GRPOTrainer on transformers' model of the same shape and task (real
 #             `datasets` if it imports with the device's pyarrow, else --shim-datasets)
 # Carry .device: whl/ (pydantic, xxhash, ...), whl-after34/ (compressed-tensors 0.20.1, loguru, psutil, trl 1.16.0,
-# accelerate 1.16.0, datasets 5.2.0, dill, multiprocess: bench/fetch_after_training_wheels.sh), data/ (text.*, sp.model).
+# accelerate 1.16.0, datasets 5.2.0, dill, multiprocess, protobuf: bench/fetch_after_training_wheels.sh), data/ (text.*,
+# sp.model).
 # Usage (device, repo root):  bash bench/h200_after_training.sh        [STAGES="train quant table grpo distill trl"]
 # CPU check of every entry point (tiny shapes, few steps, no compile, the real data):  TINY=1 bash bench/h200_after_training.sh
 # Results in $OUT (or /tmp/h200_after_training): after_training.log, after_training.md, rows.jsonl, quant_accuracy.json and
 # every stage's own log (train, q-*, teacher, gputest, table, grpo, distill, trl)
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data wheels"
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false

@@ -3,6 +3,7 @@
 # load and async figures of bench/checkpoint.py), then the GPU tests.
 # Usage, from the repo root, carrying .device (whl/: xxhash, pytest and its needs, for Python 3.12):
 #   bash bench/h200_checkpoint.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels"
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \

@@ -3,6 +3,7 @@
 # round: 1B BF16 and FP8 on .device/before and on this tree), then the FP8 rows of the packed-documents table on
 # real prepped tokens (bench/packed_h200.py), then the GPU tests of packed attention and host syncs if time is left.
 # Usage, from the repo root, carrying .device (before/ and whl/): bash bench/h200_close_check.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels before" --before REV
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUTF8=1
 LIMIT=${LIMIT:-585}

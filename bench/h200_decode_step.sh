@@ -3,6 +3,7 @@
 # eager, Llama and DeepSeek-V3), the decode step's pieces timed alone (bench/decode_kernels.py: M=1 matmuls,
 # one-query attention variants), the batch-1 step's profile, and batch-1 / batch-32 generation of the 1B shapes.
 # Usage, from the repo root, carrying .device (whl/: the pytest wheel):   bash bench/h200_decode_step.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels"
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \

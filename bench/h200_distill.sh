@@ -14,6 +14,7 @@
 #        CKPTS (/tmp/distill_teachers: the teachers' checkpoints, deleted after each row; ~16 GB for 8B).
 # Each stage is cut by `timeout -k`: the teacher checkpoint 120 s, the plain row 150 s, a distillation row 210 s
 # (8 minutes at most for the default STAGES; the teacher's build reads its weights, it skips their random init).
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data"
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

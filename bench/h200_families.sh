@@ -8,6 +8,7 @@
 #            bench/hf_family_baseline.py (transformers' model from the family's HF adapter), the same prepped
 #            tokens (.device/data/text: mmtrain-prep text of bench/prep_text.py's corpus, SentencePiece 32k)
 # Usage (repo root; carry .device):  PREV=.device/prev STAGES="decode gputest qwen3-1.7b" bash bench/h200_families.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data prev"
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -8,6 +8,7 @@
 # folders), the profile runs there too.
 # Usage, from the repo root, carrying .device (whl/ and hf_generate_baseline.py):  bash bench/h200_generate.sh
 # Goals (issue #19): batch 1 >= 845 new tokens/s, batch 32 >= 13.2k, server >= 1.2x HF static batch 32.
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels anchors prev"
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \

@@ -6,6 +6,7 @@
 # Usage, from the repo root, carrying .device (whl/: the pytest and serve wheels, as bench/h200_generate.sh):
 #   bash bench/h200_generate_deepseek.sh      (SKIP_TESTS=1 skips the tests); second, a profile of the
 #   Llama-3.2-1B batch-1 decode step (issue 19: GPU busy time against wall time per step, the top kernels)
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels"
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \

@@ -6,6 +6,7 @@
 # batch 1 (it compiles longest).
 # Usage, from the repo root, carrying .device (whl/: the serve and pytest wheels; bench/fetch_serve_wheels.sh):
 #   bash bench/h200_generate_sft_check.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels"
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \

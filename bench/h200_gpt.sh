@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on one H200: mmtrain's GPT engine variants, then the Hugging Face anchor (same shapes).
 # Usage (from the repo root, with .device/hf_llama_baseline.py carried): bash bench/h200_gpt.sh [profile]
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "anchors"
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader

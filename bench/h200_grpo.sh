@@ -8,10 +8,11 @@
 # beta 0, TRL's default loss (dapo), bf16, random init (a speed figure: completions run to MAX_NEW tokens unless
 # the end-of-document token is drawn), no activation recompute; medians of STEPS steps after 2 of warm-up
 # (bench/grpo_h200.py says how each figure is measured).
-# Setup (here): bash bench/fetch_grpo_wheels.sh    -> .device/whl-grpo (trl, accelerate, psutil)
+# Setup (here): bash bench/fetch_grpo_wheels.sh    -> .device/whl-grpo (trl, accelerate, psutil, protobuf)
 # Run (device, repo root, carry=[".device"]: whl/ for xxhash, whl-grpo/, data/sp.model):  bash bench/h200_grpo.sh
 # A CPU check of the script: MODEL=configs/models/tiny.yaml DEVICE=cpu TOK=<a tokenizer.json of < 512 ids> PROMPTS=4
 # GROUP=4 MICRO=2 MAX_NEW=16 STEPS=2 bash bench/h200_grpo.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data wheels"
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 for dir in .device/whl .device/whl-grpo; do

@@ -28,6 +28,7 @@
 # Usage (repo root):  bash bench/h200_hybrid.sh        [STAGES="gputest hybrid llama hf ssd flatest"]
 # CPU check of the plumbing (tiny shapes, mock tokens, no compile, no GPU stages):  TINY=1 bash bench/h200_hybrid.sh
 # Results: $OUT (or /tmp/h200_hybrid): hybrid.log, rows.jsonl, table.md
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data wheels"
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

@@ -12,6 +12,7 @@
 #   bash bench/h200_packed.sh
 # CPU check with tiny sizes (what the CI machine can run): TINY=1 bash bench/h200_packed.sh
 # Results: $OUT (or /tmp/h200_packed): packed_h200.md, attention.md, packed_loss.csv (+ .png), packed.log
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels" (optional: installed when there)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUTF8=1

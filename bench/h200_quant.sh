@@ -12,6 +12,7 @@
 #           W4A16-GPTQ, as mmtrain.generate loads them (FP8: torch._scaled_mm; int4: tinygemm)
 #   gputest: tests/gpu/test_quantize_gpu.py (the CUDA kernels against the CPU formulas)
 # Usage (repo root; carry .device):  bash bench/h200_quant.sh   (STAGES="train quant table gputest"; ~7-8 min)
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data"
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -5,6 +5,7 @@
 # Usage, from the repo root, carrying .device (before/ and whl/: xxhash + pytest wheels for Python 3.12):
 #   ROUNDS=1 SKIP_DEEPSEEK=1 SKIP_TESTS=1 bash bench/h200_refactor_check.sh   (the rows alone: ~4 x 100 s; a
 #   round is 4 processes, so ROUNDS=2 or the DeepSeek row and tests need a second call)
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels before" --before REV
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \

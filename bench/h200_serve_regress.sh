@@ -7,6 +7,7 @@
 # Usage, from the repo root:
 #   bash bench/fetch_serve_wheels.sh && git archive --prefix=.device/prev/ REV | tar x
 #   (device) carry=[".device"]: PREV=.device/prev bash bench/h200_serve_regress.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels prev"
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl \

@@ -15,6 +15,7 @@
 # Usage (repo root):  git archive --prefix=.device/prev/ REV | tar x     (REV: the tree before, e.g. 0742386)
 #   (device, carry=[".device"]):  PREV=.device/prev bash bench/h200_serve_rows.sh   [STAGES="..."]
 # CPU check:  TINY=1 PREV=.device/prev STAGES="before engine serve sprof" bash bench/h200_serve_rows.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels anchors prev"
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

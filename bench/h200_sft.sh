@@ -4,6 +4,7 @@
 # carried): tokens/s, step time and peak memory, one table (bench/sft_lora.py).
 # Usage, from the repo root, carrying .device/whl (xxhash, and for the HF rows transformers + peft + their
 # pure-Python dependencies, wheels for the device's Python): bash bench/h200_sft.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels"
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 if ls .device/whl/*.whl >/dev/null 2>&1; then

@@ -12,6 +12,7 @@
 #   decode  : bench/generate.py --batch 1 32, then bench/generate_profile.py --batch 1
 # Usage (repo root; carry .device):  STAGES="bf16 fp8 packed moe" bash bench/h200_speed.sh
 # Profiles go to $OUT (the device tool's returned folder) or /tmp.
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data anchors"
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -5,6 +5,7 @@
 # Setup: ../shared/te/README.md -- here `../shared/te/prepare.sh`, then one quick device call per part
 # (carry [".teN"], command `mkdir -p /tmp/te && cp .teN/p /tmp/te/pN`), back to back on the warm machine; then
 # this call, carrying [".te", ".device"]:   bash bench/h200_te_packed.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels"
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 bash .te/install-on-device.sh || exit 1

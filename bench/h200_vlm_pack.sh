@@ -4,6 +4,7 @@
 # Setup (here): bash bench/fetch_energon_wheels.sh   -> .device/whl (megatron-energon, webdataset and what they import)
 # Run (device, repo root, carry=[".device"]):       bash bench/h200_vlm_pack.sh      (~5-7 min: prep ~1, 2 trainings)
 # Knobs: IMAGES (800), STEPS (6 timed), WARMUP (3), WORKERS (6 media loader processes), EAGER=1 (no compile).
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels"
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 HF_HUB_OFFLINE=1

@@ -9,6 +9,7 @@
 # issue 23's goal is >= 1.1x of them (>= 32.0k and >= 21.7k). Usage (repo root), two device calls of < 10 min:
 #   PART=A bash bench/h200x2_cp_ring.sh   # 1 and the 32k rows of 2
 #   PART=B bash bench/h200x2_cp_ring.sh   # the 64k rows of 2, then 3 and 4   (no PART: everything, ~15 min)
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels" (optional: installed when there)
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=8
 if ls .device/whl/*.whl >/dev/null 2>&1; then  # optional carried wheels (none needed beyond torch)

@@ -12,6 +12,7 @@
 #   mkdir -p .device/whl && cp ../shared/bench/mcore_parallel_anchor.py .device/ \
 #     && cp ../shared/bench/wheels/megatron_core-0.19.2-*.whl .device/whl/
 # and bring TE as ../shared/te/README.md says (bash .te/install-on-device.sh puts it into /tmp/site).
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "wheels mcore"
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=8
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

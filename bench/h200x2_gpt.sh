@@ -2,6 +2,7 @@
 # One device call on two H200s: 1-GPU variants + the HF anchor (GPU 0), then TP2+SP and DP2 per-GPU throughput,
 # DP2 peak memory with and without the distributed optimizer, and 1-GPU vs 2-GPU losses over 20 steps.
 # Usage (repo root, .device/hf_llama_baseline.py carried): bash bench/h200x2_gpt.sh
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "anchors"
 set -u
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=8
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

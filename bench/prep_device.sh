@@ -12,6 +12,7 @@
 #        TEXT_ONLY=1 PARQUET=1 bash bench/fetch_prep_wheels.sh, and MEDIA=0).
 # About 3-4 minutes on a 16-core host (stages are cut at 240 + 90 + 200 s, inside the 600 s of one device call).
 # Results: $OUT (or /tmp/prep_device) *.log and *.json, one table last.
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "prep"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONUTF8=1 HF_HUB_OFFLINE=1

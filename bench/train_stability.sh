@@ -3,6 +3,7 @@
 # the H200 twice while the same settings on the CPU give norms ~18): the same short run, log every step, under
 # several variants, two at a time on one GPU; prints each run's step lines (loss, grad_norm).
 #   bash bench/train_stability.sh            (device, repo root; PREV=<an older tree> adds its row)
+# .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data prev"
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
