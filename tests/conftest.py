@@ -18,20 +18,6 @@ def _is_xdist_controller(config) -> bool:
     return config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")
 
 
-def pytest_configure(config):
-    # pytest-xdist's workers share the cores: with torch's default of one thread per core each, a tiny op's parallel
-    # region waits whenever one of its threads is descheduled (a (16, 64) matmul took 7 ms instead of 15 us with 2
-    # workers on 2 cores). Each worker gets its share of the cores, and so do the processes its tests start
-    # (OMP_NUM_THREADS is read when they import torch).
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    if workers > 1:
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        import torch
-
-        torch.set_num_threads(threads)
-
-
 def pytest_sessionstart(session):
     # the distributed tests' ranks fork from a server that imports torch and mmtrain once; when they are about
     # to run, start it now so that it imports on the other core while this process collects (not in pytest-xdist's
