@@ -19,9 +19,9 @@ def _is_xdist_controller(config) -> bool:
 
 
 def _compile_sources() -> None:
-    """Write the project's bytecode once. With PYTHONDONTWRITEBYTECODE set (CI's machine sets it), every process
-    the suite starts (the CLIs, the docs' commands: hundreds) would compile mmtrain's modules from source again,
-    ~0.7 s each."""
+    """Write the project's bytecode once. With PYTHONDONTWRITEBYTECODE set (the development machine sets it; CI's
+    is said to be like it), every process the suite starts (the CLIs, the docs' commands: hundreds) would compile
+    mmtrain's modules from source again, ~0.7 s each."""
     import compileall
 
     root = Path(__file__).parent.parent
