@@ -102,7 +102,8 @@ COMPILE_MODES = {
 
 class DecodeEngine:
     """``model``: a whole Llama-family ``GPTModel`` or DeepSeek-V3-family ``DeepseekV3Model`` (TP-sharded or
-    not) on ``device``, in its compute dtype. ``slots``: sequences decoded together; ``max_len``: positions per slot (prompt + new tokens).
+    not) on ``device``, in its compute dtype. ``slots``: sequences decoded together; ``max_len``: positions per slot
+    (prompt + new tokens).
     ``compile``: run the decode step under ``torch.compile`` (with CUDA graphs on a GPU). ``overlap``: run
     decode steps one ahead (default: on a GPU, where the host's work then overlaps the device's).
     ``compile_mode``: one of ``COMPILE_MODES`` (how inductor builds the compiled step; all capture CUDA graphs).

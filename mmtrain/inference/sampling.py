@@ -126,6 +126,8 @@ def filtered_probs_rows(logits_BV: torch.Tensor, temperature_B: torch.Tensor, to
         kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
         probs = torch.where(nucleus[:, None], kept / kept.sum(-1, keepdim=True), probs)
     return probs
+
+
 def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``filtered_probs_rows`` of one row and its parameters."""
     row = [(params.temperature, params.top_k, params.top_p)]
