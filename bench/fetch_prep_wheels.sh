@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/find_venv.sh  # PIP: the repo's .venv (or the main checkout's)
 DEV=${DEV:-.device}  # where to put them (bench/make_device_dir.sh points it at a temporary folder)
-MIRROR=${MEGATRON_MIRROR:-/work/.mirror/NVIDIA+Megatron-LM/repo}
+MIRROR=${MEGATRON_MIRROR:-../.mirror/NVIDIA+Megatron-LM/repo}  # where the fetch tool puts it, beside the checkout
 mkdir -p "$DEV"/whl
 SPECS="six==1.17.0"
 [ "${TEXT_ONLY:-0}" = 1 ] || SPECS="$SPECS av==18.1.0 webdataset==1.0.2 braceexpand==0.1.7 megatron-energon==7.4.1"
