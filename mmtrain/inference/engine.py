@@ -35,6 +35,7 @@ from mmtrain.inference.sampling import (
     find_stop,
     make_generator,
     next_tokens,
+    row_parameters,
 )
 from mmtrain.inference.step_broadcast import StepLeader
 
@@ -385,12 +386,10 @@ class DecodeEngine:
 
     def _set_slot_params(self, slots: torch.Tensor, params: list[SamplingParams]) -> None:
         """The joining rows' sampling parameters into their slots (the overlapped step draws from these)."""
-        sampled = [not p.greedy for p in params]
-        rows = [(p.temperature, p.top_k, p.top_p) if d else (1.0, 0, 1.0) for p, d in zip(params, sampled)]
-        self._temperature[slots] = torch.tensor([r[0] for r in rows], dtype=torch.float32, device=self.device)
-        self._top_k[slots] = torch.tensor([r[1] for r in rows], dtype=torch.long, device=self.device)
-        self._top_p[slots] = torch.tensor([r[2] for r in rows], dtype=torch.float32, device=self.device)
-        self._sampled[slots] = torch.tensor(sampled, device=self.device)
+        neutral = SamplingParams(temperature=1.0)  # a greedy row's draw is computed, then ignored
+        t, k, p = row_parameters([neutral if q.greedy else q for q in params], self.device)
+        self._temperature[slots], self._top_k[slots], self._top_p[slots] = t, k, p
+        self._sampled[slots] = torch.tensor([not q.greedy for q in params], device=self.device)
 
     def prefill_forward(self, tokens_BS: torch.Tensor, slots_B: torch.Tensor, last_B: torch.Tensor) -> torch.Tensor:
         """The prefill of right-padded prompts ``tokens_BS`` into ``slots_B``; (B, V) logits at ``last_B``."""

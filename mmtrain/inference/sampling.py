@@ -130,9 +130,14 @@ def filtered_probs_rows(logits_BV: torch.Tensor, temperature_B: torch.Tensor, to
 
 def filtered_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``filtered_probs_rows`` of one row and its parameters."""
-    row = [(params.temperature, params.top_k, params.top_p)]
-    t, k, p = (torch.tensor([r[i] for r in row], device=logits_V.device) for i in range(3))
-    return filtered_probs_rows(logits_V[None], t, k, p)[0]
+    return filtered_probs_rows(logits_V[None], *row_parameters([params], logits_V.device))[0]
+
+
+def row_parameters(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' temperatures (fp32), top-k (int64) and top-p (fp32) as tensors on ``device``."""
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
 
 
 def argmax_rows(logits_BV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -153,11 +158,8 @@ def draw_rows(logits_BV: torch.Tensor, params: list[SamplingParams], uniforms: l
     """One draw per row from its filtered probabilities, all rows at once on the logits' device (``inverse_cdf``
     of the row's uniform). Returns the tokens (B,) and whether each row's probabilities were finite (a row with
     NaN or inf logits, or a NaN temperature, is not)."""
-    dev = logits_BV.device
-    t = torch.tensor([p.temperature for p in params], device=dev)
-    k = torch.tensor([p.top_k for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    return draw_filtered(logits_BV, t, k, top_p, torch.tensor(uniforms, dtype=torch.float64, device=dev),
+    uniforms_B = torch.tensor(uniforms, dtype=torch.float64, device=logits_BV.device)
+    return draw_filtered(logits_BV, *row_parameters(params, logits_BV.device), uniforms_B,
                          sort_k=any(p.top_k > 0 for p in params), sort_p=any(p.top_p < 1 for p in params))
 
 
@@ -189,9 +191,9 @@ def next_tokens(logits_BV: torch.Tensor, params: list[SamplingParams | None],
     drawn, ok = draw_rows(logits_BV.index_select(0, index), [params[b] for b in rows],
                           [generators[b].next_uniform() for b in rows])
     chosen = chosen.index_put((index,), torch.where(ok, drawn, chosen.index_select(0, index)))
-    tokens, ok_rows = torch.cat([chosen, ok.long()]).tolist(), ok.tolist()
-    failed = {b: DRAW_FAILED for b, good in zip(rows, ok_rows) if not good}
-    return chosen, tokens[:len(chosen)], failed
+    values = torch.cat([chosen, ok.long()]).tolist()  # the one read-back: tokens, then each draw's ok
+    failed = {b: DRAW_FAILED for b, good in zip(rows, values[len(chosen):]) if not good}
+    return chosen, values[:len(chosen)], failed
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:

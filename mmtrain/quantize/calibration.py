@@ -4,7 +4,7 @@ model will feed the block), the forward stopped after the block being measured."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,19 +64,22 @@ def block_hessians(model: nn.Module, index: str, batches: list[torch.Tensor],
                    device: torch.device) -> dict[str, torch.Tensor]:
     """``_hessians_of`` block ``index`` over the calibration ``batches``: the model's whole forward, stopped after
     that block (any model; ``BlockChain`` runs the block alone where the blocks form a chain)."""
-    def run() -> None:
-        for batch in batches:
-            try:
-                model(batch.to(device))
-            except _StopAfterBlock:
-                pass
+    return _hessians_of(model, index, lambda: _forward_through(model, index, batches, device), device)
 
+
+def _forward_through(model: nn.Module, index: str, batches: list[torch.Tensor], device: torch.device) -> None:
+    """The model's forward of each batch, stopped after block ``index`` (what comes after it is not needed)."""
     def stop(module, args, output) -> None:
         raise _StopAfterBlock
 
     handle = model.layers[index].register_forward_hook(stop)
     try:
-        return _hessians_of(model, index, run, device)
+        with torch.no_grad():
+            for batch in batches:
+                try:
+                    model(batch.to(device))
+                except _StopAfterBlock:
+                    pass
     finally:
         handle.remove()
 
@@ -110,20 +113,10 @@ class BlockChain:
         def after(module, args, kwargs, output) -> None:
             state["last"] = output
 
-        def stop(module, args, output) -> None:
-            raise _StopAfterBlock
-
         handles = [model.layers[i].register_forward_pre_hook(before(i), with_kwargs=True) for i in order]
         handles += [model.layers[i].register_forward_hook(after, with_kwargs=True) for i in order]
-        handles.append(model.layers[order[-1]].register_forward_hook(stop))
         try:
-            with torch.no_grad():
-                for batch in batches:
-                    state["last"] = None
-                    try:
-                        model(batch.to(device))
-                    except _StopAfterBlock:
-                        pass
+            _forward_through(model, order[-1], batches, device)
         finally:
             for h in handles:
                 h.remove()
