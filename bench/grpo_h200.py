@@ -13,7 +13,8 @@ completes ``--prompts`` prompts ``--group`` times in one generation and trains o
 
 Reported (median over the steps after ``--warmup``): ``step_s``, ``generation_s`` (mmtrain: its metric;
 TRL: the time in ``GRPOTrainer._generate``, synchronized), ``train_s`` (the rest of the step), ``rollouts_per_s``
-(completions per second of step), ``completion_tokens`` (mean per completion), ``peak_mem_gib``.
+(completions per second of step), ``completion_tokens`` (mean per completion), ``peak_mem_gib``; mmtrain also
+the timed steps' ``rollout_errors`` and ``reward_errors`` (summed) and each timed step's own times (``per_step``).
 
 TRL needs ``trl``, ``accelerate`` and (imported by TRL) ``datasets`` and ``pandas``; ``--shim-datasets`` puts
 stand-ins for the last two in their place (for a machine without them: pyarrow, which datasets needs, is too large
@@ -87,7 +88,11 @@ def run_mmtrain(a: argparse.Namespace, work: Path) -> dict:
     return {"engine": "mmtrain", "step_s": _median(rows, "step_time_s"), "generation_s": _median(rows, "generation_s"),
             "train_s": _median(rows, "train_s"), "rollouts_per_s": _median(rows, "rollouts_per_s"),
             "completion_tokens": _median(rows, "completion_length"),
-            "peak_mem_gib": round(max(r.get("mem_gib", 0.0) for r in rows), 1)}
+            "peak_mem_gib": round(max(r.get("mem_gib", 0.0) for r in rows), 1),
+            "rollout_errors": sum(r["rollout_errors"] for r in rows),
+            "reward_errors": sum(r["reward_errors"] for r in rows),
+            "per_step": [{k: round(r[k], 4) for k in ("step_time_s", "generation_s", "train_s", "completion_length")}
+                         for r in rows]}
 
 
 class _ListDataset:

@@ -73,6 +73,8 @@ def generate_rollouts(engine: DecodeEngine, rows: list[torch.Tensor], prompts: l
     tensor-parallel group (scored on its first rank: a reward function need not be deterministic)."""
     G, eod = g.group_size, tokenizer.eod_id
     asked = [(int(p), int(n)) for r in rows for p, n, _ in r.tolist()]
+    if engine.device.type == "cuda":  # the previous step's training is not generation time (the first read-back
+        torch.cuda.synchronize(engine.device)  # of the decode waits for it anyway: this wait costs nothing)
     t0 = time.perf_counter()
     seqs = generate(engine, [prompts[p].ids for p, _ in asked for _ in range(G)],
                     [sampling_params(g, rollout_seed(seed, n, k), eod) for _, n in asked for k in range(G)],

@@ -8,7 +8,6 @@ layout (TP, PP, DP, gradient accumulation, masks) computes the same update as on
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -44,6 +43,7 @@ from mmtrain.train.precision import precision_for
 from mmtrain.train.resume_inputs import LrSchedule, resolve_resume, resume_records
 from mmtrain.train.samples import SampleLogger
 from mmtrain.train.step_hooks import PreemptionCheck, RouterBiasBalancer, StepHooks
+from mmtrain.train.step_readout import PendingStep, StepClock, queue_readout
 from mmtrain.train.wandb_sink import WandbSink
 from mmtrain.utils.log import get_logger
 
@@ -367,7 +367,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,
                CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), hooks,
                TrainResult(model=stage, optimizer=optimizer), gbs, num_micro, lr_schedule,
-               _checkpoint_records(cfg, lr_schedule, dims.dp))
+               _checkpoint_records(cfg, lr_schedule, dims.dp), clock=StepClock(device))
     if cfg.train.exit_at_step and start_step >= cfg.train.exit_at_step:
         log.info(f"resumed at step {start_step}, not before train.exit_at_step={cfg.train.exit_at_step}: "
                  "nothing to run (leave train.exit_at_step out to continue)")
@@ -380,20 +380,6 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
             h.close()
         metrics.close()
     return run.result
-
-
-@dataclass
-class _PendingStep:
-    """A step run but not yet read back: its numbers stay on the device until the next logging step."""
-
-    step: int
-    lr: float
-    t0: float
-    local_loss: torch.Tensor  # this rank's own loss sum (for the report naming the ranks of a non-finite loss)
-    stats: torch.Tensor  # reduced [loss sum, loss tokens, *extra counts]
-    grad_norm: torch.Tensor
-    finite: torch.Tensor  # loss and grad norm finite: the update was applied
-    hook_metrics: list[dict]
 
 
 @dataclass
@@ -424,8 +410,8 @@ class _Run:
     records: dict  # the schedule and data-order inputs every checkpoint records
     skipped: int = 0
     phase: str = "start-up"
-    pending: list[_PendingStep] = field(default_factory=list)
-    read_at: float = 0.0  # perf_counter of the last metrics read-back
+    pending: list[PendingStep] = field(default_factory=list)
+    clock: StepClock = None  # each step's duration (train_gpt sets it, for the run's device)
 
     def steps(self, start_step: int) -> None:
         """The step loop; a collective that times out is re-raised naming rank, step and phase."""
@@ -445,7 +431,7 @@ class _Run:
         """One optimizer step (plus logging, evaluation, checkpoint); False when the run must stop (preempted)."""
         cfg, mesh, stage, optimizer = self.cfg, self.mesh, self.stage, self.optimizer
         log = get_logger("train")
-        t0 = time.perf_counter()
+        began = self.clock.begin()
         lr = self.lr_schedule.lr(step)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -468,8 +454,9 @@ class _Run:
         optimizer.step(skip=~finite)
         for h in self.hooks:
             h.after_optimizer_step(step)
-        self.pending.append(_PendingStep(step, lr, t0, local[0].detach().clone(), stats, grad_norm, finite,
-                                         [h.step_metrics(step) for h in self.hooks]))
+        values, ready = queue_readout(stats[0] / stats[1], grad_norm, finite, stats)
+        self.pending.append(PendingStep(step, lr, local[0].detach().clone(), values, ready, began, self.clock.end(),
+                                        [h.step_metrics(step) for h in self.hooks]))
         c = cfg.checkpoint
         exiting = step == cfg.train.exit_at_step
         evaluate = self.val_batches is not None and step % cfg.train.eval_every == 0
@@ -484,6 +471,8 @@ class _Run:
         lag = cfg.logging.log_every == 1 and not (save or evaluate or preempted or exiting or step == cfg.train.steps)
         if sync_point or preempted:
             self._read_back(evaluate, keep_newest=lag)
+        if save or evaluate:
+            self.clock.pause()
         if save or preempted:
             self.phase = "checkpoint save"
             self.writer.save(step, stage, optimizer, self.batches.state_dict(), self.device, c.keep_last,
@@ -500,7 +489,7 @@ class _Run:
         return True
 
     def _read_back(self, evaluate: bool, keep_newest: bool = False) -> None:
-        """A sync point: read the pending steps' numbers (one host sync), apply the NaN/Inf policy in step order,
+        """A sync point: read the pending steps' numbers (a wait for the newest of them only), apply the NaN/Inf policy in step order,
         evaluate if due, write one metrics row per pending step. ``keep_newest``: the step just run stays pending
         (read at the next sync point)."""
         cfg, mesh, device, dims = self.cfg, self.mesh, self.device, self.mesh.dims
@@ -510,16 +499,10 @@ class _Run:
         if not pending:
             return
         self.phase = "metrics read-back"
-        numbers = torch.stack([torch.stack([p.stats[0] / p.stats[1], p.grad_norm.double(), p.finite.double()])
-                               for p in pending]).tolist()
-        stats = [p.stats.cpu() for p in pending]
-        # per-step time: since the first pending step began or the previous read-back, whichever is later (steps
-        # run ahead of the device: with one step kept pending, each read waits for one step's device time)
-        now = time.perf_counter()
-        dt = (now - max(pending[0].t0, self.read_at)) / len(pending)
-        self.read_at = now
         rows = []
-        for p, (loss, grad_norm, finite), step_stats in zip(pending, numbers, stats):
+        for p in pending:
+            (loss, grad_norm, finite), step_stats = p.read()  # waits for this step only, not the ones queued after
+            dt = self.clock.seconds(p.began, p.ended)
             if not finite:
                 problem = nonfinite_report(p.step, loss, grad_norm, p.local_loss, device)
                 self.skipped += 1
@@ -540,6 +523,8 @@ class _Run:
                 row["skipped"] = 1
             for h, values in zip(self.hooks, p.hook_metrics):
                 row.update(h.host_metrics(values))
+                if values and isinstance(h, SampleLogger):
+                    self.clock.pause()  # the samples' generation is not the next step's time
             rows.append((p.step, row))
             self.result.losses.append(loss)
             self.result.grad_norms.append(grad_norm)

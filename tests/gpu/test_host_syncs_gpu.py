@@ -54,3 +54,22 @@ def test_non_logging_steps_do_not_sync(tmp_path, mesh, extra, monkeypatch):
     result = loop.train_gpt(cfg, mesh, torch.device("cuda", 0))
     assert checked == [2, 3, 5, 6, 7]
     assert len(result.losses) == 8 and all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_reading_a_step_back_does_not_wait_for_the_steps_queued_after_it():
+    """``PendingStep.read`` waits for its own step's copy only: with a long kernel queued after it, the read
+    returns while that kernel still runs (a plain ``.tolist()`` would wait for it)."""
+    from mmtrain.train.step_readout import PendingStep, StepClock, queue_readout
+
+    clock = StepClock(torch.device("cuda"))
+    began = clock.begin()
+    stats = torch.tensor([6.0, 3.0, 5.0], dtype=torch.float64, device="cuda")
+    values, ready = queue_readout(stats[0] / stats[1], torch.tensor(1.5, device="cuda"),
+                                  torch.tensor(True, device="cuda"), stats)
+    pending = PendingStep(1, 0.1, stats[0], values, ready, began, clock.end(), [])
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued behind the step
+    (loss, grad_norm, finite), step_stats = pending.read()
+    assert not torch.cuda.current_stream().query(), "the read waited for the kernel queued after the step"
+    assert (loss, grad_norm, finite) == (2.0, 1.5, 1.0) and step_stats.tolist() == [6.0, 3.0, 5.0]
+    assert clock.seconds(pending.began, pending.ended) >= 0
+    torch.cuda.synchronize()
