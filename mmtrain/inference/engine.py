@@ -110,12 +110,16 @@ class DecodeEngine:
     ``compile_mode``: one of ``COMPILE_MODES`` (how inductor builds the compiled step; all capture CUDA graphs).
     ``peers``: on the server rank of a tensor-parallel group, the ``StepLeader`` that sends each model call's
     inputs to the other ranks first (they run ``step_broadcast.follow`` with an engine built like this one).
+    ``vocab_limit``: the tokenizer's id count (``max_id + 1``): ids at or above it are never chosen, greedy or
+    sampled (a model's vocabulary padded past its tokenizer's, e.g. a 128k-row head with a 32k tokenizer, would
+    otherwise draw ids nothing can decode: a random or barely trained model draws them often).
     Raises ``CacheSizeError`` before allocating a cache larger than the device's free memory allows."""
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, compile: bool = False,
                  overlap: bool | None = None, peers: StepLeader | None = None,
-                 compile_mode: str = "reduce-overhead") -> None:
+                 compile_mode: str = "reduce-overhead", vocab_limit: int | None = None) -> None:
         check_decodable(model)
+        self.vocab_limit = vocab_limit
         self.model = model.eval()
         weight = model.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -155,7 +159,11 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------------------------------ steps
     def _decode_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor) -> torch.Tensor:
-        return decoder_forward(self.model, self.cache, positions_N1, tokens_BS=tokens_N1)
+        return self._choosable(decoder_forward(self.model, self.cache, positions_N1, tokens_BS=tokens_N1))
+
+    def _choosable(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        """The logits of the ids the tokenizer has (a view: ``vocab_limit``)."""
+        return logits_BV if self.vocab_limit is None else logits_BV[:, : self.vocab_limit]
 
     def _greedy_all(self, tokens_N1: torch.Tensor, positions_N1: torch.Tensor) -> torch.Tensor:
         """One greedy decode step of every slot: the chosen tokens (N,). Compiled, the argmax is in the step's
@@ -367,8 +375,8 @@ class DecodeEngine:
                 src = s.prompt_embeds if s.prompt_embeds is not None else self.model.embed(
                     torch.tensor(s.prompt_ids, device=dev))
                 embeds[b, : lengths[b]] = src.to(dev, self.dtype)
-            logits = decoder_forward(self.model, self.cache, positions, inputs_embeds=embeds, slots_B=slots,
-                                     last_index_B=last, kv_len=S)
+            logits = self._choosable(decoder_forward(self.model, self.cache, positions, inputs_embeds=embeds,
+                                                     slots_B=slots, last_index_B=last, kv_len=S))
         else:
             tokens = torch.zeros(len(seqs), S, dtype=torch.long, device=dev)
             for b, s in enumerate(seqs):
@@ -395,8 +403,8 @@ class DecodeEngine:
         """The prefill of right-padded prompts ``tokens_BS`` into ``slots_B``; (B, V) logits at ``last_B``."""
         B, S = tokens_BS.shape
         positions = torch.arange(S, device=self.device).expand(B, S)
-        return decoder_forward(self.model, self.cache, positions, tokens_BS=tokens_BS, slots_B=slots_B,
-                               last_index_B=last_B, kv_len=S)
+        return self._choosable(decoder_forward(self.model, self.cache, positions, tokens_BS=tokens_BS,
+                                               slots_B=slots_B, last_index_B=last_B, kv_len=S))
 
     def _accept(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Append each sequence's new token, apply its stops, free the slots of those that finished. A sequence

@@ -123,7 +123,8 @@ class GrpoStep:
     def _generate(self, rows: list[torch.Tensor]) -> Rollouts:
         g, mbs = self.cfg.grpo, rows[0].shape[0]
         if self.engine is None:  # one cache for the run: every completion of a step decodes at once
-            self.engine = DecodeEngine(self.stage, len(rows) * mbs * g.group_size, self.cfg.data.seq_length)
+            self.engine = DecodeEngine(self.stage, len(rows) * mbs * g.group_size, self.cfg.data.seq_length,
+                                       vocab_limit=self.order.tokenizer.max_id + 1)
         try:
             rollouts = generate_rollouts(self.engine, rows, self.order.prompts, self.order.tokenizer, g,
                                          self.cfg.train.seed, self.scorer, self._share_rewards)

@@ -80,6 +80,21 @@ def test_sampled_rows_decode_one_step_ahead_alike():
         assert [s.token_ids for i, s in enumerate(out) if i != 5] == [s.token_ids for i, s in enumerate(ref) if i != 5]
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_chosen():
+    """``vocab_limit``: a model whose head is wider than its tokenizer (a padded vocabulary) never picks the ids the
+    tokenizer lacks, greedy or sampled, in step or one step ahead, from prefill on."""
+    model = tiny_model()
+    with torch.no_grad():  # the head favours the padded ids: without the limit every pick would be one of them
+        model.output.weight[40:] *= 50
+    params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=1.5, seed=2),
+              SamplingParams(max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.99, seed=3)]
+    for overlap in (False, True):
+        free = generate(DecodeEngine(model, 3, 64, overlap=overlap), PROMPTS[:3], params)
+        assert any(t >= 40 for s in free for t in s.token_ids)  # the limit below is what keeps them out
+        limited = generate(DecodeEngine(model, 3, 64, overlap=overlap, vocab_limit=40), PROMPTS[:3], params)
+        assert all(len(s.token_ids) == 6 and max(s.token_ids) < 40 for s in limited)
+
+
 def test_more_prompts_than_slots_and_bf16():
     model = tiny_model()
     ref = generate(DecodeEngine(model, slots=4, max_len=40), PROMPTS * 2, SamplingParams(max_new_tokens=8))
