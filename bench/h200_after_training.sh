@@ -6,6 +6,8 @@
 #             .device/data/text (mmtrain-prep text, SentencePiece 32k, 2.75M tokens: ~one epoch), packed documents,
 #             compiled bf16, data.split=96,3,1, checkpoint at the end. Its steps after the first log interval (the
 #             compile) are also the "plain" row of the distillation table (same loop, data, batch as the KD row).
+#   random  : instead of train, for speed-only rows: random weights of the student's shape at the same place
+#             (bench/random_checkpoint.py; perplexities then mean nothing)
 #   quant   : at once (nothing timed meanwhile): python -m mmtrain.quantize fp8, w4a16 rtn, w4a16 gptq (CALIB (64)
 #             samples of 2048 tokens of the train split); the teacher's random checkpoint (bench/random_checkpoint.py,
 #             TEACHER (llama3-8b) shape, the student's vocabulary, bf16, ~16 GB); tests/gpu/test_quantize_gpu.py
@@ -115,6 +117,15 @@ for stage in ${STAGES:-train quant table grpo distill trl}; do
           | tee -a "$RES/rows.jsonl"
         done_stage train $t0 ok
       else tail -6 "$RES/train.log"; done_stage train $t0 failed; fi ;;
+    random)  # instead of train, for speed-only rows (decode): random weights of the student's shape at $CKPT
+      need 30 random || continue
+      rm -rf "$WORK/run"
+      vocab=$($PY -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['model']['vocab_size'])" $MODEL)
+      [ ${#MODEL_OV[@]} -gt 0 ] && vocab=32000
+      timeout -k 10 "$(cap 90)" $PY bench/random_checkpoint.py --model $MODEL --out "$CKPT" --device $QDEV \
+        --tokenizer "$TOK" "${MODEL_OV[@]}" model.vocab_size=$vocab > "$RES/random.log" 2>&1
+      tail -1 "$RES/random.log"
+      [ -f "$CKPT/latest" ] && done_stage random $t0 ok || done_stage random $t0 failed ;;
     quant)
       need 60 quant || continue
       [ -f "$CKPT/latest" ] || { echo "### quant: no checkpoint"; done_stage quant $t0 failed; continue; }
