@@ -123,8 +123,7 @@ def _run(args: argparse.Namespace) -> int:
         stops = () if args.no_eod_stop or tokenizer.eod_id is None else (tokenizer.eod_id,)
         params = [_sampling(args, i, stops) for i in range(len(prompts))]
         longest = max(len(p) for p in ids) + args.max_new_tokens
-        engine = DecodeEngine(model, min(args.batch_size, len(prompts)), longest, compile=args.compile,
-                              vocab_limit=tokenizer.max_id + 1)
+        engine = DecodeEngine(model, min(args.batch_size, len(prompts)), longest, compile=args.compile)
         with torch.no_grad():
             seqs = generate(engine, ids, params, decode=tokenizer.decode)
     finally:

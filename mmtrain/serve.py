@@ -73,8 +73,7 @@ class _Served:
     def engine(self, slots: int, context: int, compile: bool, peers=None):
         from mmtrain.inference.engine import DecodeEngine
 
-        return DecodeEngine(self.model, slots, context, compile=compile, peers=peers,
-                            vocab_limit=self.tokenizer.max_id + 1)
+        return DecodeEngine(self.model, slots, context, compile=compile, peers=peers)
 
 
 def _load_served(ckpt, tokenizer_path, tp: int, dev, dtype: str | None, chat_template: str = "tokenizer") -> _Served:

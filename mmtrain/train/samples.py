@@ -50,8 +50,7 @@ class SampleLogger(StepHooks):
             self.weights.gather_full_params()
         try:
             with torch.no_grad():
-                seqs = generate(DecodeEngine(self.model, len(self.prompt_ids), longest,
-                                             vocab_limit=self.tokenizer.max_id + 1), self.prompt_ids,
+                seqs = generate(DecodeEngine(self.model, len(self.prompt_ids), longest), self.prompt_ids,
                                 self.params, decode=self.tokenizer.decode)
         finally:
             self.model.train(was_training)
