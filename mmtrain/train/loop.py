@@ -367,7 +367,7 @@ def train_model(cfg, mesh: ParallelMesh, device: torch.device, stage: torch.nn.M
     run = _Run(cfg, mesh, device, stage, buckets, optimizer, batches, val_batches, task, metrics,
                CheckpointWriter(ckpt_root, mesh, cfg.checkpoint.async_save), hooks,
                TrainResult(model=stage, optimizer=optimizer), gbs, num_micro, lr_schedule,
-               _checkpoint_records(cfg, lr_schedule, dims.dp), clock=StepClock(device))
+               _checkpoint_records(cfg, lr_schedule, dims.dp), StepClock(device))
     if cfg.train.exit_at_step and start_step >= cfg.train.exit_at_step:
         log.info(f"resumed at step {start_step}, not before train.exit_at_step={cfg.train.exit_at_step}: "
                  "nothing to run (leave train.exit_at_step out to continue)")
@@ -408,10 +408,10 @@ class _Run:
     num_micro: int
     lr_schedule: LrSchedule
     records: dict  # the schedule and data-order inputs every checkpoint records
+    clock: StepClock  # each step's duration, on the run's device's timeline
     skipped: int = 0
     phase: str = "start-up"
     pending: list[PendingStep] = field(default_factory=list)
-    clock: StepClock = None  # each step's duration (train_gpt sets it, for the run's device)
 
     def steps(self, start_step: int) -> None:
         """The step loop; a collective that times out is re-raised naming rank, step and phase."""
@@ -450,11 +450,12 @@ class _Run:
         self.phase = "gradient clipping and optimizer step"
         grad_norm = clip_grad_norm(stage, mesh, optimizer, cfg.optim.grad_clip)
         # every rank has the same reduced loss and norm: all skip the same steps, decided on the device
-        finite = torch.isfinite(stats[0] / stats[1]) & torch.isfinite(grad_norm)
+        loss = stats[0] / stats[1]
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         optimizer.step(skip=~finite)
         for h in self.hooks:
             h.after_optimizer_step(step)
-        values, ready = queue_readout(stats[0] / stats[1], grad_norm, finite, stats)
+        values, ready = queue_readout(loss, grad_norm, finite, stats)
         self.pending.append(PendingStep(step, lr, local[0].detach().clone(), values, ready, began, self.clock.end(),
                                         [h.step_metrics(step) for h in self.hooks]))
         c = cfg.checkpoint
@@ -489,9 +490,9 @@ class _Run:
         return True
 
     def _read_back(self, evaluate: bool, keep_newest: bool = False) -> None:
-        """A sync point: read the pending steps' numbers (a wait for the newest of them only), apply the NaN/Inf policy in step order,
-        evaluate if due, write one metrics row per pending step. ``keep_newest``: the step just run stays pending
-        (read at the next sync point)."""
+        """A sync point: read the pending steps' numbers (a wait for the newest of them only), apply the NaN/Inf
+        policy in step order, evaluate if due, write one metrics row per pending step. ``keep_newest``: the step
+        just run stays pending (read at the next sync point)."""
         cfg, mesh, device, dims = self.cfg, self.mesh, self.device, self.mesh.dims
         log = get_logger("train")
         split = len(self.pending) - 1 if keep_newest else len(self.pending)
