@@ -30,14 +30,15 @@ MAX_ROWS = 16  # tokens per call up to which the kernel is used (decode); more g
 FP8_MAX = 448.0
 BF16_EPS = 2.0 ** -7  # torch.finfo(torch.bfloat16).eps: a zero row's scale, as quantize_tokens_fp8 sets it
 
-# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) at M = 1, Llama-3.2-1B's linears. Aim: >= ~128
-# programs of ~8-32 KB of weight per loop step, so every SM streams. N 2048/3072 with K 2048: 16 rows a program
-# (128 / 192 programs). N 16384: 64 rows (256 programs). K 8192 with N 2048: 4 splits of 2048 (512 programs).
+# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) at M = 1, Llama-3.2-1B's linears: the fastest of
+# bench/fp8_gemv.py's candidates on the H200 (M = 1, CUDA graph; us: this config vs _scaled_mm path vs bf16):
+# qkv 6.3 vs 22.3 vs 5.0, o 5.2 vs 22.2 vs 5.0, gate_up 17.8 vs 28.1 vs 18.1, down 11.9 vs 36.9 vs 10.9. Narrow
+# tiles win (many programs of ~16 KB a loop step); N 2048 with K 8192 splits K in 4 (512 programs).
 CONFIGS = {
-    (3072, 2048): (16, 512, 1, 4, 3),
+    (3072, 2048): (8, 512, 1, 4, 3),
     (2048, 2048): (16, 512, 1, 4, 3),
-    (16384, 2048): (64, 256, 1, 4, 3),
-    (2048, 8192): (16, 512, 4, 4, 3),
+    (16384, 2048): (32, 512, 1, 4, 3),
+    (2048, 8192): (32, 512, 4, 4, 3),
 }
 _PRODUCTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K cap: the broadcast product lives in registers
 
@@ -54,7 +55,7 @@ def supported(m: int, n: int, k: int) -> bool:
 def config_for(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """The table's config for (N, K), or a default by the same reasoning; block sizes cut so that the broadcast
     product fits in registers at more rows, and so that BLOCK_K divides each split's slice of K (no K mask)."""
-    default = (16 if n <= 4096 else 64, 512, 4 if k >= max(4 * n, 8192) else 1, 4, 3)
+    default = (16 if n <= 4096 else 32, 512, 4 if k >= max(4 * n, 8192) else 1, 4, 3)
     bn, bk, split, warps, stages = CONFIGS.get((n, k), default)
     bm = triton.next_power_of_2(m)
     while bm * bn * bk > _PRODUCTS and bk > 16:
