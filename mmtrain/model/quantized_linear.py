@@ -3,8 +3,10 @@ loader of a quantized folder does it: ``mmtrain.inference.quantized_loading``); 
 calls the linear. Two schemes, as ``compressed-tensors`` defines them (``mmtrain.convert.compressed_tensors_format``):
 
 - ``fp8``: weights FP8 E4M3 (out, in) with one scale per output row; each call quantizes its input to FP8 with one
-  scale per token (``amax / 448``, computed on the fly). On a CUDA device with bf16 inputs the product is
-  ``torch._scaled_mm`` with row-wise scales (token scales x channel scales, bf16 out); elsewhere the same numbers
+  scale per token (``amax / 448``, computed on the fly). On a CUDA device with bf16 inputs: up to
+  ``FP8_GEMV_ROWS`` tokens (decode) one Triton kernel quantizes and multiplies (``mmtrain.model.fp8_gemv``: the
+  same quantized values, fp32 sums, bias added before the one rounding to bf16); more tokens (prefill) go through
+  ``torch._scaled_mm`` with row-wise scales (token scales x channel scales, bf16 out). Elsewhere the same numbers
   are dequantized and multiplied (``x_fp8 * s_x @ (w_fp8 * s_w)^T``), which is also what transformers' dense load
   of the folder computes.
 - ``w4a16``: weights 4-bit integers in [-8, 7], one scale per group of ``group_size`` inputs of a row (no zero
@@ -26,6 +28,7 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
+FP8_GEMV_ROWS = 16  # tokens per call up to which FP8 takes the one-kernel decode path (mmtrain.model.fp8_gemv)
 _TINYGEMM_K_TILES = 8  # inner k-tiles of tinygemm's layout: ``in`` must be a multiple of 8 * 16
 
 
@@ -125,9 +128,14 @@ class QuantizedLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = x.is_cuda and x.dtype == torch.bfloat16 and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        if kernels and x.shape[0] <= FP8_GEMV_ROWS:
+            from mmtrain.model import fp8_gemv  # imports Triton: only on this path
+
+            if fp8_gemv.supported(x.shape[0], self.out_features, self.in_features):
+                return fp8_gemv.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         x_q, x_scale = quantize_tokens_fp8(x)
-        if (x.is_cuda and x.dtype == torch.bfloat16 and self.in_features % 16 == 0
-                and self.out_features % 16 == 0):
+        if kernels:
             y = torch._scaled_mm(x_q, self.weight.t(), scale_a=x_scale.float(),
                                  scale_b=self.weight_scale.float().t(), out_dtype=x.dtype)
             return y + self.bias if self.bias is not None else y  # row-wise scaling: bias added apart

@@ -78,3 +78,54 @@ def test_a_quantized_model_decodes_compiled_on_the_gpu(tmp_path):
         compiled = generate(DecodeEngine(model, 2, 64, compile=True), prompts, [SamplingParams(16)] * 2)
         assert [len(s.token_ids) for s in compiled] == [16, 16] and all(s.error is None for s in compiled)
         assert [s.token_ids[0] for s in compiled] == [s.token_ids[0] for s in eager], scheme
+
+
+def _fp8_linear(n: int, k: int, bias: bool, seed: int) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    scale = (w.abs().amax(1, keepdim=True) / 448).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return QuantizedLinear.from_values("fp8", (w / scale.float()).to(torch.float8_e4m3fn), scale, b).cuda()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)])
+def test_fp8_decode_kernel_equals_scaled_mm_at_the_1b_shapes(n, k, rows):
+    """At most 16 rows the FP8 linear is the Triton kernel (mmtrain/model/fp8_gemv.py); it equals the
+    ``_scaled_mm`` path (the same quantized activations; the sums in another order) within bf16's tolerance."""
+    from mmtrain.model import fp8_gemv
+
+    linear = _fp8_linear(n, k, bias=rows == 5, seed=n + k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).cuda()
+    x_q, x_s = quantize_tokens_fp8(x)
+    scaled = torch._scaled_mm(x_q, linear.weight.t(), scale_a=x_s.float(), scale_b=linear.weight_scale.float().t(),
+                              out_dtype=torch.bfloat16)
+    if linear.bias is not None:
+        scaled = scaled + linear.bias
+    got = fp8_gemv.fp8_linear(x, linear.weight, linear.weight_scale, linear.bias)
+    _close(got, scaled.float())
+    _close(linear(x), scaled.float())  # QuantizedLinear takes the kernel at this size
+    expected = (x_q.float() * x_s.float()) @ (linear.weight.float() * linear.weight_scale.float()).t()
+    _close(got, expected + (linear.bias.float() if linear.bias is not None else 0))
+
+
+def test_fp8_decode_kernel_runs_compiled_with_cuda_graphs():
+    """torch.compile traces into the triton_op and "reduce-overhead" replays it from a CUDA graph: the same
+    output as eager, on new inputs copied into the same static input too."""
+    linear = _fp8_linear(2048, 8192, bias=True, seed=0)  # split over K: two kernels in the graph
+    compiled = torch.compile(linear, mode="reduce-overhead", fullgraph=True)
+    for seed in range(3):
+        x = torch.randn(1, 8192, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).cuda()
+        eager = linear(x)
+        torch.compiler.cudagraph_mark_step_begin()
+        assert torch.equal(compiled(x), eager)
+    static_x = torch.zeros(2, 2048, device="cuda", dtype=torch.bfloat16)
+    small = _fp8_linear(3072, 2048, bias=False, seed=1)
+    small(static_x)  # compile before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = small(static_x)
+    x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
+    static_x.copy_(x)
+    graph.replay()
+    assert torch.equal(static_y, small(x))
