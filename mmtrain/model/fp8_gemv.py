@@ -9,6 +9,11 @@ fp32. At M <= 16 the product is bound by reading the weight, so the grid is size
 narrow outputs with wide inputs (the MLP's down projection) split K, each split writing fp32 partials that a second
 tiny kernel sums (deterministic, no atomics, no buffer to zero: CUDA-graph safe).
 
+A second kernel (``_fp8_dot_kernel``, chosen per shape by ``Config.dot``) does the same on the tensor cores with
+the operands swapped: the weight tile is the MMA's wide side and the tokens, padded to 16, its narrow one. Its
+weight loads feed ``tl.dot``, which Triton's pipeliner keeps several deep in flight; the CUDA-core kernel's loads
+reach only 1-2 TB/s on the H200.
+
 The rounding steps are written with integer bit operations instead of dtype casts: the same on the GPU and under
 Triton's CPU interpreter (whose fp32 -> bf16 cast truncates and whose fp8 cast rounds ties up), so the unit tests
 check the quantized activations bit for bit on a machine without a GPU (tests/unit/test_fp8_gemv.py).
@@ -17,6 +22,8 @@ Configs come from a fixed table by (N, K) (``CONFIGS``; picked with bench/fp8_ge
 run-time autotuning, which would time kernels inside a CUDA-graph capture. ``fp8_linear`` is a ``triton_op``, so
 torch.compile traces into it and the decode step's CUDA graphs capture its launches.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -30,17 +37,33 @@ MAX_ROWS = 16  # tokens per call up to which the kernel is used (decode); more g
 FP8_MAX = 448.0
 BF16_EPS = 2.0 ** -7  # torch.finfo(torch.bfloat16).eps: a zero row's scale, as quantize_tokens_fp8 sets it
 
-# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) at M = 1, Llama-3.2-1B's linears: the fastest of
-# bench/fp8_gemv.py's candidates on the H200 (M = 1, CUDA graph; us: this config vs _scaled_mm path vs bf16):
-# qkv 6.3 vs 22.3 vs 5.0, o 5.2 vs 22.2 vs 5.0, gate_up 17.8 vs 28.1 vs 18.1, down 11.9 vs 36.9 vs 10.9. Narrow
-# tiles win (many programs of ~16 KB a loop step); N 2048 with K 8192 splits K in 4 (512 programs).
+
+
+class Config(NamedTuple):
+    """One launch: tiles of ``block_n`` weight rows by ``block_k`` inputs, K split in ``split`` (fp32 partials
+    summed by a second kernel), ``warps`` and ``stages`` (loads in flight); ``dot``: the tensor-core kernel
+    (``_fp8_dot_kernel``) instead of the CUDA-core one (``_fp8_gemv_kernel``)."""
+
+    block_n: int
+    block_k: int
+    split: int
+    warps: int
+    stages: int
+    dot: bool = False
+
+
+# (N, K) -> Config at M = 1, Llama-3.2-1B's linears: the fastest of bench/fp8_gemv.py's candidates on the H200
+# (M = 1, CUDA graph; us: this config vs _scaled_mm path vs bf16): qkv 6.3 vs 22.3 vs 5.0, o 5.2 vs 22.2 vs 5.0,
+# gate_up 17.8 vs 28.1 vs 18.1, down 11.9 vs 36.9 vs 10.9. Narrow tiles win (many programs of ~16 KB a loop step);
+# N 2048 with K 8192 splits K in 4 (512 programs).
 CONFIGS = {
-    (3072, 2048): (8, 512, 1, 4, 3),
-    (2048, 2048): (16, 512, 1, 4, 3),
-    (16384, 2048): (32, 512, 1, 4, 3),
-    (2048, 8192): (32, 512, 4, 4, 3),
+    (3072, 2048): Config(8, 512, 1, 4, 3),
+    (2048, 2048): Config(16, 512, 1, 4, 3),
+    (16384, 2048): Config(32, 512, 1, 4, 3),
+    (2048, 8192): Config(32, 512, 4, 4, 3),
 }
-_PRODUCTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K cap: the broadcast product lives in registers
+_PRODUCTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K cap of the CUDA-core kernel: the broadcast product is in registers
+DOT_ROWS = 16  # the tensor-core kernel's token side: the MMA's narrow dimension, at least 16 for FP8
 
 
 def available() -> bool:
@@ -52,19 +75,28 @@ def supported(m: int, n: int, k: int) -> bool:
     return triton is not None and 1 <= m <= MAX_ROWS and k % 16 == 0 and n % 16 == 0
 
 
-def config_for(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """The table's config for (N, K), or a default by the same reasoning; block sizes cut so that the broadcast
-    product fits in registers at more rows, and so that BLOCK_K divides each split's slice of K (no K mask)."""
-    default = (16 if n <= 4096 else 32, 512, 4 if k >= max(4 * n, 8192) else 1, 4, 3)
-    bn, bk, split, warps, stages = CONFIGS.get((n, k), default)
-    bm = triton.next_power_of_2(m)
-    while bm * bn * bk > _PRODUCTS and bk > 16:
-        bk //= 2
+def config_for(m: int, n: int, k: int) -> Config:
+    """The table's config for (N, K), or a default by the same reasoning, fitted to the shape: the CUDA-core
+    kernel's block sizes cut so that its broadcast product fits in registers at more rows, and BLOCK_K a divisor
+    of each split's slice of K (no K mask; the tensor-core kernel's at least 32, FP8 MMA's K)."""
+    default = Config(16 if n <= 4096 else 32, 512, 4 if k >= max(4 * n, 8192) else 1, 4, 3)
+    return fit(CONFIGS.get((n, k), default), m, k)
+
+
+def fit(config: Config, m: int, k: int) -> Config:
+    """``config`` made valid for M = ``m`` rows and K = ``k`` (see ``config_for``)."""
+    bk, split = config.block_k, config.split
+    if not config.dot:
+        bm = 1 << (m - 1).bit_length()
+        while bm * config.block_n * bk > _PRODUCTS and bk > 16:
+            bk //= 2
     while split > 1 and (k % split or (k // split) % 16):
         split //= 2
     while (k // split) % bk:
         bk //= 2  # ends at 16 at the latest: K / split is a multiple of 16
-    return bn, bk, split, warps, stages
+    if config.dot and bk < 32:
+        return config._replace(block_k=bk, split=split, dot=False)  # FP8 MMA takes K of 32: the CUDA cores then
+    return config._replace(block_k=bk, split=split)
 
 
 if triton is not None:
@@ -144,6 +176,38 @@ if triton is not None:
             tl.store(out_ptr + pid_s * M * N + offsets, y, mask=mask)
 
     @triton.jit
+    def _fp8_dot_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K: tl.constexpr, K_SLICE: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, STAGES: tl.constexpr):
+        """The same product on the tensor cores, "swap AB": (BLOCK_N, BLOCK_K) FP8 weight tile times the
+        (BLOCK_K, BLOCK_M >= 16) FP8 activations, so the MMA's wide side is the weight's rows and the few tokens
+        are its narrow side (padded with zero rows). Loads that feed ``tl.dot`` are what Triton's pipeliner keeps
+        in flight (cp.async/TMA over STAGES buffers): the lever for bandwidth the CUDA-core kernel lacks. The
+        quantized values are exact FP8 numbers, so the cast to float8 changes nothing."""
+        pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        x_scale = _row_scales(x_ptr, rows, row_ok, K, BLOCK_M, AMAX_K)
+        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = cols_n < N
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in tl.range(0, K_SLICE, BLOCK_K, num_stages=STAGES):
+            cols_k = pid_s * K_SLICE + k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + rows[:, None] * K + cols_k[None, :], mask=row_ok[:, None], other=0.0)
+            q = _quantize(v.to(tl.float32), x_scale[:, None]).to(w_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + cols_n[:, None].to(tl.int64) * K + cols_k[None, :], mask=n_ok[:, None], other=0.0)
+            acc = tl.dot(w, tl.trans(q), acc)
+        y = tl.trans(acc) * x_scale[:, None] * tl.load(ws_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        offsets = rows[:, None] * N + cols_n[None, :]
+        mask = row_ok[:, None] & n_ok[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offsets, _to_bf16(y), mask=mask)
+        else:
+            tl.store(out_ptr + pid_s * M * N + offsets, y, mask=mask)
+
+    @triton.jit
     def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                            BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -172,17 +236,19 @@ if triton is not None:
         return kernel if interpreted else torch.library.wrap_triton(kernel)
 
     def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               config: tuple[int, int, int, int, int]) -> torch.Tensor:
-        """The kernel(s) at an explicit ``config`` (the bench tries several); x (M, K) contiguous."""
+               config: Config) -> torch.Tensor:
+        """The kernel(s) at an explicit ``config`` (the bench tries several; ``fit`` it first); x (M, K)
+        contiguous."""
         (m, k), n = x.shape, weight.shape[0]
-        bn, bk, split, warps, stages = config
-        bm = triton.next_power_of_2(m)
+        bn, bk, split, warps, stages, dot = config
+        bm = max(DOT_ROWS, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m)
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
         target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
         has_bias = bias is not None
         bias_arg = bias if has_bias else weight_scale  # any pointer: not read without HAS_BIAS
         amax_k = min(triton.next_power_of_2(k), max(8192 // bm, 64))
-        _traced(_fp8_gemv_kernel)[(triton.cdiv(n, bn), split)](
+        kernel = _fp8_dot_kernel if dot else _fp8_gemv_kernel
+        _traced(kernel)[(triton.cdiv(n, bn), split)](
             x, weight, weight_scale, bias_arg, target, m, n, k, k // split, HAS_BIAS=has_bias, SPLIT=split,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AMAX_K=amax_k, STAGES=stages, num_warps=warps)
         if split > 1:
