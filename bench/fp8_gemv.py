@@ -29,18 +29,18 @@ from mmtrain.model.quantized_linear import quantize_tokens_fp8
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 C = fp8_gemv.Config
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, tensor cores) tried besides the table's: the CUDA-core
-# kernel's best of session 16, then the tensor-core kernel at tiles of 64/128 rows, split over K until the grid
-# gives the 132 SMs a few programs each
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, late_sum) tried besides the table's: session 16's best
+# per-step reduction, then the late sum (products kept per K in registers, one reduction after the loop) at
+# tiles of 2-8 KB a step, more programs resident per SM. (Session 17's tensor-core kernel, 3-10x slower, is gone.)
+LATE = [C(16, 256, 1, 4, 3, True), C(8, 512, 1, 4, 3, True), C(32, 128, 1, 4, 3, True), C(16, 256, 1, 2, 3, True),
+        C(32, 256, 1, 8, 3, True), C(16, 256, 1, 4, 1, True)]
 CANDIDATES = {
-    "qkv": [C(8, 512, 1, 4, 3), C(64, 256, 2, 4, 4, True), C(64, 128, 4, 4, 4, True), C(32, 256, 2, 4, 4, True),
-            C(64, 256, 4, 4, 3, True), C(128, 128, 4, 4, 4, True)],
-    "o": [C(16, 512, 1, 4, 3), C(64, 256, 2, 4, 4, True), C(64, 128, 4, 4, 4, True), C(32, 256, 4, 4, 4, True),
-          C(64, 256, 4, 4, 3, True), C(128, 128, 8, 4, 4, True)],
-    "gate_up": [C(32, 512, 1, 4, 3), C(64, 256, 1, 4, 4, True), C(128, 256, 1, 4, 4, True),
-                C(64, 128, 2, 4, 4, True), C(128, 256, 2, 8, 4, True), C(64, 512, 1, 4, 3, True)],
-    "down": [C(32, 512, 4, 4, 3), C(64, 256, 4, 4, 4, True), C(64, 256, 8, 4, 4, True),
-             C(128, 256, 8, 4, 4, True), C(64, 512, 4, 4, 3, True), C(128, 512, 4, 8, 3, True)],
+    "qkv": [C(8, 512, 1, 4, 3), *LATE],
+    "o": [C(16, 512, 1, 4, 3), *LATE, C(16, 256, 2, 4, 3, True)],
+    "gate_up": [C(32, 512, 1, 4, 3), C(32, 256, 1, 4, 3, True), C(16, 512, 1, 4, 3, True), C(64, 128, 1, 4, 3, True),
+                C(32, 256, 1, 8, 3, True), C(64, 128, 1, 8, 4, True), C(32, 128, 1, 4, 4, True)],
+    "down": [C(32, 512, 4, 4, 3), C(32, 256, 4, 4, 3, True), C(16, 512, 4, 4, 3, True), C(32, 256, 8, 4, 3, True),
+             C(64, 128, 4, 8, 3, True), C(16, 256, 8, 4, 3, True), C(32, 256, 2, 4, 3, True)],
 }
 
 
@@ -73,7 +73,7 @@ def shape_rows(name: str, n: int, k: int, m: int, reps: int) -> fp8_gemv.Config 
     for c in CANDIDATES[name]:
         c = fp8_gemv.fit(c, m, k)
         if c != table:
-            label = f"triton {'dot' if c.dot else 'fma'} {tuple(c[:5])}"
+            label = f"triton {'late sum' if c.late_sum else 'per step'} {tuple(c[:5])}"
             variants[label] = (lambda c=c: fp8_gemv.launch(x, w_q[next(turn) % copies], w_s, None, c), 1)
             configs[label] = c
     rows = []

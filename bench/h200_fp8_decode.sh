@@ -8,7 +8,8 @@
 #      generation (perplexities of random weights mean nothing)
 #   3. tests/gpu/test_host_syncs_gpu.py (the training loop's read-back)
 #   4. bench/generate_profile.py --ckpt for the bf16 checkpoint and the FP8 folder: where a decode step's time goes
-# Usage (device, repo root): bash bench/h200_fp8_decode.sh      CPU check: TINY=1 bash bench/h200_fp8_decode.sh
+# Usage (device, repo root): bash bench/h200_fp8_decode.sh [PARTS="1 2 3 4"] [PROFILES="bf16 fp8"]
+# CPU check: TINY=1 bash bench/h200_fp8_decode.sh
 set -u
 cd "$(dirname "$0")/.."
 RES=${OUT:-/tmp/h200_fp8_decode}
@@ -29,18 +30,27 @@ if [ "${TINY:-0}" = 1 ]; then
   done
   exit 0
 fi
-echo "### 1. kernel configs (bench/fp8_gemv.py --write-configs)"
-PYTHONPATH=$PWD timeout -k 5 200 $PY bench/fp8_gemv.py --write-configs
-echo "### 2. random 1B, FP8 folder, bf16 vs FP8 decode (bench/h200_after_training.sh)"
-OUT=$RES/after WORK=$WORK QUANTS=fp8:rtn STAGES="random quant table" LIMIT=${LIMIT:-330} \
-  bash bench/h200_after_training.sh > /dev/null
-grep -E "^###|^\|" "$RES/after/after_training.log" | tail -24
+part() { case " ${PARTS:-1 2 3 4} " in *" $1 "*) return 0 ;; esac; return 1; }
+if part 1; then
+  echo "### 1. kernel configs (bench/fp8_gemv.py --write-configs)"
+  PYTHONPATH=$PWD timeout -k 5 200 $PY bench/fp8_gemv.py --write-configs
+fi
+if part 2; then
+  echo "### 2. random 1B, FP8 folder, bf16 vs FP8 decode (bench/h200_after_training.sh)"
+  OUT=$RES/after WORK=$WORK QUANTS=fp8:rtn STAGES="random quant table" LIMIT=${LIMIT:-330} \
+    bash bench/h200_after_training.sh > /dev/null
+  grep -E "^###|^\|" "$RES/after/after_training.log" | tail -24
+fi
 SITE=/tmp/transformers:/tmp/site:$PWD  # the wheels h200_after_training.sh installed
-echo "### 3. GPU tests of the training loop's read-back"
-PYTHONPATH=$SITE timeout -k 5 120 $PY -m pytest -q -rf -p no:cacheprovider tests/gpu/test_host_syncs_gpu.py 2>&1 | tail -4
-echo "### 4. decode-step profiles"
-for m in "$WORK/run/checkpoints" "$WORK/fp8-rtn"; do
-  echo "## $m"
+if part 3; then
+  echo "### 3. GPU tests of the training loop's read-back"
+  PYTHONPATH=$SITE timeout -k 5 120 $PY -m pytest -q -rf -p no:cacheprovider tests/gpu/test_host_syncs_gpu.py 2>&1 | tail -4
+fi
+part 4 && echo "### 4. decode-step profiles"
+for name in ${PROFILES:-bf16 fp8}; do
+  part 4 || break
+  m=$WORK/run/checkpoints; [ "$name" = fp8 ] && m=$WORK/fp8-rtn
+  echo "## $name: $m"
   PYTHONPATH=$SITE timeout -k 5 100 $PY bench/generate_profile.py --ckpt "$m" --top 14 2>&1 | grep -vE "^\s*$" | tail -17
 done
 echo "### elapsed $SECONDS s"

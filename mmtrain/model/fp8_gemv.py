@@ -9,14 +9,12 @@ fp32. At M <= 16 the product is bound by reading the weight, so the grid is size
 narrow outputs with wide inputs (the MLP's down projection) split K, each split writing fp32 partials that a second
 tiny kernel sums (deterministic, no atomics, no buffer to zero: CUDA-graph safe).
 
-A second kernel (``_fp8_dot_kernel``, chosen per shape by ``Config.dot``) does the same on the tensor cores with
-the operands swapped: the weight tile is the MMA's wide side and the tokens, padded to 16, its narrow one. Its
-weight loads feed ``tl.dot``, which Triton's pipeliner keeps several deep in flight; the CUDA-core kernel's loads
-reach only 1-2 TB/s on the H200.
-
-The rounding steps are written with integer bit operations instead of dtype casts: the same on the GPU and under
-Triton's CPU interpreter (whose fp32 -> bf16 cast truncates and whose fp8 cast rounds ties up), so the unit tests
-check the quantized activations bit for bit on a machine without a GPU (tests/unit/test_fp8_gemv.py).
+Two ways to sum over K, chosen per shape by ``Config.late_sum``: each loop step reduces its (BLOCK_N, BLOCK_K)
+products to BLOCK_N sums (shuffles across the threads that hold one row's K, in every step), or the products are
+accumulated elementwise in registers and reduced once after the loop (no shuffles in the loop; fewer K per step,
+so that the (BLOCK_M, BLOCK_N, BLOCK_K) accumulator fits in registers). A tensor-core variant (``tl.dot`` on the
+FP8 weight tile and the tokens padded to 16, "swap AB") was measured 3-10x slower at every Llama-3.2-1B shape in
+session 17 (bench/results/h200_2026-12-04_s17.md) and is not kept.
 
 Configs come from a fixed table by (N, K) (``CONFIGS``; picked with bench/fp8_gemv.py on the H200), never from
 run-time autotuning, which would time kernels inside a CUDA-graph capture. ``fp8_linear`` is a ``triton_op``, so
@@ -41,15 +39,15 @@ BF16_EPS = 2.0 ** -7  # torch.finfo(torch.bfloat16).eps: a zero row's scale, as 
 
 class Config(NamedTuple):
     """One launch: tiles of ``block_n`` weight rows by ``block_k`` inputs, K split in ``split`` (fp32 partials
-    summed by a second kernel), ``warps`` and ``stages`` (loads in flight); ``dot``: the tensor-core kernel
-    (``_fp8_dot_kernel``) instead of the CUDA-core one (``_fp8_gemv_kernel``)."""
+    summed by a second kernel), ``warps`` and ``stages`` (loads in flight); ``late_sum``: products accumulated
+    elementwise and summed over K once after the loop, not in every step."""
 
     block_n: int
     block_k: int
     split: int
     warps: int
     stages: int
-    dot: bool = False
+    late_sum: bool = False
 
 
 # (N, K) -> Config at M = 1, Llama-3.2-1B's linears: the fastest of bench/fp8_gemv.py's candidates on the H200
@@ -62,8 +60,8 @@ CONFIGS = {
     (16384, 2048): Config(32, 512, 1, 4, 3),
     (2048, 8192): Config(32, 512, 4, 4, 3),
 }
-_PRODUCTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K cap of the CUDA-core kernel: the broadcast product is in registers
-DOT_ROWS = 16  # the tensor-core kernel's token side: the MMA's narrow dimension, at least 16 for FP8
+_PRODUCTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K cap: the broadcast product lives in registers
+_LATE_PRODUCTS = 8192  # the cap with late_sum: an accumulator of that size stays in registers all the loop
 
 
 def available() -> bool:
@@ -76,9 +74,9 @@ def supported(m: int, n: int, k: int) -> bool:
 
 
 def config_for(m: int, n: int, k: int) -> Config:
-    """The table's config for (N, K), or a default by the same reasoning, fitted to the shape: the CUDA-core
-    kernel's block sizes cut so that its broadcast product fits in registers at more rows, and BLOCK_K a divisor
-    of each split's slice of K (no K mask; the tensor-core kernel's at least 32, FP8 MMA's K)."""
+    """The table's config for (N, K), or a default by the same reasoning, fitted to the shape: block sizes cut
+    so that the broadcast product (or the late sum's accumulator) fits in registers at more rows, and BLOCK_K a
+    divisor of each split's slice of K (no K mask)."""
     default = Config(16 if n <= 4096 else 32, 512, 4 if k >= max(4 * n, 8192) else 1, 4, 3)
     return fit(CONFIGS.get((n, k), default), m, k)
 
@@ -86,16 +84,14 @@ def config_for(m: int, n: int, k: int) -> Config:
 def fit(config: Config, m: int, k: int) -> Config:
     """``config`` made valid for M = ``m`` rows and K = ``k`` (see ``config_for``)."""
     bk, split = config.block_k, config.split
-    if not config.dot:
-        bm = 1 << (m - 1).bit_length()
-        while bm * config.block_n * bk > _PRODUCTS and bk > 16:
-            bk //= 2
+    bm = 1 << (m - 1).bit_length()
+    cap = _LATE_PRODUCTS if config.late_sum else _PRODUCTS
+    while bm * config.block_n * bk > cap and bk > 16:
+        bk //= 2
     while split > 1 and (k % split or (k // split) % 16):
         split //= 2
     while (k // split) % bk:
         bk //= 2  # ends at 16 at the latest: K / split is a multiple of 16
-    if config.dot and bk < 32:
-        return config._replace(block_k=bk, split=split, dot=False)  # FP8 MMA takes K of 32: the CUDA cores then
     return config._replace(block_k=bk, split=split)
 
 
@@ -150,7 +146,8 @@ if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K: tl.constexpr, K_SLICE: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, STAGES: tl.constexpr):
+                         BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, STAGES: tl.constexpr,
+                         LATE_SUM: tl.constexpr):
         pid_n, pid_s = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -158,13 +155,19 @@ if triton is not None:
         cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = cols_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        products = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)  # LATE_SUM's accumulator (else unused)
         # num_stages on the loop pipelines the weight loads although there is no tl.dot (loads in flight)
         for k0 in tl.range(0, K_SLICE, BLOCK_K, num_stages=STAGES):  # K constexpr: one compile per layer shape
             cols_k = pid_s * K_SLICE + k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_ptr + rows[:, None] * K + cols_k[None, :], mask=row_ok[:, None], other=0.0)
             q = _quantize(v.to(tl.float32), x_scale[:, None])
             w = tl.load(w_ptr + cols_n[:, None].to(tl.int64) * K + cols_k[None, :], mask=n_ok[:, None], other=0.0)
-            acc += tl.sum(q[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if LATE_SUM:
+                products += q[:, None, :] * w.to(tl.float32)[None, :, :]
+            else:
+                acc += tl.sum(q[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if LATE_SUM:
+            acc = tl.sum(products, axis=2)
         y = acc * x_scale[:, None] * tl.load(ws_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         offsets = rows[:, None] * N + cols_n[None, :]
         mask = row_ok[:, None] & n_ok[None, :]
@@ -173,38 +176,6 @@ if triton is not None:
                 y += tl.load(b_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + offsets, _to_bf16(y), mask=mask)
         else:  # fp32 partials (SPLIT, M, N), summed by _sum_splits_kernel
-            tl.store(out_ptr + pid_s * M * N + offsets, y, mask=mask)
-
-    @triton.jit
-    def _fp8_dot_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K: tl.constexpr, K_SLICE: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, STAGES: tl.constexpr):
-        """The same product on the tensor cores, "swap AB": (BLOCK_N, BLOCK_K) FP8 weight tile times the
-        (BLOCK_K, BLOCK_M >= 16) FP8 activations, so the MMA's wide side is the weight's rows and the few tokens
-        are its narrow side (padded with zero rows). Loads that feed ``tl.dot`` are what Triton's pipeliner keeps
-        in flight (cp.async/TMA over STAGES buffers): the lever for bandwidth the CUDA-core kernel lacks. The
-        quantized values are exact FP8 numbers, so the cast to float8 changes nothing."""
-        pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-        rows = tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        x_scale = _row_scales(x_ptr, rows, row_ok, K, BLOCK_M, AMAX_K)
-        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = cols_n < N
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in tl.range(0, K_SLICE, BLOCK_K, num_stages=STAGES):
-            cols_k = pid_s * K_SLICE + k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(x_ptr + rows[:, None] * K + cols_k[None, :], mask=row_ok[:, None], other=0.0)
-            q = _quantize(v.to(tl.float32), x_scale[:, None]).to(w_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + cols_n[:, None].to(tl.int64) * K + cols_k[None, :], mask=n_ok[:, None], other=0.0)
-            acc = tl.dot(w, tl.trans(q), acc)
-        y = tl.trans(acc) * x_scale[:, None] * tl.load(ws_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        offsets = rows[:, None] * N + cols_n[None, :]
-        mask = row_ok[:, None] & n_ok[None, :]
-        if SPLIT == 1:
-            if HAS_BIAS:
-                y += tl.load(b_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offsets, _to_bf16(y), mask=mask)
-        else:
             tl.store(out_ptr + pid_s * M * N + offsets, y, mask=mask)
 
     @triton.jit
@@ -240,17 +211,16 @@ if triton is not None:
         """The kernel(s) at an explicit ``config`` (the bench tries several; ``fit`` it first); x (M, K)
         contiguous."""
         (m, k), n = x.shape, weight.shape[0]
-        bn, bk, split, warps, stages, dot = config
-        bm = max(DOT_ROWS, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m)
+        bn, bk, split, warps, stages, late_sum = config
+        bm = triton.next_power_of_2(m)
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
         target = out if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
         has_bias = bias is not None
         bias_arg = bias if has_bias else weight_scale  # any pointer: not read without HAS_BIAS
         amax_k = min(triton.next_power_of_2(k), max(8192 // bm, 64))
-        kernel = _fp8_dot_kernel if dot else _fp8_gemv_kernel
-        _traced(kernel)[(triton.cdiv(n, bn), split)](
+        _traced(_fp8_gemv_kernel)[(triton.cdiv(n, bn), split)](
             x, weight, weight_scale, bias_arg, target, m, n, k, k // split, HAS_BIAS=has_bias, SPLIT=split,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AMAX_K=amax_k, STAGES=stages, num_warps=warps)
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, AMAX_K=amax_k, STAGES=stages, LATE_SUM=late_sum, num_warps=warps)
         if split > 1:
             _traced(_sum_splits_kernel)[(triton.cdiv(m * n, 1024),)](
                 target, bias_arg, out, m, n, HAS_BIAS=has_bias, SPLIT=split, BLOCK=1024, num_warps=4)

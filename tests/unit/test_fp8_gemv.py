@@ -2,8 +2,8 @@
 the interpreter is chosen when Triton is imported, and this process may have imported it already): its row scales
 and quantized activations equal ``quantize_tokens_fp8`` bit for bit (zero rows, tiny values, ties, values at
 448), and its product equals the dequantized reference to within the one rounding to bf16, with and without a
-bias, one row and several, and split over K (fp32 partials summed by the second kernel), on the CUDA cores and
-through ``tl.dot`` (the tensor-core kernel). The GPU's speed and its agreement with ``torch._scaled_mm`` are
+bias, one row and several, split over K (fp32 partials summed by the second kernel) or not, summed over K in
+every step or once after the loop (``late_sum``). The GPU's speed and its agreement with ``torch._scaled_mm`` are
 tests/gpu/test_quantize_gpu.py's business."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ for m, k in ((1, 256), (3, 256), (5, 512)):
 C = fp8_gemv.Config
 cases = [(1, 48, 256, False, None), (3, 48, 256, True, None),
          (2, 32, 512, True, C(16, 64, 4, 4, 2)), (1, 32, 512, False, C(16, 128, 2, 4, 2)),
-         (1, 64, 256, False, C(64, 64, 1, 4, 2, True)), (5, 96, 512, True, C(32, 128, 2, 4, 2, True))]
+         (1, 64, 256, False, C(16, 64, 1, 4, 2, True)), (5, 96, 512, True, C(32, 64, 2, 4, 2, True))]
 for m, n, k, bias, config in cases:
     w = torch.randn(n, k, generator=g)
     w_s = (w.abs().amax(1, keepdim=True) / 448).bfloat16()
@@ -101,10 +101,10 @@ def test_configs_fit_the_shapes():
     for m in (1, 2, 3, 8, 16):
         for n, k in [*fp8_gemv.CONFIGS, (48, 256), (4096, 14336), (128256, 2048), (16, 16)]:
             c = fp8_gemv.config_for(m, n, k)
-            assert (k // c.split) % c.block_k == 0 and k % c.split == 0 and c.block_k >= (32 if c.dot else 16)
-            assert c.dot or triton_pow2(m) * c.block_n * c.block_k <= fp8_gemv._PRODUCTS or c.block_k == 16
-            dot = fp8_gemv.fit(c._replace(dot=True), m, k)  # the tensor-core kernel needs K tiles of 32
-            assert dot.block_k >= 32 if dot.dot else dot.block_k < 32
+            assert (k // c.split) % c.block_k == 0 and k % c.split == 0 and c.block_k >= 16
+            assert triton_pow2(m) * c.block_n * c.block_k <= fp8_gemv._PRODUCTS or c.block_k == 16
+            late = fp8_gemv.fit(c._replace(late_sum=True), m, k)  # its accumulator: a smaller cap
+            assert triton_pow2(m) * late.block_n * late.block_k <= fp8_gemv._LATE_PRODUCTS or late.block_k == 16
     assert not fp8_gemv.supported(17, 2048, 2048) and not fp8_gemv.supported(1, 2048, 2040)
 
 
