@@ -29,18 +29,19 @@ from mmtrain.model.quantized_linear import quantize_tokens_fp8
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 C = fp8_gemv.Config
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, late_sum) tried besides the table's: session 16's best
-# per-step reduction, then the late sum (products kept per K in registers, one reduction after the loop) at
-# tiles of 2-8 KB a step, more programs resident per SM. (Session 17's tensor-core kernel, 3-10x slower, is gone.)
-LATE = [C(16, 256, 1, 4, 3, True), C(8, 512, 1, 4, 3, True), C(32, 128, 1, 4, 3, True), C(16, 256, 1, 2, 3, True),
-        C(32, 256, 1, 8, 3, True), C(16, 256, 1, 4, 1, True)]
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, late_sum) tried besides the table's: session 16's per-step
+# reduction, then the late sum (products kept per K in registers, one reduction after the loop) around session
+# 17's winners: deeper pipelines, fewer warps, narrower tiles. (Session 17's tensor-core kernel, tl.dot on the FP8
+# tile with the tokens padded to 16, measured 3-10x slower, is gone.)
+NARROW = [C(8, 512, 1, 4, 4, True), C(8, 512, 1, 2, 3, True), C(8, 256, 1, 2, 3, True), C(8, 1024, 1, 4, 3, True),
+          C(16, 512, 1, 8, 3, True), C(16, 256, 1, 4, 3, True)]
 CANDIDATES = {
-    "qkv": [C(8, 512, 1, 4, 3), *LATE],
-    "o": [C(16, 512, 1, 4, 3), *LATE, C(16, 256, 2, 4, 3, True)],
-    "gate_up": [C(32, 512, 1, 4, 3), C(32, 256, 1, 4, 3, True), C(16, 512, 1, 4, 3, True), C(64, 128, 1, 4, 3, True),
-                C(32, 256, 1, 8, 3, True), C(64, 128, 1, 8, 4, True), C(32, 128, 1, 4, 4, True)],
-    "down": [C(32, 512, 4, 4, 3), C(32, 256, 4, 4, 3, True), C(16, 512, 4, 4, 3, True), C(32, 256, 8, 4, 3, True),
-             C(64, 128, 4, 8, 3, True), C(16, 256, 8, 4, 3, True), C(32, 256, 2, 4, 3, True)],
+    "qkv": [C(8, 512, 1, 4, 3), *NARROW],
+    "o": [C(16, 512, 1, 4, 3), *NARROW],
+    "gate_up": [C(32, 512, 1, 4, 3), C(32, 128, 1, 4, 5, True), C(16, 256, 1, 4, 4, True), C(32, 128, 1, 2, 4, True),
+                C(64, 128, 1, 4, 4, True), C(32, 256, 1, 4, 4, True), C(32, 256, 1, 4, 3, True)],
+    "down": [C(32, 512, 4, 4, 3), C(32, 256, 4, 4, 4, True), C(16, 256, 4, 4, 4, True), C(16, 512, 4, 4, 4, True),
+             C(32, 128, 4, 4, 4, True), C(8, 512, 4, 4, 3, True), C(16, 512, 4, 4, 3, True)],
 }
 
 

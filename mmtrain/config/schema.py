@@ -152,7 +152,8 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp8"] = doc("bf16", "Compute precision; master weights stay fp32; fp8: "
                                                                     "BF16 weights, FP8 block linears (the fp8 section).")
     activation_checkpointing: Literal["none", "selective", "full"] = doc("none", "Recompute activations in backward.")
-    compile: bool = doc(False, "torch.compile each transformer block (and the loss on one TP rank).")
+    compile: bool = doc(False, "torch.compile each transformer block (and the loss on one TP rank); with GRPO "
+                        "also the rollouts' decode step (CUDA graphs on a GPU).")
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = doc(
         "auto", "scaled_dot_product_attention kernel on GPU; auto lets PyTorch choose.")
     document_attention: Literal["auto", "flex", "dense"] = doc(

@@ -55,10 +55,10 @@ class Config(NamedTuple):
 # gate_up 17.8 vs 28.1 vs 18.1, down 11.9 vs 36.9 vs 10.9. Narrow tiles win (many programs of ~16 KB a loop step);
 # N 2048 with K 8192 splits K in 4 (512 programs).
 CONFIGS = {
-    (3072, 2048): Config(8, 512, 1, 4, 3),
-    (2048, 2048): Config(16, 512, 1, 4, 3),
-    (16384, 2048): Config(32, 512, 1, 4, 3),
-    (2048, 8192): Config(32, 512, 4, 4, 3),
+    (3072, 2048): Config(8, 512, 1, 4, 3, True),
+    (2048, 2048): Config(8, 512, 1, 4, 3, True),
+    (16384, 2048): Config(32, 128, 1, 4, 4, True),
+    (2048, 8192): Config(32, 256, 4, 4, 3, True),
 }
 _PRODUCTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K cap: the broadcast product lives in registers
 _LATE_PRODUCTS = 8192  # the cap with late_sum: an accumulator of that size stays in registers all the loop
