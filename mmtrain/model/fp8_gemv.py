@@ -51,14 +51,15 @@ class Config(NamedTuple):
 
 
 # (N, K) -> Config at M = 1, Llama-3.2-1B's linears: the fastest of bench/fp8_gemv.py's candidates on the H200
-# (M = 1, CUDA graph; us: this config vs _scaled_mm path vs bf16): qkv 6.3 vs 22.3 vs 5.0, o 5.2 vs 22.2 vs 5.0,
-# gate_up 17.8 vs 28.1 vs 18.1, down 11.9 vs 36.9 vs 10.9. Narrow tiles win (many programs of ~16 KB a loop step);
-# N 2048 with K 8192 splits K in 4 (512 programs).
+# (session 17, weights rotating past L2; us: this config vs the _scaled_mm path vs bf16 F.linear): qkv 5.8 vs 24.6
+# vs 6.1, o 5.1 vs 25.0 vs 6.0, gate_up 13.6 vs 30.4 vs 17.8, down 10.7 vs 39.0 vs 13.4. The late sum wins at every
+# shape (the per-step reduction: 7.2, 6.0, 19.3, 13.4); narrow tiles (many programs resident per SM), N 2048 with
+# K 8192 split in 4.
 CONFIGS = {
     (3072, 2048): Config(8, 512, 1, 4, 3, True),
     (2048, 2048): Config(8, 512, 1, 4, 3, True),
     (16384, 2048): Config(32, 128, 1, 4, 4, True),
-    (2048, 8192): Config(32, 256, 4, 4, 3, True),
+    (2048, 8192): Config(16, 256, 4, 4, 4, True),
 }
 _PRODUCTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K cap: the broadcast product lives in registers
 _LATE_PRODUCTS = 8192  # the cap with late_sum: an accumulator of that size stays in registers all the loop
