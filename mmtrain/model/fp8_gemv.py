@@ -36,7 +36,6 @@ FP8_MAX = 448.0
 BF16_EPS = 2.0 ** -7  # torch.finfo(torch.bfloat16).eps: a zero row's scale, as quantize_tokens_fp8 sets it
 
 
-
 class Config(NamedTuple):
     """One launch: tiles of ``block_n`` weight rows by ``block_k`` inputs, K split in ``split`` (fp32 partials
     summed by a second kernel), ``warps`` and ``stages`` (loads in flight); ``late_sum``: products accumulated
