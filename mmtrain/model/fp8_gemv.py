@@ -77,7 +77,12 @@ def config_for(m: int, n: int, k: int) -> Config:
     """The table's config for (N, K), or a default by the same reasoning, fitted to the shape: block sizes cut
     so that the broadcast product (or the late sum's accumulator) fits in registers at more rows, and BLOCK_K a
     divisor of each split's slice of K (no K mask)."""
-    default = Config(16 if n <= 4096 else 32, 512, 4 if k >= max(4 * n, 8192) else 1, 4, 3)
+    if k >= max(4 * n, 8192):  # few outputs, long rows (a down projection): split K, as the table's down
+        default = Config(16, 256, 4, 4, 4, True)
+    elif n <= 4096:  # narrow tiles for many programs, as the table's qkv and o
+        default = Config(8, 512, 1, 4, 3, True)
+    else:  # wide outputs (gate_up): the table's gate_up tiles
+        default = Config(32, 128, 1, 4, 4, True)
     return fit(CONFIGS.get((n, k), default), m, k)
 
 
