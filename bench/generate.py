@@ -1,7 +1,7 @@
 """KV-cache generation speed: Llama-3.2-1B shapes (random weights), bf16, greedy, 128-token prompts, 256 new tokens.
 
     python bench/generate.py [--batch 1 32] [--prompt 128] [--new 256] [--no-compile] [--tiny] [--device cpu]
-                             [--family deepseek_v3]
+                             [--family deepseek_v3] [--temperature T]
 
 The same settings as ../shared/bench/hf_generate_baseline.py (its LlamaConfig: 16 layers, width 2048, 32 heads, 8
 KV heads, FFN 8192, vocabulary 128256, tied embeddings, rope theta 5e5): each batch size is warmed up at the timed
@@ -75,14 +75,16 @@ def _sync(device: torch.device) -> None:
 
 def time_generation(model: torch.nn.Module, batch: int, prompt: int, new: int, compile: bool, device: torch.device,
                     warmup: int = 2, compile_mode: str = "reduce-overhead",
-                    before_timing: Callable[[], None] | None = None) -> dict:
+                    before_timing: Callable[[], None] | None = None, temperature: float = 0.0) -> dict:
     """``before_timing``: called between the warm-up and the timed run (bench/quant_accuracy.py waits there for
-    its turn on the GPU, so several processes compile at once and time one at a time)."""
+    its turn on the GPU, so several processes compile at once and time one at a time). ``temperature`` > 0: every
+    row sampled from its own seeded stream (as GRPO's rollouts draw), else greedy."""
     torch._dynamo.reset()  # each setting compiles its own step
     engine = DecodeEngine(model, batch, prompt + new, compile=compile, compile_mode=compile_mode)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(1, model.cfg.vocab_size - 1, (batch, prompt), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=new)  # no stop tokens: every row runs all `new` steps
+    params = [SamplingParams(max_new_tokens=new, temperature=temperature, seed=i if temperature > 0 else None)
+              for i in range(batch)]  # no stop tokens: every row runs all `new` steps
     t0 = time.perf_counter()
     for _ in range(warmup):
         generate(engine, prompts, params)
@@ -95,7 +97,8 @@ def time_generation(model: torch.nn.Module, batch: int, prompt: int, new: int, c
     _sync(device)
     dt = time.perf_counter() - t0
     n = min(len(s.token_ids) for s in seqs)
-    return {"system": "mmtrain-generate", "compile": compile_mode if compile else False, "batch": batch, "prompt": prompt, "new_tokens": n,
+    return {"system": "mmtrain-generate", "compile": compile_mode if compile else False, "batch": batch,
+            "temperature": temperature, "prompt": prompt, "new_tokens": n,
             "s": round(dt, 3), "tokens_per_s": round(batch * n / dt), "ms_per_step": round(1000 * dt / n, 3),
             "warmup_s": round(warm_s, 1),
             "peak_mem_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -115,6 +118,8 @@ def main() -> None:
     ap.add_argument("--family", choices=("llama", "deepseek_v3"), default="llama")
     ap.add_argument("--compile-modes", nargs="+", default=["reduce-overhead"], choices=list(COMPILE_MODES),
                     help="inductor settings of the compiled step to time, each at every batch size")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sample every row from its own seeded stream (GRPO's rollouts); 0: greedy")
     a = ap.parse_args()
     device = torch.device(a.device)
     model = build_model(a.tiny, device, torch.bfloat16 if a.dtype == "bf16" else torch.float32, a.family)
@@ -125,13 +130,13 @@ def main() -> None:
         for batch in a.batch:
             try:
                 row = time_generation(model, batch, a.prompt, a.new, mode is not None, device,
-                                      compile_mode=mode or "reduce-overhead")
+                                      compile_mode=mode or "reduce-overhead", temperature=a.temperature)
             except Exception as exc:  # noqa: BLE001 - one failing setting costs only its own line
                 row = {"system": "mmtrain-generate", "compile": mode or False, "batch": batch,
                        "error": repr(exc)[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n| system | model | compiled | batch | new tokens/s | ms/step |\n|---|---|---|---|---|---|")
+    print("\n| system | model | compiled | batch | new tokens/s | ms/step |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| mmtrain | {model.cfg.name} | {r['compile']} | {r['batch']} | {r.get('tokens_per_s', 'error')} "
               f"| {r.get('ms_per_step', '-')} |")

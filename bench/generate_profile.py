@@ -4,6 +4,7 @@ step against the wall time per step (the difference is time the GPU waited: laun
 kernels per step, and the kernels that take the most time, with the bytes they would read at HBM speed.
 
     python bench/generate_profile.py [--batch 1] [--steps 32] [--tiny] [--device cpu] [--ckpt CKPT_OR_FOLDER]
+                                     [--temperature T]
 
 ``--ckpt``: the model ``mmtrain.generate`` loads from a checkpoint or a quantized folder (``mmtrain.quantize``'s
 FP8 or int4 kernels) instead of bench/generate.py's random model.
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--ckpt", default=None, help="a checkpoint or quantized folder to profile")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: every row sampled (seeded), as GRPO draws")
     a = ap.parse_args()
     device = torch.device(a.device)
     cuda = device.type == "cuda"
@@ -59,7 +61,8 @@ def main() -> None:
     model = build_model(a.tiny, device, dtype) if a.ckpt is None else loaded_model(a.ckpt, device, dtype)
     engine = DecodeEngine(model, a.batch, a.prompt + a.steps + 8, compile=True)
     prompts = [[1 + i] * a.prompt for i in range(a.batch)]
-    params = SamplingParams(max_new_tokens=a.steps)
+    params = [SamplingParams(max_new_tokens=a.steps, temperature=a.temperature,
+                             seed=i if a.temperature > 0 else None) for i in range(a.batch)]
     for _ in range(2):  # compile and capture at the profiled shapes
         generate(engine, prompts, params)
     if cuda:
