@@ -25,15 +25,15 @@ from typing import NamedTuple
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; a CPU-only install may lack it (``available`` says so)
+try:  # Triton ships with CUDA builds of torch; a CPU-only install may lack it (``supported`` is then False)
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only without Triton
     triton = None
 
 MAX_ROWS = 16  # tokens per call up to which the kernel is used (decode); more go to torch._scaled_mm
-FP8_MAX = 448.0
-BF16_EPS = 2.0 ** -7  # torch.finfo(torch.bfloat16).eps: a zero row's scale, as quantize_tokens_fp8 sets it
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+BF16_EPS = torch.finfo(torch.bfloat16).eps  # a zero row's scale, as quantize_tokens_fp8 sets it
 
 
 class Config(NamedTuple):
@@ -62,10 +62,6 @@ CONFIGS = {
 }
 _PRODUCTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K cap: the broadcast product lives in registers
 _LATE_PRODUCTS = 8192  # the cap with late_sum: an accumulator of that size stays in registers all the loop
-
-
-def available() -> bool:
-    return triton is not None
 
 
 def supported(m: int, n: int, k: int) -> bool:

@@ -4,7 +4,7 @@ calls the linear. Two schemes, as ``compressed-tensors`` defines them (``mmtrain
 
 - ``fp8``: weights FP8 E4M3 (out, in) with one scale per output row; each call quantizes its input to FP8 with one
   scale per token (``amax / 448``, computed on the fly). On a CUDA device with bf16 inputs: up to
-  ``FP8_GEMV_ROWS`` tokens (decode) one Triton kernel quantizes and multiplies (``mmtrain.model.fp8_gemv``: the
+  ``fp8_gemv.MAX_ROWS`` tokens (decode) one Triton kernel quantizes and multiplies (``mmtrain.model.fp8_gemv``: the
   same quantized values, fp32 sums, bias added before the one rounding to bf16); more tokens (prefill) go through
   ``torch._scaled_mm`` with row-wise scales (token scales x channel scales, bf16 out). Elsewhere the same numbers
   are dequantized and multiplied (``x_fp8 * s_x @ (w_fp8 * s_w)^T``), which is also what transformers' dense load
@@ -28,7 +28,6 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
-FP8_GEMV_ROWS = 16  # tokens per call up to which FP8 takes the one-kernel decode path (mmtrain.model.fp8_gemv)
 _TINYGEMM_K_TILES = 8  # inner k-tiles of tinygemm's layout: ``in`` must be a multiple of 8 * 16
 
 
@@ -129,10 +128,10 @@ class QuantizedLinear(nn.Module):
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
         kernels = x.is_cuda and x.dtype == torch.bfloat16 and self.in_features % 16 == 0 and self.out_features % 16 == 0
-        if kernels and x.shape[0] <= FP8_GEMV_ROWS:
-            from mmtrain.model import fp8_gemv  # imports Triton: only on this path
+        if kernels:
+            from mmtrain.model import fp8_gemv  # imports Triton: only on a GPU
 
-            if fp8_gemv.supported(x.shape[0], self.out_features, self.in_features):
+            if fp8_gemv.supported(x.shape[0], self.out_features, self.in_features):  # decode's few tokens
                 return fp8_gemv.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         x_q, x_scale = quantize_tokens_fp8(x)
         if kernels:
