@@ -10,7 +10,10 @@
 #   vlm     : bench/vlm_h200.py --compile (the ~2B VLM, 8x1024, 448 px)
 #   hf      : ../shared/bench/hf_llama_baseline.py (copied to .device/anchors), 4x4096
 #   decode  : bench/generate.py --batch 1 32, then bench/generate_profile.py --batch 1
+#   prev_bf16, prev_fp8, prev_packed, prev_moe_gbs : the same row run by the tree before (PREV, a `git archive`
+#             inside the carried .device: bash bench/make_device_dir.sh --parts prev), without a profile
 # Usage (repo root; carry .device):  STAGES="bf16 fp8 packed moe" bash bench/h200_speed.sh
+# A stage is skipped once BUDGET seconds (default 540) have passed; each run's timeout is cut to end by LIMIT (570).
 # Profiles go to $OUT (the device tool's returned folder) or /tmp.
 # .device here (git-ignored; carry it): bash bench/make_device_dir.sh --parts "data anchors"
 set -u
@@ -19,32 +22,39 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 DATA=${DATA:-.device/data/text}
 PROF=${OUT:-/tmp}
 CAP=${CAP:-200}
+BUDGET=${BUDGET:-540}
+LIMIT=${LIMIT:-570}
+here=$PWD
+cap() { local c=$((LIMIT - SECONDS)); [ "$c" -lt "$1" ] && echo "$c" || echo "$1"; }
 FP8="train.precision=fp8 fp8.backend=native fp8.recipe=delayed fp8.fast_accum_backward=true fp8.output_layer=true"
 rows=()
-train() {  # label, extra args...
+train() {  # label, extra args...  (a label prev_* runs the PREV tree's bench, without a profile)
   local label=$1; shift
-  echo "### $label"
+  local dir=$here prof=(--profile "$PROF/prof_$label.md")
+  case $label in prev_*) [ -n "${PREV:-}" ] || { echo "no PREV tree"; return; }; dir=$here/$PREV; prof=() ;; esac
+  echo "### $label ($SECONDS s)"
   local out
-  out=$(PYTHONPATH=$PWD timeout -k 5 "$CAP" python3 bench/train_gpt.py --data "$DATA" --label "$label" \
-        --profile "$PROF/prof_$label.md" "$@" 2>&1 | tee "/tmp/$label.log" | grep -E '^\{' | tail -1)
+  out=$(cd "$dir" && PYTHONPATH=$PWD timeout -k 5 "$(cap "$CAP")" python3 bench/train_gpt.py --data "$here/$DATA" \
+        --label "$label" "${prof[@]}" "$@" 2>&1 | tee "/tmp/$label.log" | grep -E '^\{' | tail -1)
   [ -n "$out" ] || tail -6 "/tmp/$label.log"
   echo "$out"
   rows+=("$label|$out")
 }
 for stage in ${STAGES:-bf16 fp8 packed moe}; do
+  [ "$SECONDS" -lt "$BUDGET" ] || { echo "### skipped (over BUDGET=$BUDGET s): $stage"; continue; }
   case $stage in
-    bf16) train bf16 --batch 4 --seq 4096 train.compile=true ${EXTRA:-} ;;
-    fp8) train fp8 --batch 4 --seq 4096 train.compile=true $FP8 ${EXTRA:-} ;;
-    packed) train packed --batch 4 --seq 4096 --packed train.compile=true ${EXTRA:-} ;;
+    bf16|prev_bf16) train $stage --batch 4 --seq 4096 train.compile=true ${EXTRA:-} ;;
+    fp8|prev_fp8) train $stage --batch 4 --seq 4096 train.compile=true $FP8 ${EXTRA:-} ;;
+    packed|prev_packed) train $stage --batch 4 --seq 4096 --packed train.compile=true ${EXTRA:-} ;;
     moe) train moe --model configs/models/deepseek-v2-lite-4l.yaml --batch 2 --seq 4096 train.compile=true \
            ${EXTRA_MOE:-} ;;
-    moe_gbs) train moe_gbs --model configs/models/deepseek-v2-lite-4l.yaml --batch 2 --seq 4096 --steps 6 \
+    moe_gbs|prev_moe_gbs) train $stage --model configs/models/deepseek-v2-lite-4l.yaml --batch 2 --seq 4096 --steps 6 \
                train.compile=true train.global_batch_size=16 ${EXTRA_MOE:-} ;;
     vlm) echo "### vlm"
-         PYTHONPATH=$PWD timeout -k 5 "$CAP" python3 bench/vlm_h200.py --compile --label mmtrain-vlm --profile "$PROF/prof_vlm.md" \
+         PYTHONPATH=$PWD timeout -k 5 "$(cap "$CAP")" python3 bench/vlm_h200.py --compile --label mmtrain-vlm --profile "$PROF/prof_vlm.md" \
            ${VLM_ARGS:-} 2>&1 | tail -4 ;;
     hf) echo "### hf"
-        out=$(timeout -k 5 150 python3 .device/anchors/hf_llama_baseline.py 2>&1 | tee /tmp/hf.log | grep -E '^\{' | tail -1)
+        out=$(timeout -k 5 "$(cap 150)" python3 .device/anchors/hf_llama_baseline.py 2>&1 | tee /tmp/hf.log | grep -E '^\{' | tail -1)
         [ -n "$out" ] || tail -4 /tmp/hf.log
         echo "$out"; rows+=("hf|$out") ;;
     decode) echo "### decode"
@@ -52,7 +62,7 @@ for stage in ${STAGES:-bf16 fp8 packed moe}; do
             PYTHONPATH=$PWD timeout -k 5 120 python3 bench/generate_profile.py --batch 1 2>&1 | tail -25 ;;
   esac
 done
-echo "### table"
+echo "### table ($SECONDS s)"
 echo "| row | tokens/s | step ms | MFU | peak GiB | loss |"
 echo "|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do
