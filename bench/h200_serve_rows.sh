@@ -8,7 +8,8 @@
 #   hf     : transformers' generate with a static cache, batch 1 and 32 (.device/hf_generate_baseline.py)
 #   sprof  : bench/serve_profile.py: each server thread's CPU time per new token (where the host time goes)
 #   dprof  : bench/generate_profile.py --batch 1: the decode step's kernels (where the GPU time goes)
-#   vlm    : bench/vlm_h200.py --compile --profile (the ~2B VLM, 8x1024, 448 px; profile summary to $OUT)
+#   vlm    : bench/vlm_h200.py --compile --profile --host-profile (the ~2B VLM, 8x1024, 448 px; the GPU profile
+#            summary and the host's cProfile table to $OUT)
 # Llama-3.2-1B shapes, random weights, bf16, 128-token prompts, 256 new tokens for the serving rows.
 # Every stage runs under `timeout -k`; a stage is skipped once BUDGET seconds (default 470) have passed, and each
 # timeout is cut to end by LIMIT (default 540).
@@ -45,11 +46,12 @@ for stage in ${STAGES:-engine serve vlm before hf dprof sprof}; do
     serve) tree "$here" 150 python3 bench/serve_load.py --clients 32 "${T[@]}" 2>&1 | grep -E '^\||^\{|Error|error' | tail -4 ;;
     hf) timeout -k 5 "$(cap 120)" python3 .device/hf_generate_baseline.py --batch 1 32 --cache static 2>&1 \
           | grep -E '^\{|Error' | tail -3 ;;
-    sprof) tree "$here" 120 python3 bench/serve_profile.py "${T[@]}" 2>&1 | grep -vE "^\{|INFO:" | tail -14 ;;
+    sprof) tree "$here" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} 2>&1 | grep -vE "^\{|INFO:" | tail -14 ;;
     dprof) tree "$here" 90 python3 bench/generate_profile.py --batch 1 "${T[@]}" 2>&1 | tail -25 ;;
     vlm) tree "$here" 180 python3 bench/vlm_h200.py --compile --label mmtrain-vlm --profile "$RES/prof_vlm.md" \
-           2>&1 | tail -4
-         [ -f "$RES/prof_vlm.md" ] && head -14 "$RES/prof_vlm.md" ;;
+           --steps 10 --host-profile "$RES/host_vlm.md" ${VLM_ARGS:-} 2>&1 | tail -4
+         [ -f "$RES/prof_vlm.md" ] && head -14 "$RES/prof_vlm.md"
+         [ -f "$RES/host_vlm.md" ] && head -20 "$RES/host_vlm.md" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -109,3 +109,48 @@ def profiling(skip: int, active: int):
             yield prof
         finally:
             loop._Run.step = original
+
+
+@contextlib.contextmanager
+def host_profiling(skip: int, steps: int, path: str | None, top: int = 30):
+    """cProfile of the host from the end of loop step ``skip`` to the end of step ``skip + steps`` (data, launches,
+    Python, and any wait on the GPU: a synchronizing call shows as a long call), written to ``path`` as a markdown
+    table of the functions with the most own time. Nothing when ``path`` is None. cProfile slows the Python it
+    watches, so the caller leaves these steps out of its timing."""
+    if not path or not steps:
+        yield
+        return
+    import cProfile
+    import pstats
+
+    from mmtrain.train import loop
+
+    original, profiler, done = loop._Run.step, cProfile.Profile(), [0]
+
+    def stepping(self, step):
+        out = original(self, step)
+        done[0] += 1
+        if done[0] == skip:
+            profiler.enable()
+        elif done[0] == skip + steps:
+            profiler.disable()
+        return out
+
+    loop._Run.step = stepping
+    try:
+        yield
+    finally:
+        loop._Run.step = original
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, prim, tottime, cumtime, callers)}
+        total = sum(v[2] for v in stats.values()) or 1e-9
+        lines = [f"host profile (cProfile), steps {skip + 1}-{skip + steps}: {1e3 * total / steps:.1f} ms of "
+                 "Python-visible host time a step", "", "| function | calls / step | own ms / step | % | "
+                 "cumulative ms / step |", "|---|---|---|---|---|"]
+        for (file, line, name), (calls, _, own, cum, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
+            where = f"{'/'.join(file.split('/')[-2:])}:{line} {name}" if file != "~" else name
+            lines.append(f"| `{where[-100:]}` | {calls / steps:.0f} | {1e3 * own / steps:.2f} | "
+                         f"{100 * own / total:.1f}% | {1e3 * cum / steps:.2f} |")
+        from mmtrain.utils.atomic import atomic_write_text
+
+        atomic_write_text(__import__("pathlib").Path(path), "\n".join(lines) + "\n")

@@ -6,9 +6,10 @@
     torchrun --nproc_per_node 2 bench/train_gpt.py parallel.tp=2 parallel.sequence_parallel=true
 
 Runs the real training loop (``mmtrain.train.loop.train_gpt``) for warmup + timed steps and reports the median
-timed step (``logging.log_every=1``: every step reads the step before it back, so each step's time is the
-time between two read-backs, one step of device time; with a longer interval the loop shares the interval's wall time out over its steps, compile steps included): tokens/s per GPU, model TFLOP/s per GPU (6N + causal attention, the anchors' formula), MFU against
-the measured H200 bf16 ceiling (736 TFLOP/s), peak memory. Compare with ../shared/bench anchors in the same call.
+timed step (``logging.log_every=1``; the loop times each step with CUDA events, from the end of the step before
+it, so a step's time is its device time plus any wait for the host): tokens/s per GPU, model TFLOP/s per GPU
+(6N + causal attention, the anchors' formula), MFU against the measured H200 bf16 ceiling (736 TFLOP/s), peak
+memory. Compare with ../shared/bench anchors in the same call.
 
 Data: mock tokens by default (no documents: the EOD token only by chance); ``--data PREFIX`` reads
 ``mmtrain-prep text`` output; ``--mock-doc-mean N`` makes mock samples of documents with geometric lengths of
@@ -38,7 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.profile_summary import profiling, summarize  # noqa: E402
+from bench.profile_summary import host_profiling, profiling, summarize  # noqa: E402
 from mmtrain.config import GPTRunConfig, load_config, validate_gpt_config  # noqa: E402
 from mmtrain.data.documents import packed_document_inputs  # noqa: E402
 from mmtrain.models.registry import model_family  # noqa: E402
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--print-losses", action="store_true", help="also print every step's loss (parity checks)")
     ap.add_argument("--losses-csv", help="write step,loss of every step to this file")
     ap.add_argument("--profile", help="write the last two timed steps' profile summary (markdown) to this file")
+    ap.add_argument("--host-profile", help="write a cProfile table of the first two steps after warmup to this "
+                    "file (where the host's time goes; those steps are left out of the timing)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -123,9 +126,11 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     mesh = ParallelDims.from_config(cfg.parallel, world).build()
     profiled = 2 if a.profile else 0
-    with profiling(a.warmup + a.steps - profiled, profiled) as prof:
+    hosted = 2 if a.host_profile else 0
+    with (profiling(a.warmup + a.steps - profiled, profiled) as prof,
+          host_profiling(a.warmup, hosted, a.host_profile)):
         result = train_gpt(cfg, mesh, device)
-    timed = result.step_times[a.warmup:len(result.step_times) - profiled]
+    timed = result.step_times[a.warmup + hosted:len(result.step_times) - profiled]
     dt = statistics.median(timed)
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * mesh.dims.dp
     S = cfg.data.seq_length
