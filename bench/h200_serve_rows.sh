@@ -46,7 +46,7 @@ for stage in ${STAGES:-engine serve vlm before hf dprof sprof}; do
     serve) tree "$here" 150 python3 bench/serve_load.py --clients 32 "${T[@]}" 2>&1 | grep -E '^\||^\{|Error|error' | tail -4 ;;
     hf) timeout -k 5 "$(cap 120)" python3 .device/hf_generate_baseline.py --batch 1 32 --cache static 2>&1 \
           | grep -E '^\{|Error' | tail -3 ;;
-    sprof) tree "$here" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} 2>&1 | grep -vE "^\{|INFO:" | tail -14 ;;
+    sprof) tree "$here" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} 2>&1 | grep -vE "^\{|INFO:" | tail -40 ;;
     dprof) tree "$here" 90 python3 bench/generate_profile.py --batch 1 "${T[@]}" 2>&1 | tail -25 ;;
     vlm) tree "$here" 180 python3 bench/vlm_h200.py --compile --label mmtrain-vlm --profile "$RES/prof_vlm.md" \
            --steps 10 --host-profile "$RES/host_vlm.md" ${VLM_ARGS:-} 2>&1 | tail -4
