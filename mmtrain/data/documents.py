@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmtrain.utils.host_copy import to_device
+
 
 def packed_document_inputs(tokens_BS1: torch.Tensor, eod_id: int | None, reset_position_ids: bool,
                            reset_attention_mask: bool, eod_mask_loss: bool
@@ -92,5 +94,5 @@ class GPTMicroBatch:
         return cls(tokens_BS1, torch.arange(S, device=tokens_BS1.device).expand(B, S))
 
     def to(self, device: torch.device) -> "GPTMicroBatch":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return GPTMicroBatch(move(self.tokens), move(self.position_ids), move(self.document_ids), move(self.loss_mask))
+        return GPTMicroBatch(*(to_device(t, device) for t in (self.tokens, self.position_ids, self.document_ids,
+                                                               self.loss_mask)))

@@ -29,6 +29,7 @@ from mmtrain.parallel.expert import apply_expert_parallel
 from mmtrain.parallel.pipeline import stage_layer_ranges
 from mmtrain.parallel.tensor import apply_tensor_parallel
 from mmtrain.train.build import moe_dispatch_for
+from mmtrain.utils.host_copy import to_device
 
 
 def _shard_spliced(x_BSD: torch.Tensor, cp: int, cp_rank: int, tp_group, sequence_parallel: bool) -> torch.Tensor:
@@ -97,13 +98,14 @@ def vlm_forward_step(module: VLMModel, batch, received: torch.Tensor | None, mes
     stage (it splices media, then shards). Document ids are passed only for packed batches (several samples in a
     row), so unpacked batches keep the plain causal kernel. A batch on the host (as the loader hands it) has its
     placeholders checked here, before the copies (``MediaPlaceholderError`` naming the sample), so nothing in the
-    step reads the device back; copies from pinned memory (``PrefetchedBatches``) overlap the GPU's work."""
+    step reads the device back; the copies go through pinned memory (``to_device``), so they never wait for the
+    GPU's queue."""
     cp, cp_rank = mesh.dims.cp, mesh.coord.cp
-    labels, positions, loss_mask = (shard_sequence(t.to(device, non_blocking=True), cp, cp_rank)
+    labels, positions, loss_mask = (shard_sequence(to_device(t, device), cp, cp_rank)
                                     for t in (batch.labels, batch.position_ids, batch.loss_mask))
     doc_ids = None
     if int(batch.document_ids.max()) > 0:
-        doc_ids = shard_sequence(batch.document_ids.to(device, non_blocking=True), cp, cp_rank)
+        doc_ids = shard_sequence(to_device(batch.document_ids, device), cp, cp_rank)
     if module.pre_process:
         keys = getattr(batch, "__key__", None)
         # the placeholder check on the host copy, before it goes to the device: the splice then reads nothing back
@@ -114,11 +116,11 @@ def vlm_forward_step(module: VLMModel, batch, received: torch.Tensor | None, mes
                                             batch.audio_counts, batch.audio.shape[0], keys)
         # frame_index: each image's temporal row (video frames); every TP/CP rank of stage 0 encodes all media
         frame_index = getattr(batch, "frame_index", None)
-        media = {"images": batch.images.to(device, non_blocking=True), "image_counts": batch.image_counts,
-                 "frame_index": None if frame_index is None else frame_index.to(device, non_blocking=True),
-                 "audio": batch.audio.to(device, non_blocking=True), "audio_lengths": batch.audio_lengths,
+        media = {"images": to_device(batch.images, device), "image_counts": batch.image_counts,
+                 "frame_index": to_device(frame_index, device),
+                 "audio": to_device(batch.audio, device), "audio_lengths": batch.audio_lengths,
                  "audio_counts": batch.audio_counts, "sample_keys": keys, "placeholders_checked": on_host}
-        out = module(batch.tokens.to(device, non_blocking=True), labels if module.post_process else None,
+        out = module(to_device(batch.tokens, device), labels if module.post_process else None,
                      positions, doc_ids, **media)
     else:
         out = module(received, labels if module.post_process else None, positions, doc_ids)

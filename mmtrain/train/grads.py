@@ -85,7 +85,9 @@ def clip_grad_norm(stage: nn.Module, mesh: ParallelMesh, optimizer: MixedPrecisi
     device = optimizer.buckets[0].device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if counted:
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
+        # one multi-tensor launch, not two kernels and their Python per piece (a VLM has ~530 pieces: ~15 ms of
+        # host time a step, which the GPU waited for)
+        sq = torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).pow(2).sum()
     if mesh.size("dp_cp") > 1:
         dist.all_reduce(sq, group=mesh.dp_cp_group)
     if mesh.size("mp") > 1:

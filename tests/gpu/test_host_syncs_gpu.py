@@ -73,3 +73,17 @@ def test_reading_a_step_back_does_not_wait_for_the_steps_queued_after_it():
     assert (loss, grad_norm, finite) == (2.0, 1.5, 1.0) and step_stats.tolist() == [6.0, 3.0, 5.0]
     assert clock.seconds(pending.began, pending.ended) >= 0
     torch.cuda.synchronize()
+
+
+def test_a_batch_copy_from_pageable_memory_does_not_wait_for_the_gpu():
+    """``to_device`` stages a pageable tensor in pinned memory: the copy is queued behind a long kernel instead of
+    waiting for it (CUDA syncs the stream before a plain copy from pageable memory)."""
+    from mmtrain.utils.host_copy import to_device
+
+    src = torch.arange(1 << 20, dtype=torch.int64)  # pageable
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # a ~1 s kernel on the current stream
+    out = to_device(src, torch.device("cuda"))
+    assert not torch.cuda.current_stream().query(), "the copy waited for the queued kernel"
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), src)
