@@ -74,9 +74,19 @@ def text_rows(tokens_BS1: torch.Tensor, image_size: int, positions: torch.Tensor
         audio_counts=torch.zeros(B, dtype=torch.int64))
 
 
-def concat_rows(parts: list[MediaBatch]) -> MediaBatch:
-    """Rows of several batches as one, in order (images and audio stay in row-major placeholder order)."""
+def _cat(tensors: list[torch.Tensor], pin: bool) -> torch.Tensor:
+    if not pin:
+        return torch.cat(tensors)
+    # straight into pinned memory from the caching host allocator: no page faults on a fresh 448 px image batch
+    # (~20 MB a step) and no second copy before the asynchronous one to the device
+    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+    return torch.cat(tensors, out=torch.empty(shape, dtype=tensors[0].dtype, pin_memory=True))
+
+
+def concat_rows(parts: list[MediaBatch], pin: bool = False) -> MediaBatch:
+    """Rows of several batches as one, in order (images and audio stay in row-major placeholder order); ``pin``:
+    in pinned host memory (for a CUDA run's copies, ``mmtrain.utils.host_copy.to_device``)."""
     longest = max((p.audio.shape[1] for p in parts), default=0)
     audio = [torch.nn.functional.pad(p.audio, (0, longest - p.audio.shape[1])) for p in parts]
-    cat = {f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(MediaBatch) if f.name != "audio"}
-    return MediaBatch(audio=torch.cat(audio) if audio else torch.zeros(0, 0), **cat)
+    cat = {f.name: _cat([getattr(p, f.name) for p in parts], pin) for f in fields(MediaBatch) if f.name != "audio"}
+    return MediaBatch(audio=_cat(audio, pin) if audio else torch.zeros(0, 0), **cat)

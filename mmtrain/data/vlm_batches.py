@@ -48,12 +48,17 @@ class MockMediaSamples:
         # noise drawn once and picked per row: drawing a 448 px image's noise per row cost ~10 ms of host time
         # in the training loop's step (the GPU waited; issue #32's VLM row), a row costs an add now
         self.noise = 0.1 * torch.randn(_NOISE_IMAGES, 3, image_size, image_size, generator=g)
+        # (class, noise) -> the image, made on first use: a fresh 448 px image per row cost ~7 ms of page faults
+        self._images: dict[tuple[int, int], torch.Tensor] = {}
 
     def row(self, i: int) -> MediaBatch:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         c = int(torch.randint(len(self.captions), (1,), generator=g))
         s = self.image_size
-        image = self.colours[c].expand(3, s, s) + self.noise[int(torch.randint(_NOISE_IMAGES, (1,), generator=g))]
+        k = int(torch.randint(_NOISE_IMAGES, (1,), generator=g))
+        if (c, k) not in self._images:
+            self._images[c, k] = self.colours[c].expand(3, s, s) + self.noise[k]
+        image = self._images[c, k]  # shared: rows are only read (``concat_rows`` copies them)
         seq = torch.cat([torch.full((self.num_image_tokens,), self.image_token_id), self.captions[c]])
         labels = seq[1:].clone()
         labels[: self.num_image_tokens - 1] = IGNORE_INDEX
@@ -113,7 +118,7 @@ class VLMBatches:
     only); ``text`` a sequence of ``seq_length + 1``-token samples or None; ``text_fraction`` the share of text."""
 
     def __init__(self, media, text, text_fraction: float, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 image_size: int, text_row_inputs=None) -> None:
+                 image_size: int, text_row_inputs=None, pin: bool = False) -> None:
         if not 0.0 <= text_fraction <= 1.0:
             raise ValueError(f"text fraction {text_fraction} is not in [0, 1]")
         if (media is None and text_fraction < 1.0) or (text is None and text_fraction > 0.0):
@@ -121,6 +126,7 @@ class VLMBatches:
         self.media, self.text, self.text_fraction = media, text, text_fraction
         self.mbs, self.dp_rank, self.dp_size, self.image_size = micro_batch_size, dp_rank, dp_size, image_size
         self.text_row_inputs = text_row_inputs  # tokens (B, S+1) -> (positions, doc_ids, loss_mask) or None
+        self.pin = pin  # batches in pinned host memory (a CUDA run)
         self.consumed_rows = 0
 
     def _texts_before(self, n: int) -> int:
@@ -163,7 +169,7 @@ class VLMBatches:
     def next(self) -> MediaBatch:
         mine = self._my_rows(self.consumed_rows)
         self.consumed_rows += self.mbs * self.dp_size
-        return concat_rows([self._row(n) for n in mine])
+        return concat_rows([self._row(n) for n in mine], self.pin)
 
     def state_dict(self) -> dict[str, Any]:
         """The global row count and (energon media) the whole multimodal loader state: collective over the

@@ -111,8 +111,9 @@ def _text_row_inputs(d, eod_id):
     return inputs
 
 
-def build_vlm_batches(cfg, mesh, split: str = "train") -> VLMBatches:
-    """This rank's VLM micro-batches for ``split`` (``train`` or ``valid``) of a ``VLMRunConfig``."""
+def build_vlm_batches(cfg, mesh, split: str = "train", pin: bool = False) -> VLMBatches:
+    """This rank's VLM micro-batches for ``split`` (``train`` or ``valid``) of a ``VLMRunConfig``; ``pin``: in
+    pinned host memory (a CUDA run)."""
     d, m, dp, dp_rank = cfg.data, cfg.model, mesh.dims.dp, mesh.coord.dp
     image_size, vocab = m.vision.image_size, m.language.vocab_size
     if d.mock:
@@ -120,7 +121,7 @@ def build_vlm_batches(cfg, mesh, split: str = "train") -> VLMBatches:
         media = MockMediaSamples(vocab, d.seq_length, m.image_token_id, m.tokens_per_image, image_size,
                                  d.seed + {"train": 0, "valid": 1}[split],
                                  text_ids_below=min(i for i in (m.image_token_id, audio_id, vocab) if i > 1))
-        return VLMBatches(media, None, 0.0, cfg.train.micro_batch_size, dp_rank, dp, image_size)
+        return VLMBatches(media, None, 0.0, cfg.train.micro_batch_size, dp_rank, dp, image_size, pin=pin)
     text_spec, media_src, fraction = _split_blend(d.blend, cfg.logging.run_dir, split)
     text = row_inputs = None
     if text_spec is not None:
@@ -133,4 +134,5 @@ def build_vlm_batches(cfg, mesh, split: str = "train") -> VLMBatches:
         loader = build_multimodal_loader(dataclasses.replace(d, blend=str(media_src)), cfg.media, m,
                                          micro_batch_size=1, mesh=mesh, split=split)
         media = EnergonRows(loader)
-    return VLMBatches(media, text, fraction, cfg.train.micro_batch_size, dp_rank, dp, image_size, row_inputs)
+    return VLMBatches(media, text, fraction, cfg.train.micro_batch_size, dp_rank, dp, image_size, row_inputs,
+                      pin=pin)

@@ -151,7 +151,8 @@ def train_vlm(cfg: VLMRunConfig, mesh: ParallelMesh, device: torch.device) -> Tr
         _load_stage_weights(cfg.init_from, mesh, model, cfg.checkpoint.verify)
     if found is None and cfg.init.sources():
         _load_parts(cfg, mesh, model)
-    batches = build_vlm_batches(cfg, mesh, "train")
-    val_batches = build_vlm_batches(cfg, mesh, "valid") if cfg.train.eval_every else None
+    pin = device.type == "cuda"
+    batches = build_vlm_batches(cfg, mesh, "train", pin)
+    val_batches = build_vlm_batches(cfg, mesh, "valid", pin) if cfg.train.eval_every else None
     return train_model(cfg, mesh, device, model, batches, val_batches, _vlm_task(cfg, mesh, device, model), found,
                        model_name=cfg.model.name, lr_scale_of=lr_scale_of, lr_schedule=lr_schedule)

@@ -19,5 +19,6 @@ def to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | No
     if t is None:
         return None
     if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        t = t.pin_memory()
+        # not ``pin_memory()``: it refuses a tensor whose elements share memory (an expanded position row)
+        t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
     return t.to(device, non_blocking=True)

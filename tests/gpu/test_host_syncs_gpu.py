@@ -87,3 +87,5 @@ def test_a_batch_copy_from_pageable_memory_does_not_wait_for_the_gpu():
     assert not torch.cuda.current_stream().query(), "the copy waited for the queued kernel"
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), src)
+    rows = torch.arange(8).expand(4, 8)  # an expanded (stride-0) tensor, as GPTMicroBatch.plain's positions
+    assert torch.equal(to_device(rows, torch.device("cuda")).cpu(), rows)
