@@ -46,9 +46,10 @@ class MockMediaSamples:
         self.captions = torch.randint(1, high, (num_classes, n_text), generator=g)
         self.colours = torch.rand(num_classes, 3, 1, 1, generator=g) * 2 - 1
         # noise drawn once and picked per row: drawing a 448 px image's noise per row cost ~10 ms of host time
-        # in the training loop's step (the GPU waited; issue #32's VLM row), a row costs an add now
+        # in the training loop's step (the GPU waited; issue #32's VLM row)
         self.noise = 0.1 * torch.randn(_NOISE_IMAGES, 3, image_size, image_size, generator=g)
-        # (class, noise) -> the image, made on first use: a fresh 448 px image per row cost ~7 ms of page faults
+        # (class, noise) -> the image, made on first use (at most num_classes x _NOISE_IMAGES: 154 MB at 448 px):
+        # adding them per row cost ~7 ms of page faults on each fresh image, in the step's host time
         self._images: dict[tuple[int, int], torch.Tensor] = {}
 
     def row(self, i: int) -> MediaBatch:
