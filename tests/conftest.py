@@ -29,6 +29,14 @@ def _compile_sources() -> None:
         compileall.compile_dir(root / folder, quiet=2, workers=1)
 
 
+def pytest_configure(config):
+    # pytest-xdist's --dist loadgroup otherwise queues the groups by their number of tests, most first: the docs
+    # pages and the distributed files of one or two long tests then came last, and one worker ran them alone
+    # while the other had finished. Kept off, the queue follows the workers' item order (_longest_groups_first).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_sessionstart(session):
     if sys.flags.dont_write_bytecode and not hasattr(session.config, "workerinput"):
         _compile_sources()  # in pytest-xdist's controller before it starts the workers, or in a run without them
@@ -68,6 +76,35 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(rel.as_posix()))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+    if hasattr(config, "workerinput"):  # pytest-xdist's controller queues the groups in its workers' item order
+        items[:] = _longest_groups_first(items, here)
+
+
+_GUIDE_LEAD_S = 90  # the shared user guide's build beside two busy workers (61 s alone on the 2-core machine)
+
+
+def _longest_groups_first(items, here: Path) -> list:
+    """The items by group (a file), the longest groups first (tests/group_seconds.json: seconds a file took in a
+    measured run), so that the last groups the two workers take are short and they end together; the docs pages
+    wait until the groups before them add up to the guide's build on both workers, as they start from the
+    guide's folder (tests/docs/conftest.py), which the controller builds in the background meanwhile. Files not
+    in the table (short or new) keep their collection order after the others."""
+    import json
+
+    seconds = json.loads((here / "group_seconds.json").read_text())
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(Path(str(item.fspath)).relative_to(here).as_posix(), []).append(item)
+    measured = sorted((g for g in groups if g in seconds), key=lambda g: -seconds[g])
+    docs = [g for g in measured if g.startswith("docs/")]
+    order, ahead = [], 0.0
+    for group in [g for g in measured if not g.startswith("docs/")]:
+        order.append(group)
+        ahead += seconds[group]
+        while docs and ahead >= 2 * _GUIDE_LEAD_S:
+            order.append(docs.pop(0))
+    order += docs + [g for g in groups if g not in seconds]
+    return [item for group in order for item in groups[group]]
 
 
 _GUIDE_BUILDER = "_mmtrain_guide_builder"  # the config attribute holding the background build's process
