@@ -29,6 +29,30 @@ def _compile_sources() -> None:
         compileall.compile_dir(root / folder, quiet=2, workers=1)
 
 
+def _one_thread_per_core(config) -> None:
+    """In a pytest-xdist worker: torch (OpenMP) threads = the cores over the workers (1 with ``-n auto``), in this
+    process and the commands it starts, as the distributed tests' ranks and the docs' commands already run. With its
+    default (every core) in each of N busy workers, a torch op's OpenMP threads wait for cores the other workers
+    hold: on the 2-core machine the in-process unit tests took 1.45x as long. An OMP_NUM_THREADS already set wins."""
+    if not hasattr(config, "workerinput") or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // int(config.workerinput.get("workercount", 1)))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    _one_thread_per_core(config)
+    # pytest-xdist's --dist loadgroup otherwise queues the groups by their number of tests, most first: the docs
+    # pages and the distributed files of one or two long tests then came last, and one worker ran them alone
+    # while the other had finished. Kept off, the queue follows the workers' item order (_longest_groups_first).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_sessionstart(session):
     if sys.flags.dont_write_bytecode and not hasattr(session.config, "workerinput"):
         _compile_sources()  # in pytest-xdist's controller before it starts the workers, or in a run without them
@@ -68,6 +92,37 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(rel.as_posix()))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+    if hasattr(config, "workerinput"):  # pytest-xdist's controller queues the groups in its workers' item order
+        items[:] = _longest_groups_first(items, here)
+
+
+# the shared user guide's build beside two busy workers: ~185 s in a measured run (61 s alone on the 2-core machine;
+# the distributed tests' ranks take most of the CPU); docs pages started at ~100 s waited for it with a core idle
+_GUIDE_LEAD_S = 200
+
+
+def _longest_groups_first(items, here: Path) -> list:
+    """The items by group (a file), the longest groups first (tests/group_seconds.json: seconds a file took in a
+    measured run), so that the last groups the two workers take are short and they end together; the docs pages
+    wait until the groups before them add up to the guide's build on both workers, as they start from the
+    guide's folder (tests/docs/conftest.py), which the controller builds in the background meanwhile. Files not
+    in the table (short or new) keep their collection order after the others."""
+    import json
+
+    seconds = json.loads((here / "group_seconds.json").read_text())
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(Path(str(item.fspath)).relative_to(here).as_posix(), []).append(item)
+    measured = sorted((g for g in groups if g in seconds), key=lambda g: -seconds[g])
+    docs = [g for g in measured if g.startswith("docs/")]
+    order, ahead = [], 0.0
+    for group in [g for g in measured if not g.startswith("docs/")]:
+        order.append(group)
+        ahead += seconds[group]
+        while docs and ahead >= 2 * _GUIDE_LEAD_S:
+            order.append(docs.pop(0))
+    order += docs + [g for g in groups if g not in seconds]
+    return [item for group in order for item in groups[group]]
 
 
 _GUIDE_BUILDER = "_mmtrain_guide_builder"  # the config attribute holding the background build's process

@@ -319,7 +319,8 @@ def test_list_images_and_undecoded_video(data, tmp_path):
     (src / "extra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert prep(["media", "--input", str(src / "extra.jsonl"), "--output", str(tmp_path / "x"), "--no-progress",
                  "--val-ratio", "0", "--workers", "1"]) == 0
-    loader = MultimodalLoader(tmp_path / "x", settings(data), opts(micro_batch_size=2, shuffle_buffer_size=0, num_slices=1))
+    loader = MultimodalLoader(tmp_path / "x", settings(data),
+                              opts(micro_batch_size=2, shuffle_buffer_size=0, num_slices=1))
     batch = next(loader)
     counts = dict(zip(batch.__key__, batch.image_counts.tolist()))
     assert counts == {"pair": 2, "slide": 4} and batch.images.shape == (6, 3, 32, 32)
@@ -362,11 +363,16 @@ def test_workers_start_after_the_rank_used_openmp(data):
     (it would hang in its first image resize)."""
     import torch.nn.functional as F
 
-    F.interpolate(torch.rand(1, 3, 512, 512), size=(224, 224), mode="bilinear", antialias=True)
-    loader = MultimodalLoader(data["root"] / "a", settings(data, image_size=224),
-                              opts(num_workers=2, shuffle_buffer_size=2))
-    assert take(loader, 2)[1].images.shape[-1] == 224
-    loader.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a rank with an OpenMP pool, also where the suite runs one thread a process (conftest.py)
+    try:
+        F.interpolate(torch.rand(1, 3, 512, 512), size=(224, 224), mode="bilinear", antialias=True)
+        loader = MultimodalLoader(data["root"] / "a", settings(data, image_size=224),
+                                  opts(num_workers=2, shuffle_buffer_size=2))
+        assert take(loader, 2)[1].images.shape[-1] == 224
+        loader.close()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_same_batches_in_another_process(data):
