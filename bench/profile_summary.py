@@ -20,6 +20,7 @@ their sum is the busy time): time the GPU waited for the host (launches, Python,
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
@@ -153,4 +154,4 @@ def host_profiling(skip: int, steps: int, path: str | None, top: int = 30):
                          f"{100 * own / total:.1f}% | {1e3 * cum / steps:.2f} |")
         from mmtrain.utils.atomic import atomic_write_text
 
-        atomic_write_text(__import__("pathlib").Path(path), "\n".join(lines) + "\n")
+        atomic_write_text(Path(path), "\n".join(lines) + "\n")
