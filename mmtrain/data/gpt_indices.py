@@ -1,4 +1,4 @@
-"""The index arrays behind GPT samples and blends, built in numba (no C++ build step).
+"""The index arrays behind GPT samples and blends, built in numpy (no C++ build step).
 
 A GPT dataset over documents ``D`` (one split's range of an indexed dataset) is three arrays, with the same
 meaning and, for the same inputs and seed, the same values as Megatron-Core's ``GPTDataset``:
@@ -15,11 +15,17 @@ The shuffles use ``numpy.random.RandomState(seed)`` in Megatron's order, which i
 Blend indices assign each global sample to a dataset: ``dataset_index[n]`` and the sample number inside that
 dataset, ``dataset_sample_index[n]``. They are built by an earliest-deadline rule (the quota method of
 apportionment), which keeps every dataset's count after any ``n`` samples within 1 of ``n * weight``.
+
+Why numpy and not numba for the sample index and the gather: numba's first call in a process costs ~1.5-2.5 s
+(its typing machinery is imported and the cached machine code loaded) and every rank of every launch, evaluation
+and export pays it; the vectorized sample index and the per-document slice copies are as fast at the sizes used.
+The blend index is a sequential rule: a Python loop below ``_BLEND_NUMBA_FROM`` samples, numba above it.
 """
 
 from __future__ import annotations
 
-import numba
+import functools
+
 import numpy as np
 
 # A final epoch used for less than this fraction of its samples gets its own shuffle (Megatron's threshold).
@@ -70,34 +76,6 @@ def build_shuffle_index(first_size: int, total_size: int, rng: np.random.RandomS
     return np.concatenate((first, last))
 
 
-@numba.njit(cache=True, nogil=True)
-def _fill_sample_index(lengths, document_index, seq_length, out):  # pragma: no cover - numba
-    num_samples = out.shape[0] - 1
-    pos = 0  # position in the document index
-    offset = 0  # tokens of that document already used by earlier samples
-    out[0, 0] = 0
-    out[0, 1] = 0
-    last = document_index.shape[0] - 1
-    doc_length = lengths[document_index[0]]
-    for k in range(1, num_samples + 1):
-        # each sample takes seq_length + 1 tokens but starts on the previous sample's last token
-        remaining = seq_length + 1
-        while True:
-            available = doc_length - offset
-            remaining -= available
-            if remaining <= 0:
-                offset += remaining + available - 1
-                break
-            if pos == last:  # only reachable on the very last sample of the last epoch
-                offset = doc_length - 1
-                break
-            pos += 1
-            offset = 0
-            doc_length = lengths[document_index[pos]]
-        out[k, 0] = pos
-        out[k, 1] = offset
-
-
 def build_sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_length: int,
                        tokens_per_epoch: int, num_epochs: int) -> np.ndarray:
     """Start (document-index position, offset) of every sample that fits in ``num_epochs`` epochs, plus the
@@ -106,12 +84,45 @@ def build_sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_leng
     num_samples = num_indexed_samples(tokens_per_epoch, num_epochs, seq_length)
     dtype = np.int32 if document_index.shape[0] < np.iinfo(np.int32).max else np.int64
     out = np.empty((num_samples + 1, 2), dtype=dtype)
-    _fill_sample_index(np.asarray(lengths), np.asarray(document_index), np.int64(seq_length), out)
+    _fill_sample_index(np.asarray(lengths), np.asarray(document_index), seq_length, out)
     return out
 
 
-@numba.njit(cache=True, nogil=True)
-def _fill_blend_index(weights, size):  # pragma: no cover - numba
+_DOCS_PER_CHUNK = 1 << 22  # document-index positions per step: bounds the int64 work arrays (~32 MiB each)
+_ROWS_PER_CHUNK = 1 << 22
+
+
+def _fill_sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_length: int, out: np.ndarray) -> None:
+    """Row ``k`` starts at token ``k * seq_length`` of the epochs' token stream (documents in document-index
+    order; each sample's last token is the next one's first): its row is the document holding that token and the
+    token's offset in it. A token position at a document's end belongs to the next non-empty document."""
+    num_rows = out.shape[0]
+    out[0] = 0  # row 0 is (0, 0) even when the first document is empty (gather copies nothing from it)
+    row = 1
+    tokens_before = 0  # tokens of the documents before this chunk
+    for lo in range(0, document_index.shape[0], _DOCS_PER_CHUNK):
+        doc_lengths = lengths[document_index[lo:lo + _DOCS_PER_CHUNK]].astype(np.int64)
+        ends = tokens_before + np.cumsum(doc_lengths)  # each document's end in the token stream (exclusive)
+        # rows whose first token lies in this chunk: row * seq_length < ends[-1]
+        last_row = min(num_rows - 1, (int(ends[-1]) - 1) // seq_length) if ends.size else row - 1
+        while row <= last_row:
+            rows = np.arange(row, min(last_row, row + _ROWS_PER_CHUNK - 1) + 1, dtype=np.int64)
+            positions = rows * seq_length
+            at = np.searchsorted(ends, positions, side="right")
+            out[rows, 0] = lo + at
+            out[rows, 1] = positions - (ends[at] - doc_lengths[at])
+            row = int(rows[-1]) + 1
+        tokens_before = int(ends[-1]) if ends.size else tokens_before
+    if row < num_rows:  # past the last token (the sizes never ask for it): the last document's last token
+        last = document_index.shape[0] - 1
+        out[row:, 0] = last
+        out[row:, 1] = lengths[document_index[last]] - 1
+
+
+_BLEND_NUMBA_FROM = 1 << 16  # the Python loop takes ~0.2 s here on two datasets, below numba's start-up cost
+
+
+def _fill_blend_index(weights, size):
     k = weights.shape[0]
     counts = np.zeros(k, dtype=np.int64)
     dataset_index = np.empty(size, dtype=np.int16)
@@ -144,26 +155,34 @@ def build_blend_index(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or w.size > np.iinfo(np.int16).max or not np.all(w > 0):
         raise ValueError(f"blend weights must be 1..32767 positive numbers, got {weights!r}")
-    return _fill_blend_index(w / w.sum(), np.int64(size))
+    if size < _BLEND_NUMBA_FROM:
+        return _fill_blend_index(w / w.sum(), size)
+    return _fill_blend_index_numba()(w / w.sum(), np.int64(size))
 
 
-@numba.njit(cache=True, nogil=True)
-def gather_sample(tokens, starts, lengths, document_index, sample_index, row, out):  # pragma: no cover - numba
+@functools.cache
+def _fill_blend_index_numba():
+    """``_fill_blend_index`` compiled by numba (the same code; cached on disk by numba), imported only here."""
+    import numba
+
+    return numba.njit(cache=True, nogil=True)(_fill_blend_index)
+
+
+def gather_sample(tokens, starts, lengths, document_index, sample_index, row: int, out: np.ndarray) -> int:
     """Copy the ``seq_length + 1`` tokens of sample row ``row`` into ``out`` (int64); returns the count.
 
     ``tokens`` is the whole .bin viewed in its token dtype, ``starts`` each sequence's first token in it."""
-    pos, offset = sample_index[row, 0], sample_index[row, 1]
-    end_pos, end_offset = sample_index[row + 1, 0], sample_index[row + 1, 1]
+    pos, offset = int(sample_index[row, 0]), int(sample_index[row, 1])
+    end_pos, end_offset = int(sample_index[row + 1, 0]), int(sample_index[row + 1, 1])
     n = 0
     while True:
-        doc = document_index[pos]
-        stop = end_offset + 1 if pos == end_pos else lengths[doc]
-        base = starts[doc]
-        for t in range(offset, stop):
-            out[n] = tokens[base + t]
-            n += 1
+        doc = int(document_index[pos])
+        stop = end_offset + 1 if pos == end_pos else int(lengths[doc])
+        if stop > offset:
+            base = int(starts[doc])
+            out[n:n + stop - offset] = tokens[base + offset:base + stop]
+            n += stop - offset
         if pos == end_pos:
-            break
+            return n
         pos += 1
         offset = 0
-    return n
