@@ -7,6 +7,7 @@
 #   serve  : this tree's server, bench/serve_load.py --clients 32 (python -m mmtrain.serve's two processes)
 #   hf     : transformers' generate with a static cache, batch 1 and 32 (.device/hf_generate_baseline.py)
 #   sprof  : bench/serve_profile.py: each server thread's CPU time per new token (where the host time goes)
+#   sprof_before : the same for the PREV tree's server
 #   dprof  : bench/generate_profile.py --batch 1: the decode step's kernels (where the GPU time goes)
 #   vlm    : bench/vlm_h200.py --compile --profile --host-profile (the ~2B VLM, 8x1024, 448 px; the GPU profile
 #            summary and the host's cProfile table to $OUT)
@@ -47,6 +48,8 @@ for stage in ${STAGES:-engine serve vlm before hf dprof sprof}; do
     hf) timeout -k 5 "$(cap 120)" python3 .device/hf_generate_baseline.py --batch 1 32 --cache static 2>&1 \
           | grep -E '^\{|Error' | tail -3 ;;
     sprof) tree "$here" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} 2>&1 | grep -vE "^\{|INFO:" | tail -40 ;;
+    sprof_before) [ -n "${PREV:-}" ] || { echo "no PREV tree"; continue; }
+                  tree "$PREV" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} 2>&1 | grep -vE "^\{|INFO:" | tail -40 ;;
     dprof) tree "$here" 90 python3 bench/generate_profile.py --batch 1 "${T[@]}" 2>&1 | tail -25 ;;
     vlm) tree "$here" 180 python3 bench/vlm_h200.py --compile --label mmtrain-vlm --profile "$RES/prof_vlm.md" \
            --steps 10 --host-profile "$RES/host_vlm.md" ${VLM_ARGS:-} 2>&1 | tail -4
