@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mmtrain.parallel.grad_buckets import GradBuckets, Bucket
+from mmtrain.train.fused_adamw import FusedAdamW
 
 
 @dataclass
@@ -56,8 +57,9 @@ class MixedPrecisionAdamW:
                        {"params": [pc.master for pc in mine if pc.param.ndim < 2], "weight_decay": 0.0}]
             if lr_scale_of is not None:
                 groups[-2]["lr_scale"] = groups[-1]["lr_scale"] = scale
-        # fused (CUDA and CPU kernels): the only AdamW that skips an update on a device-side flag (``found_inf``)
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        # torch's fused kernel (CUDA and CPU): the only AdamW that skips an update on a device-side flag
+        # (``found_inf``); called through our FusedAdamW, as torch.optim's AdamW imports torch._dynamo
+        self.optimizer = FusedAdamW(groups, lr=lr, betas=betas, eps=eps)
         self._grad_divisor: torch.Tensor | None = None
 
     @property
@@ -82,16 +84,8 @@ class MixedPrecisionAdamW:
         from ``divide_grads_at_step`` is applied (and forgotten) here."""
         for pc, grad in self.piece_grads():
             pc.master.grad = grad
-        if skip is not None:
-            self.optimizer.found_inf = skip.float()  # what the fused kernel reads (GradScaler's hooks)
         divisor, self._grad_divisor = self._grad_divisor, None
-        if divisor is not None:
-            self.optimizer.grad_scale = divisor
-        try:
-            self.optimizer.step()
-        finally:
-            self.optimizer.__dict__.pop("found_inf", None)
-            self.optimizer.__dict__.pop("grad_scale", None)
+        self.optimizer.step(grad_scale=divisor, found_inf=skip.float() if skip is not None else None)
         for pc in self.pieces:
             pc.master.grad = None
             if self.master_weights:
