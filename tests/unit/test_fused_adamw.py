@@ -24,8 +24,13 @@ def _groups(params):
 
 
 def test_updates_bit_identical_to_torch_fused_adamw():
+    compare_with_torch_fused_adamw(torch.device("cpu"))
+
+
+def compare_with_torch_fused_adamw(device: torch.device) -> None:
+    """The side-by-side run of both optimizers on ``device`` (tests/gpu runs it on CUDA)."""
     torch.manual_seed(0)
-    start = [torch.randn(s) for s in SHAPES]
+    start = [torch.randn(s, device=device) for s in SHAPES]
     ours_p = [t.clone() for t in start]
     theirs_p = [torch.nn.Parameter(t.clone()) for t in start]
     ours = FusedAdamW(_groups(ours_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
@@ -35,10 +40,10 @@ def test_updates_bit_identical_to_torch_fused_adamw():
             opt.param_groups[0]["lr"] = lr
             opt.param_groups[1]["lr"] = lr * opt.param_groups[1]["lr_scale"]
         for k, (a, b) in enumerate(zip(ours_p, theirs_p)):
-            g = torch.randn(a.shape) if (i, k) != (0, 3) else None
+            g = torch.randn(a.shape, device=device) if (i, k) != (0, 3) else None
             a.grad, b.grad = (g.clone(), g.clone()) if g is not None else (None, None)
-        scale = torch.tensor(grad_scale) if grad_scale is not None else None
-        inf = torch.tensor(found_inf) if found_inf is not None else None
+        scale = torch.tensor(grad_scale, device=device) if grad_scale is not None else None
+        inf = torch.tensor(found_inf, device=device) if found_inf is not None else None
         ours.step(grad_scale=scale, found_inf=inf)
         if scale is not None:
             theirs.grad_scale = scale
