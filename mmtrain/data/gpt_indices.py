@@ -104,7 +104,7 @@ def _fill_sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_leng
         doc_lengths = lengths[document_index[lo:lo + _DOCS_PER_CHUNK]].astype(np.int64)
         ends = tokens_before + np.cumsum(doc_lengths)  # each document's end in the token stream (exclusive)
         # rows whose first token lies in this chunk: row * seq_length < ends[-1]
-        last_row = min(num_rows - 1, (int(ends[-1]) - 1) // seq_length) if ends.size else row - 1
+        last_row = min(num_rows - 1, (int(ends[-1]) - 1) // seq_length)
         while row <= last_row:
             rows = np.arange(row, min(last_row, row + _ROWS_PER_CHUNK - 1) + 1, dtype=np.int64)
             positions = rows * seq_length
@@ -112,7 +112,7 @@ def _fill_sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_leng
             out[rows, 0] = lo + at
             out[rows, 1] = positions - (ends[at] - doc_lengths[at])
             row = int(rows[-1]) + 1
-        tokens_before = int(ends[-1]) if ends.size else tokens_before
+        tokens_before = int(ends[-1])
     if row < num_rows:  # past the last token (the sizes never ask for it): the last document's last token
         last = document_index.shape[0] - 1
         out[row:, 0] = last
