@@ -71,6 +71,16 @@ def pytest_sessionstart(session):
             return
 
 
+def pytest_collection_finish(session):
+    # Collection imported torch, transformers, energon and every test module: ~900k objects that a full collection
+    # then walks each time (energon's loader calls gc.collect() every few batches: most of some media tests'
+    # time). Frozen, they are left out of every later collection; objects the tests make are still collected.
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group markers (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     try:
