@@ -20,13 +20,15 @@ def guide_env(code: Path = REPO) -> dict[str, str]:
     """This interpreter's environment first on PATH (python, torchrun, mmtrain-prep), the code of ``code`` (this
     tree, or a copy of its ``mmtrain/`` a page edits) first on PYTHONPATH.
     torchrun's rendezvous port (``PET_MASTER_PORT``, its ``--master-port`` default) is a free one, not 29500:
-    the suite's other worker may be running a torchrun of its own at the same time."""
+    the suite's other worker may be running a torchrun of its own at the same time.
+    ``python`` starts its commands from a server with torch imported (tests/docs/python_server.py)."""
     from mmtrain.testing import free_port
+    from tests.docs.python_server import with_python_server
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
     bin_dir = str(Path(sys.executable).parent)
-    return {**env, "PATH": bin_dir + os.pathsep + env.get("PATH", ""), "PYTHONPATH": str(code),
-            "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())}
+    return with_python_server({**env, "PATH": bin_dir + os.pathsep + env.get("PATH", ""), "PYTHONPATH": str(code),
+                               "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())})
 
 
 def run_page(page: Path, folder: Path, timeout: float = 300, code: Path = REPO) -> dict[int, str]:
