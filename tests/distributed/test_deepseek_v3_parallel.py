@@ -19,8 +19,8 @@ from mmtrain.train.loop import train_gpt
 
 TINY = "configs/models/deepseek-v3-tiny.yaml"
 # the tiny shape, smaller still: 3 layers (1 dense, 2 MoE with 8 experts in 4 groups), vocabulary 64
-BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=6",
-        "train.micro_batch_size=2", "train.global_batch_size=8", "optim.warmup_steps=2", "optim.lr=3e-3",
+BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=4",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "optim.warmup_steps=1", "optim.lr=3e-3",
         "model.deepseek_v3.vocab_size=64", "model.deepseek_v3.bias_update_rate=1e-2"]
 
 

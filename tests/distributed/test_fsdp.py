@@ -1,5 +1,6 @@
 """parallel.fsdp (fully sharded data parallelism) trains exactly like one process (fp32, CPU, gloo): losses over
-10 steps and the final parameters; composes with TP, PP and activation recompute; checkpoints resume across the
+4 steps (1 of warmup: three full-rate updates compound a gradient difference, as in
+test_gpt_parallel_equivalence.py) and the final parameters; composes with TP, PP and activation recompute; checkpoints resume across the
 FSDP and distributed-optimizer layouts; a block's non-owned parameter storage is not resident after a step."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from mmtrain.models.llama.spec import llama_sharding_spec
 from mmtrain.testing import run_distributed
 from mmtrain.train.loop import train_gpt
 
-BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=10",
-        "train.micro_batch_size=2", "train.global_batch_size=8", "optim.warmup_steps=2", "optim.lr=3e-3",
+BASE = ["data.mock=true", "data.seq_length=16", "train.precision=fp32", "train.device=cpu", "train.steps=4",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "optim.warmup_steps=1", "optim.lr=3e-3",
         "model.num_layers=4", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.vocab_size=64"]
 

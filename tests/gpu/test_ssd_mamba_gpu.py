@@ -115,13 +115,20 @@ def test_the_scan_makes_no_host_sync(smallest_configs):
     run_without_host_sync(ssd_chunked_scan_mamba, inputs, CHUNK, backward=True)
 
 
-def test_the_mixer_scan_takes_mamba_for_gradients_and_fla_without(smallest_configs):
-    """(fla's kernels are not run here: their autotuning is tests/gpu/test_ssd_triton_gpu.py's cost.)"""
+def test_the_mixer_scan_takes_mamba_for_gradients_and_fla_without(smallest_configs, monkeypatch):
+    """(fla's kernels are not run here: their autotuning is tests/gpu/test_ssd_triton_gpu.py's cost.) The call is
+    seen, not inferred from equal outputs: the autograd path's kernels may autotune to another configuration than
+    a no-grad call's and differ from it by a bf16 ulp (H200, 2026-12-04)."""
     inputs = _scan_inputs(1, 512, torch.bfloat16, seed=9)
     inputs["doc_ids_BS"] = _documents(512, 10)[None]
     assert ssd.scan_backend(inputs["x_BSHP"], needs_grad=False) == "fla"
     assert ssd.scan_backend(inputs["x_BSHP"], needs_grad=True) == "mamba"
     with torch.no_grad():
         y_mamba = ssd_chunked_scan_mamba(**inputs, chunk_size=CHUNK)[0]
+    calls = []
+    monkeypatch.setattr(ssd, "ssd_chunked_scan_mamba",
+                        lambda *args, **kw: calls.append(1) or ssd_chunked_scan_mamba(*args, **kw))
     inputs["x_BSHP"].requires_grad_(True)
-    assert ssd.ssd_scan(**inputs, chunk_size=CHUNK)[0].equal(y_mamba)
+    y = ssd.ssd_scan(**inputs, chunk_size=CHUNK)[0]
+    assert calls == [1]
+    torch.testing.assert_close(y, y_mamba, rtol=2e-2, atol=2e-2)
