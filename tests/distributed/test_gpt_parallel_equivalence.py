@@ -44,8 +44,8 @@ LAYOUTS = [
     (2, ["parallel.dp=2"], []),
     (2, ["parallel.dp=2", "parallel.distributed_optimizer=false"], []),
     (2, ["parallel.dp=2", "optim.master_weights=false"], []),
-    (4, ["parallel.tp=2", "parallel.dp=2"], []),
-    (4, ["parallel.tp=2", "parallel.pp=2"], []),
+    # TP x DP and TP x PP without the others: in the 8-process TP2 x PP2 x DP2 below, in the MoE layouts (TP x DP)
+    # and in TP2 x PP2 with sequence parallelism
     (4, ["parallel.pp=2", "parallel.dp=2", "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
     (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "model.qk_norm=true",
          "model.qkv_bias=true"], ["model.qk_norm=true", "model.qkv_bias=true"]),

@@ -53,7 +53,7 @@ def test_serve_refuses_a_context_larger_than_the_device(files):
     assert "KV cache of 32 slots x 100000000 positions needs" in line and "lower --context or --slots" in line
 
 
-@pytest.mark.parametrize("new_tokens", [10**7, 10**8])
+@pytest.mark.parametrize("new_tokens", [10**8])
 def test_generate_refuses_max_new_tokens_beyond_the_limit_before_loading(files, new_tokens):
     ckpt, tok = files
     code, err = _run("mmtrain.generate", ["--ckpt", ckpt, "--tokenizer", tok, "--device", "cpu", "--prompt", "Hi",
