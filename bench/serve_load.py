@@ -144,6 +144,9 @@ async def _streams(url: str, prompts: list[list[int]], new: int, start_at: float
     # the client before the start: making one loads a TLS context (60-90 ms here, more on a busy host), which
     # after the start made streams late, counted against the server by tokens_per_s (late_ms_max)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        # one request first: the first one through a client imports and builds its connection machinery (tens
+        # of ms on the device's host), which at the start made this process's later streams late again
+        (await client.get(f"{url}/health")).raise_for_status()
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         return await asyncio.gather(*(one(client, p) for p in prompts))
 

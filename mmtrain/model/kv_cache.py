@@ -15,8 +15,11 @@ training, ``mmtrain.model.attention``); ``mmtrain.inference`` makes the caches t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mmtrain.model.attention import apply_sinks, dense_attention_with_lse
 
@@ -97,7 +100,14 @@ def cached_attention(q_BSHD: torch.Tensor, keys_BHTD: torch.Tensor, values_BHTD:
     returns (B, S, H, D). Key t is visible to the query at position p iff key_index[t] <= p and, with a
     ``window``, p - key_index[t] < window. ``scale``/``sinks_H``/``softcap`` as the training strategies take them.
     Shapes are static and nothing depends on the data: one graph for a compiled / CUDA-graphed decode step (the
-    plain case is the SDPA call of the bare cache)."""
+    plain case is the SDPA call of the bare cache).
+
+    As many queries as keys (S == T) is a prefill from position 0: S queries that see their own keys among T
+    cached positions can only sit at positions 0..S-1, so the mask is the causal one. That call runs causal
+    without a mask (``from_start_attention``)."""
+    if q_BSHD.shape[1] == keys_BHTD.shape[2] and sinks_H is None and softcap is None and (
+            window is None or window >= keys_BHTD.shape[2]):
+        return from_start_attention(q_BSHD, keys_BHTD, values_BHTD, scale)
     if window is None:  # the plain decode step's one comparison
         visible = key_index_T[None, None, None, :] <= positions_BS[:, None, :, None]  # (B, 1, S, T)
     else:
@@ -111,6 +121,26 @@ def cached_attention(q_BSHD: torch.Tensor, keys_BHTD: torch.Tensor, values_BHTD:
     else:
         out, lse = dense_attention_with_lse(q, keys, values, visible, scale, softcap)
         out = out if sinks_H is None else apply_sinks(out, lse, sinks_H)
+    return out.transpose(1, 2)
+
+
+# The kernels a causal prefill runs with on a GPU: flash attention (which takes grouped-query heads unexpanded),
+# else math. cuDNN's attention, PyTorch's first choice on an H100/H200, builds an execution plan for every new
+# shape, and a prefill's shape (prompts that joined together, the longest of them) changes call to call: on the
+# H200 the first prefill of a new shape waited 64-85 ms for it, of a new length 0.6-1.0 s; flash needs no plan
+# and was as fast after (bench/prefill_shapes.py, bench/results/h200_2026-12-04_s21.md).
+FROM_START_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def from_start_attention(q_BSHD: torch.Tensor, keys_BHTD: torch.Tensor, values_BHTD: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+    """Causal attention of the queries (B, S, H, D) of positions 0..S-1 over their own S keys/values (B, KV heads,
+    S, D); returns (B, S, H, D)."""
+    q = q_BSHD.transpose(1, 2)
+    keys, values = keys_BHTD.to(q.dtype), values_BHTD.to(q.dtype)
+    with sdpa_kernel(FROM_START_KERNELS) if q.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
     return out.transpose(1, 2)
 
 
