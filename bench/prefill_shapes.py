@@ -13,10 +13,10 @@ again for every new (B, S); this prints how much, as a table:
 Modes: "mmtrain", the tree's cached attention (a prefill from position 0 attends causally without a mask:
 ``mmtrain.model.kv_cache.from_start_attention``, flash on a GPU); "masked, no cuDNN", the masked attention
 every prefill ran before (key index <= query position) with flash, memory-efficient and math allowed; "masked
-(before)", the same with every kernel allowed (PyTorch picks cuDNN on an H100/H200: the tree before). One warm-up call of another
-shape comes first, and the masked modes run after, so the shared cuBLAS warm-up of a new shape favours them. Before
-the table, one line per SDPA kernel alone: whether it takes a prefill's call (a boolean mask or is_causal, with
-grouped-query heads).
+(before)", the same with every kernel allowed (PyTorch picks cuDNN on an H100/H200: the tree before). One
+warm-up call of another shape comes first, and the masked modes run after, so the shared cuBLAS warm-up of a new
+shape favours them. Before the table, one line per SDPA kernel alone: whether it takes a prefill's call (a
+boolean mask or is_causal, with grouped-query heads).
 """
 
 from __future__ import annotations
