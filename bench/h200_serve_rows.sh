@@ -4,7 +4,8 @@
 #   before : the server of the tree before the frontend process (PREV, a `git archive` inside the carried .device),
 #            bench/serve_load.py --clients 32 as that tree has it
 #   engine : this tree's engine alone, bench/generate.py --batch 1 32 (the server row's ceiling; the decode row)
-#   serve  : this tree's server, bench/serve_load.py --clients 32 (python -m mmtrain.serve's two processes)
+#   serve  : this tree's server, bench/serve_load.py --clients 32 (python -m mmtrain.serve's two processes);
+#            SERVE_ARGS adds options (--trace FILE: the engine's steps in the timed round; then SERVE_LINES=80)
 #   hf     : transformers' generate with a static cache, batch 1 and 32 (.device/hf_generate_baseline.py)
 #   sprof  : bench/serve_profile.py: each server thread's CPU time per new token (where the host time goes)
 #   sprof_before : the same for the PREV tree's server
@@ -44,7 +45,8 @@ for stage in ${STAGES:-engine serve vlm before hf dprof sprof}; do
     before) [ -n "${PREV:-}" ] || { echo "no PREV tree"; continue; }
             tree "$PREV" 150 python3 bench/serve_load.py --clients 32 "${T[@]}" 2>&1 | grep -E '^\||^\{|Error|error' | tail -4 ;;
     engine) tree "$here" 150 python3 bench/generate.py --batch 1 32 "${T[@]}" 2>&1 | grep -E '^\||Error' | tail -4 ;;
-    serve) tree "$here" 150 python3 bench/serve_load.py --clients 32 "${T[@]}" 2>&1 | grep -E '^\||^\{|Error|error' | tail -4 ;;
+    serve) tree "$here" 150 python3 bench/serve_load.py --clients 32 "${T[@]}" ${SERVE_ARGS:-} 2>&1 \
+             | grep -E '^\||^\{|###|Error|error' | tail -"${SERVE_LINES:-4}" ;;
     hf) timeout -k 5 "$(cap 120)" python3 .device/hf_generate_baseline.py --batch 1 32 --cache static 2>&1 \
           | grep -E '^\{|Error' | tail -3 ;;
     sprof) tree "$here" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} 2>&1 | grep -vE "^\{|INFO:" | tail -40 ;;

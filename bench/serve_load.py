@@ -87,6 +87,60 @@ def build_engine(a):
     return engine, model.cfg.vocab_size
 
 
+def _record_trace(engine, path: str) -> None:
+    """Wrap the engine's step and prefill and watch the garbage collector: (start, end, what) per event, written
+    to ``path`` as JSON when the child ends. A bench-side probe: the product's code is unchanged."""
+    import atexit
+    import gc
+
+    events, gc_start = [], {}
+
+    def timed(name, fn, info):
+        def wrapper(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                events.append((t0, time.perf_counter(), name + info(*args)))
+        return wrapper
+
+    engine.step = timed("step", engine.step,
+                        lambda: f" (after: active={len(engine.active)} waiting={len(engine.waiting)})")
+    engine._prefill = timed("prefill", engine._prefill,
+                            lambda seqs: f" B={len(seqs)} S={max(len(q.prompt_ids) for q in seqs)}")
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        elif 0 in gc_start:
+            events.append((gc_start.pop(0), time.perf_counter(), f"gc gen{info['generation']}"))
+
+    gc.callbacks.append(on_gc)
+
+    def dump():
+        with open(path, "w") as f:
+            json.dump(events, f)
+
+    atexit.register(dump)  # the child ends normally when terminated (the frontend's signal handling)
+
+
+def _print_trace(path: str, start: float, window_ms: float) -> None:
+    """The timed round's first ``window_ms``: each event's start and length (ms from the round's start)."""
+    try:
+        with open(path) as f:
+            events = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"### trace: none ({exc})")
+        return
+    print(f"### trace: the engine process in the timed round's first {window_ms:.0f} ms")
+    print("| from start ms | ms | event |\n|---|---|---|")
+    for t0, t1, what in sorted(events):
+        at = (t0 - start) * 1e3
+        quiet = what.startswith("step") and (t1 - t0) * 1e3 < 3 and "waiting=0)" in what  # a plain decode step
+        if -50 <= at <= window_ms and not quiet:
+            print(f"| {at:.1f} | {(t1 - t0) * 1e3:.2f} | {what} |")
+
+
 def ids_frontend_parts(vocab: int):
     """The frontend's (tokenizer, chat template): the token-id tokenizer, no template."""
     return IdsTokenizer(vocab), None
@@ -96,6 +150,8 @@ def serve(a, parts=ids_frontend_parts, on_ready=None) -> None:
     """The child: ``mmtrain.serve``'s layout (the app in a frontend process; ``parts`` builds its tokenizer there),
     or with ``--in-process`` the app and the engine thread in this process."""
     engine, vocab = build_engine(a)
+    if a.trace:
+        _record_trace(engine.engine, a.trace)
     listener = socket.create_server(("127.0.0.1", a.port), backlog=2048)
     try:
         if a.in_process:
@@ -158,12 +214,14 @@ def _client_process(url: str, prompts: list[list[int]], new: int, start_at: floa
 
 
 _START_MARGIN_S = 1.0  # the common start of a round's streams, this long after the tasks go to the clients
+_LAST_START = [0.0]
 
 
 def _round(pool, procs: int, url: str, clients: int, prompt: int, new: int, vocab: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(1, vocab - 1, (clients, prompt), generator=g).tolist()
     start = time.perf_counter() + _START_MARGIN_S
+    _LAST_START[0] = start
     futures = [pool.submit(_client_process, url, prompts[i::procs], new, start) for i in range(procs)]
     results = [r for f in futures for r in f.result()]
     end = max((s[-1] for _, s, _ in results if s), default=start)
@@ -195,6 +253,10 @@ def add_options(ap: argparse.ArgumentParser) -> None:
                     help="the model's calls cost nothing (next token = last + 1): the serving path's own ceiling")
     ap.add_argument("--in-process", action="store_true",
                     help="the app and the engine thread in one process (the frontend process's layout otherwise)")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="the server child records its engine thread's steps, prefills and garbage collections "
+                         "(JSON to FILE); after the table, what it did in the timed round's first --trace-ms")
+    ap.add_argument("--trace-ms", type=float, default=400.0)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--startup-timeout", type=float, default=300)
@@ -212,7 +274,7 @@ def run(a, script: Path, child_extra: list[str] = (), before=None, after=None) -
     child_args = [sys.executable, str(script), "--serve", "--port", str(port), "--clients", str(a.clients),
                   "--prompt", str(a.prompt), "--new", str(a.new), "--device", a.device, *child_extra]
     child_args += ["--tiny"] * a.tiny + ["--no-compile"] * a.no_compile + ["--null-model"] * a.null_model
-    child_args += ["--in-process"] * a.in_process
+    child_args += ["--in-process"] * a.in_process + (["--trace", a.trace] if a.trace else [])
     child = subprocess.Popen(child_args, env={**os.environ, "PYTHONPATH": str(REPO) + os.pathsep
                                               + os.environ.get("PYTHONPATH", "")})
     url = f"http://127.0.0.1:{port}"
@@ -238,6 +300,7 @@ def run(a, script: Path, child_extra: list[str] = (), before=None, after=None) -
             if before is not None:
                 before(child.pid)
             row = _round(pool, procs, url, a.clients, a.prompt, a.new, vocab, seed=2)
+            row["start"] = _LAST_START[0]
             if after is not None:
                 after(child.pid)
         row["warmup_s"] = round(warm, 1)
@@ -254,12 +317,14 @@ def main() -> None:
     if a.serve:
         return serve(a)
     row = run(a, Path(__file__))
-    print(json.dumps(row), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k != "start"}), flush=True)
     print("\n| clients (processes) | new tokens/s | TTFT p50/p90/p99 ms | per-token p50/p90/p99 ms "
           "| last stream sent late by ms |\n|---|---|---|---|---|")
     print(f"| {row['clients']} ({row['client_processes']}) | {row['tokens_per_s']} | {row['ttft_ms_p50']} / "
           f"{row['ttft_ms_p90']} / {row['ttft_ms_p99']} | {row['token_ms_p50']} / {row['token_ms_p90']} / "
           f"{row['token_ms_p99']} | {row['late_ms_max']} |")
+    if a.trace:
+        _print_trace(a.trace, row["start"], a.trace_ms)
 
 
 if __name__ == "__main__":
