@@ -87,60 +87,6 @@ def build_engine(a):
     return engine, model.cfg.vocab_size
 
 
-def _record_trace(engine, path: str) -> None:
-    """Wrap the engine's step and prefill and watch the garbage collector: (start, end, what) per event, written
-    to ``path`` as JSON when the child ends. A bench-side probe: the product's code is unchanged."""
-    import atexit
-    import gc
-
-    events, gc_start = [], {}
-
-    def timed(name, fn, info):
-        def wrapper(*args):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                events.append((t0, time.perf_counter(), name + info(*args)))
-        return wrapper
-
-    engine.step = timed("step", engine.step,
-                        lambda: f" (after: active={len(engine.active)} waiting={len(engine.waiting)})")
-    engine._prefill = timed("prefill", engine._prefill,
-                            lambda seqs: f" B={len(seqs)} S={max(len(q.prompt_ids) for q in seqs)}")
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_start[0] = time.perf_counter()
-        elif 0 in gc_start:
-            events.append((gc_start.pop(0), time.perf_counter(), f"gc gen{info['generation']}"))
-
-    gc.callbacks.append(on_gc)
-
-    def dump():
-        with open(path, "w") as f:
-            json.dump(events, f)
-
-    atexit.register(dump)  # the child ends normally when terminated (the frontend's signal handling)
-
-
-def _print_trace(path: str, start: float, window_ms: float) -> None:
-    """The timed round's first ``window_ms``: each event's start and length (ms from the round's start)."""
-    try:
-        with open(path) as f:
-            events = json.load(f)
-    except (OSError, ValueError) as exc:
-        print(f"### trace: none ({exc})")
-        return
-    print(f"### trace: the engine process in the timed round's first {window_ms:.0f} ms")
-    print("| from start ms | ms | event |\n|---|---|---|")
-    for t0, t1, what in sorted(events):
-        at = (t0 - start) * 1e3
-        quiet = what.startswith("step") and (t1 - t0) * 1e3 < 3 and "waiting=0)" in what  # a plain decode step
-        if -50 <= at <= window_ms and not quiet:
-            print(f"| {at:.1f} | {(t1 - t0) * 1e3:.2f} | {what} |")
-
-
 def ids_frontend_parts(vocab: int):
     """The frontend's (tokenizer, chat template): the token-id tokenizer, no template."""
     return IdsTokenizer(vocab), None
@@ -151,7 +97,10 @@ def serve(a, parts=ids_frontend_parts, on_ready=None) -> None:
     or with ``--in-process`` the app and the engine thread in this process."""
     engine, vocab = build_engine(a)
     if a.trace:
-        _record_trace(engine.engine, a.trace)
+        from bench.serve_trace import record_engine, traced_frontend_parts
+
+        record_engine(engine.engine, a.trace)
+        parts = partial(traced_frontend_parts, parts=parts, path=a.trace + ".frontend")
     listener = socket.create_server(("127.0.0.1", a.port), backlog=2048)
     try:
         if a.in_process:
@@ -324,7 +273,9 @@ def main() -> None:
           f"{row['ttft_ms_p90']} / {row['ttft_ms_p99']} | {row['token_ms_p50']} / {row['token_ms_p90']} / "
           f"{row['token_ms_p99']} | {row['late_ms_max']} |")
     if a.trace:
-        _print_trace(a.trace, row["start"], a.trace_ms)
+        from bench.serve_trace import print_trace
+
+        print_trace(a.trace, row["start"], a.trace_ms)
 
 
 if __name__ == "__main__":
