@@ -176,3 +176,25 @@ def test_the_message_channel_builds_no_class_outside_its_allow_list():
         receiver.receive()
     sender.close()
     receiver.close()
+
+
+def test_the_frontend_freezes_its_heap_before_it_says_ready(monkeypatch):
+    """What start-up made (torch, FastAPI, the tokenizer) is frozen before the frontend serves, so a full collection
+    walks only what serving makes (an unfrozen one stalled every request for 111 ms on the H200's host)."""
+    from mmtrain.inference import frontend_process
+
+    order = []
+    monkeypatch.setattr(frontend_process.gc, "freeze", lambda: order.append("freeze"))
+
+    class Client:
+        class channel:
+            send = staticmethod(lambda message: order.append(message))
+
+        attach = staticmethod(lambda loop: order.append("attach"))
+
+    class Server:
+        async def serve(self, sockets):
+            order.append("serve")
+
+    asyncio.run(frontend_process._serve(Server(), Client(), None))
+    assert order == ["attach", "freeze", (frontend_process.READY,), "serve"]
