@@ -48,7 +48,7 @@ def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots:
                      chat_template: str = "tokenizer", max_request_bytes: int = MAX_REQUEST_BYTES):
     """(FastAPI app, its EngineThread): the model of ``ckpt`` in one process, ready to serve."""
     from mmtrain.inference.openai_app import build_app
-    from mmtrain.inference.server_engine import EngineThread
+    from mmtrain.inference.server_engine import EngineThread, freeze_heap
     from mmtrain.parallel import init_distributed, pick_device, shutdown_distributed
 
     dev = pick_device(device)
@@ -60,6 +60,7 @@ def build_server_app(ckpt, tokenizer_path, model_name: str | None = None, slots:
     engine = EngineThread(served.engine(slots, context, compile))
     if compile:
         engine.warmup()  # compiles (minutes) before the port opens, not on the first request
+    freeze_heap()
     return build_app(engine, served.tokenizer, model_name or checkpoint_display_name(ckpt), served.renderer,
                      max_request_bytes), engine
 

@@ -21,7 +21,6 @@ does (requests in flight finish; a second SIGINT stops at once), then the engine
 from __future__ import annotations
 
 import asyncio
-import gc
 import multiprocessing
 import os
 import select
@@ -34,7 +33,7 @@ from collections.abc import Callable
 from mmtrain.inference.engine import ContextLengthError, Sequence
 from mmtrain.inference.engine_client import CANCEL, STOPPED, SUBMIT, UPDATES, MessageChannel, ProcessEngineClient
 from mmtrain.inference.sampling import SamplingError
-from mmtrain.inference.server_engine import EngineStopped, EngineThread
+from mmtrain.inference.server_engine import EngineStopped, EngineThread, freeze_heap
 from mmtrain.utils.log import get_logger, setup_logging
 
 READY = "ready"  # the frontend's first message: it serves
@@ -83,16 +82,6 @@ def serve_with_frontend(engine: EngineThread, decode: Callable[[list[int]], str]
     if code != 0 and not signalled and engine.failure is None:
         raise FrontendError(f"the HTTP frontend's process (pid {frontend.pid}) exited with code {code}; its "
                             "error is in the log above")
-
-
-def freeze_heap() -> None:
-    """Once a serving process has started (model, tokenizer, app, imports): collect, then move every object left to
-    the permanent generation. A full collection walks every object a process holds; with torch, FastAPI and the
-    tokenizer loaded one took 111 ms in the frontend on the H200's host (bench/serve_trace.py), and no request
-    reached the engine meanwhile: that round's 32 streams waited 167 ms for their first token against ~50. What
-    start-up made lives as long as the process, so collections need only walk what serving makes."""
-    gc.collect()
-    gc.freeze()
 
 
 class _Frontend:

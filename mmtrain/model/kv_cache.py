@@ -127,7 +127,7 @@ def cached_attention(q_BSHD: torch.Tensor, keys_BHTD: torch.Tensor, values_BHTD:
 # The kernels a causal prefill runs with on a GPU: flash attention (which takes grouped-query heads unexpanded),
 # else math. cuDNN's attention, PyTorch's first choice on an H100/H200, builds an execution plan for every new
 # shape, and a prefill's shape (prompts that joined together, the longest of them) changes call to call: on the
-# H200 the first prefill of a new shape waited 64-85 ms for it, of a new length 0.6-1.0 s; flash needs no plan
+# H200 the first prefill of a new batch size waited 64-85 ms for it, of a new length 0.6-1.2 s; flash needs no plan
 # and was as fast after (bench/prefill_shapes.py, bench/results/h200_2026-12-04_s21.md).
 FROM_START_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -84,10 +84,12 @@ def test_layout_matches_one_process(world_size, layout, one_process, tmp_path):
             if spec[name].expert_dim is not None:  # this EP rank's slice of the experts
                 local = full.shape[0] // ep
                 full = full.narrow(0, coord[4] * local, local)
-            # relative to the tensor's norm (as tests/distributed/test_gpt_parallel_equivalence.py): Adam's
-            # g/sqrt(v) lets fp32 reduction-order noise move single elements by ~1e-6; a sharding bug moves >1e-3
+            # relative to the tensor's norm (as tests/distributed/test_gpt_parallel_equivalence.py, 5e-5): Adam's
+            # g/sqrt(v) lets fp32 reduction-order noise move single elements by ~1e-6, and which sums round how
+            # depends on the CPU's kernels (TP2xDP2xEP2's shared expert landed at 2.8e-5 on an AMD EPYC, under 2e-5
+            # on the machines before); a sharding bug moves weights by more than 1e-3
             rel = ((value - full).norm() / full.norm().clamp_min(1e-12)).item()
-            assert rel < 2e-5, f"{layout}: {name} at {coord} differs by {rel:.2e} (relative to its norm)"
+            assert rel < 5e-5, f"{layout}: {name} at {coord} differs by {rel:.2e} (relative to its norm)"
             seen.add(name)
     assert seen == set(ref_state)  # every tensor of the model was compared on some stage
 

@@ -125,11 +125,12 @@ def test_every_layout_matches_one_process(runs):
             for name, value in params.items():  # the last stage's tied copy of the embedding is checked as it
                 expected = tp_shard_of(name, ref_params[spec.stored_name(name)], spec, coord[0], tp)
                 # relative to the tensor's norm (as test_gpt_parallel_equivalence.py: Adam's g/sqrt(v) lets fp32
-                # reduction-order noise move single elements by ~1e-6). 1e-4, not 2e-5: with TP, SP and packed
+                # reduction-order noise move single elements by ~1e-6). 3e-4, not 2e-5: with TP, SP and packed
                 # documents the biases, which start at zero, land at up to 5.5e-5 (in_proj's at layer 7: the
-                # scan's fp32 sums run over other head counts per rank); the fp64 gradients below are equal to
-                # 1e-12, and a sharding bug moves weights by more than 1e-3
+                # scan's fp32 sums run over other head counts per rank), and 1.35e-4 (layer 0's) on an AMD EPYC,
+                # whose kernels round other sums; the fp64 gradients below are equal to 1e-12, and a sharding bug
+                # moves weights by more than 1e-3
                 rel = ((value - expected).norm() / expected.norm().clamp_min(1e-12)).item()
-                assert rel < 1e-4, f"{layout}{data}: {name} at {coord} differs by {rel:.2e} (relative to its norm)"
+                assert rel < 3e-4, f"{layout}{data}: {name} at {coord} differs by {rel:.2e} (relative to its norm)"
                 seen.add(spec.stored_name(name))
         assert seen == set(ref_params), layout

@@ -184,7 +184,7 @@ def test_the_frontend_freezes_its_heap_before_it_says_ready(monkeypatch):
     from mmtrain.inference import frontend_process
 
     order = []
-    monkeypatch.setattr(frontend_process.gc, "freeze", lambda: order.append("freeze"))
+    monkeypatch.setattr(frontend_process, "freeze_heap", lambda: order.append("freeze"))
 
     class Client:
         class channel:
