@@ -5,7 +5,7 @@
 #            bench/serve_load.py --clients 32 as that tree has it
 #   engine : this tree's engine alone, bench/generate.py --batch 1 32 (the server row's ceiling; the decode row)
 #   serve  : this tree's server, bench/serve_load.py --clients 32 (python -m mmtrain.serve's two processes);
-#            SERVE_ARGS adds options (--trace FILE: the engine's steps in the timed round; then SERVE_LINES=80)
+#            SERVE_ARGS adds options (--trace FILE: both processes' events in the timed round; SERVE_LINES=80)
 #   hf     : transformers' generate with a static cache, batch 1 and 32 (.device/hf_generate_baseline.py)
 #   sprof  : bench/serve_profile.py: each server thread's CPU time per new token (where the host time goes)
 #   sprof_before : the same for the PREV tree's server

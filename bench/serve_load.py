@@ -163,14 +163,12 @@ def _client_process(url: str, prompts: list[list[int]], new: int, start_at: floa
 
 
 _START_MARGIN_S = 1.0  # the common start of a round's streams, this long after the tasks go to the clients
-_LAST_START = [0.0]
 
 
 def _round(pool, procs: int, url: str, clients: int, prompt: int, new: int, vocab: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(1, vocab - 1, (clients, prompt), generator=g).tolist()
     start = time.perf_counter() + _START_MARGIN_S
-    _LAST_START[0] = start
     futures = [pool.submit(_client_process, url, prompts[i::procs], new, start) for i in range(procs)]
     results = [r for f in futures for r in f.result()]
     end = max((s[-1] for _, s, _ in results if s), default=start)
@@ -187,7 +185,8 @@ def _round(pool, procs: int, url: str, clients: int, prompt: int, new: int, voca
             "token_ms_mean": round(1000 * statistics.fmean(gaps), 2) if gaps else None,
             # the clients' own delay: how late the last stream was sent after the common start (a client-side
             # delay counts against tokens_per_s, which runs from the common start to the last token)
-            "late_ms_max": round(1000 * (max(t0 for t0, _, _ in results) - start), 2)}
+            "late_ms_max": round(1000 * (max(t0 for t0, _, _ in results) - start), 2),
+            "start": start}  # the round's common start (time.perf_counter): where --trace's table begins
 
 
 def add_options(ap: argparse.ArgumentParser) -> None:
@@ -203,8 +202,9 @@ def add_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--in-process", action="store_true",
                     help="the app and the engine thread in one process (the frontend process's layout otherwise)")
     ap.add_argument("--trace", default=None, metavar="FILE",
-                    help="the server child records its engine thread's steps, prefills and garbage collections "
-                         "(JSON to FILE); after the table, what it did in the timed round's first --trace-ms")
+                    help="the server's two processes record their engine steps, prefills, requests and garbage "
+                         "collections (bench/serve_trace.py: JSON to FILE and FILE.frontend); after the table, "
+                         "what they did in the timed round's first --trace-ms")
     ap.add_argument("--trace-ms", type=float, default=400.0)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -249,7 +249,6 @@ def run(a, script: Path, child_extra: list[str] = (), before=None, after=None) -
             if before is not None:
                 before(child.pid)
             row = _round(pool, procs, url, a.clients, a.prompt, a.new, vocab, seed=2)
-            row["start"] = _LAST_START[0]
             if after is not None:
                 after(child.pid)
         row["warmup_s"] = round(warm, 1)
