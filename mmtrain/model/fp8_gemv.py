@@ -108,9 +108,9 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _to_bf16(y):
+    def to_bf16(y):
         """fp32 -> bf16, rounded to nearest even in bits first: the cast is then exact on the GPU and under the
-        interpreter (whose own cast truncates)."""
+        interpreter (whose own cast truncates). Shared with ``mmtrain.model.decode_attention``."""
         a = _round_bf16(tl.abs(y))
         return tl.where(y < 0.0, -a, a).to(tl.bfloat16)
 
@@ -175,7 +175,7 @@ if triton is not None:
         if SPLIT == 1:
             if HAS_BIAS:
                 y += tl.load(b_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offsets, _to_bf16(y), mask=mask)
+            tl.store(out_ptr + offsets, to_bf16(y), mask=mask)
         else:  # fp32 partials (SPLIT, M, N), summed by _sum_splits_kernel
             tl.store(out_ptr + pid_s * M * N + offsets, y, mask=mask)
 
@@ -189,7 +189,7 @@ if triton is not None:
             y += tl.load(part_ptr + s * M * N + offsets, mask=ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + offsets % N, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offsets, _to_bf16(y), mask=ok)
+        tl.store(out_ptr + offsets, to_bf16(y), mask=ok)
 
     @torch.library.triton_op("mmtrain::fp8_linear", mutates_args=())
     def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -124,6 +124,32 @@ def cached_attention(q_BSHD: torch.Tensor, keys_BHTD: torch.Tensor, values_BHTD:
     return out.transpose(1, 2)
 
 
+def one_token_kernel_applies(q_BSHD: torch.Tensor, cache, slots_B: torch.Tensor | None, kv_len: int | None,
+                             window: int | None) -> bool:
+    """Whether a cached attention goes through ``one_token_attention``'s one kernel: a decode step (one new
+    token in every slot: ``slots_B`` and ``kv_len`` None), plain causal (no window), on a GPU, a
+    ``StaticKVCache`` of the query's dtype, shapes the kernel takes (``decode_attention.supported``)."""
+    if not (q_BSHD.is_cuda and q_BSHD.shape[1] == 1 and slots_B is None and kv_len is None and window is None
+            and type(cache) is StaticKVCache and q_BSHD.shape[0] == cache.slots):
+        return False
+    from mmtrain.model import decode_attention  # imports Triton: only on a GPU
+    keys = cache.k[0]
+    return keys.dtype == q_BSHD.dtype and decode_attention.supported(q_BSHD.shape[3], q_BSHD.shape[2],
+                                                                     keys.shape[1], keys.dtype)
+
+
+def one_token_attention(q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor, cos: torch.Tensor | None,
+                        sin: torch.Tensor | None, cache: StaticKVCache, layer: int,
+                        positions_BS: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention (``one_token_kernel_applies``) as one kernel (``mmtrain.model.decode_attention``):
+    RoPE (``cos``/``sin`` (B, 1, 1, D); None: none) on the new query and key, the key and value written into
+    ``cache`` at each row's position, each query over its row's positions up to its own. Returns (B, 1, H, D)."""
+    from mmtrain.model.decode_attention import decode_attention
+    if cos is not None:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return decode_attention(q_BSHD, k_BSHD, v_BSHD, cos, sin, cache.k[layer], cache.v[layer], positions_BS)
+
+
 # The kernels a causal prefill runs with on a GPU: flash attention (which takes grouped-query heads unexpanded),
 # else math. cuDNN's attention, PyTorch's first choice on an H100/H200, builds an execution plan for every new
 # shape, and a prefill's shape (prompts that joined together, the longest of them) changes call to call: on the

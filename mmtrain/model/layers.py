@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from mmtrain.config.schema import ModelConfig
 from mmtrain.model.attention import CausalAttention
-from mmtrain.model.kv_cache import StaticKVCache, cached_attention
+from mmtrain.model.kv_cache import (StaticKVCache, cached_attention, one_token_attention,
+                                    one_token_kernel_applies)
 from mmtrain.model.mlp import MLP
 from mmtrain.model.moe import MoELayer
 from mmtrain.models.contract import check_compile_scope, check_recompute_mode
@@ -121,11 +122,17 @@ class Attention(nn.Module):
         """The projections of ``project`` with a cached attention core (decoding): the new keys/values of rows
         ``slots_B`` go into ``cache`` at ``positions_BS``, queries attend the cached keys up to their own
         position (the first ``kv_len`` cached positions; None: all)."""
-        q, k, v = self.project(x_BSD, cos, sin)
+        q, k, v = self.project(x_BSD, None, None)
         B, S = q.shape[:2]
-        cache.write(layer, slots_B, positions_BS, k, v)
-        keys, values = cache.read(layer, slots_B, kv_len)
-        out = cached_attention(q, keys, values, cache.key_index[: keys.shape[2]], positions_BS, window=self.window)
+        if one_token_kernel_applies(q, cache, slots_B, kv_len, self.window):
+            out = one_token_attention(q, k, v, cos, sin, cache, layer, positions_BS)  # RoPE and the write too
+        else:
+            if cos is not None:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache.write(layer, slots_B, positions_BS, k, v)
+            keys, values = cache.read(layer, slots_B, kv_len)
+            out = cached_attention(q, keys, values, cache.key_index[: keys.shape[2]], positions_BS,
+                                   window=self.window)
         return self.proj(out.reshape(B, S, -1))
 
     def new_kv_cache(self, num_layers: int, slots: int, max_len: int, dtype: torch.dtype,
