@@ -8,19 +8,13 @@ the GPU's agreement inside the compiled decode step is tests/gpu/test_decode_att
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from mmtrain.model.kv_cache import StaticKVCache, one_token_kernel_applies
+from tests.triton_interpreter import run_interpreted
 
 pytestmark = pytest.mark.unit
-
-REPO = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import numpy as np
@@ -102,13 +96,7 @@ print("ok")
 
 
 def test_kernel_writes_the_cache_and_attends_as_the_reference_under_the_interpreter():
-    pytest.importorskip("triton", reason="the decode attention kernel is written in Triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", CHILD], check=False, cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
-    if out.returncode != 0 and "InterpreterError" not in out.stderr and "AssertionError" not in out.stderr:
-        pytest.skip(f"Triton's interpreter cannot run here: {out.stderr.strip().splitlines()[-1][:200]}")
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_interpreted(CHILD)
 
 
 def test_chunks_give_enough_programs_and_are_never_tiny():

@@ -8,16 +8,11 @@ tests/gpu/test_quantize_gpu.py's business."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytestmark = pytest.mark.unit
+from tests.triton_interpreter import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.unit
 
 CHILD = r"""
 import torch
@@ -83,13 +78,7 @@ print("ok")
 
 
 def test_kernel_quantizes_and_multiplies_as_the_reference_under_the_interpreter():
-    pytest.importorskip("triton", reason="the FP8 decode kernel is written in Triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", CHILD], check=False, cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
-    if out.returncode != 0 and "InterpreterError" not in out.stderr and "AssertionError" not in out.stderr:
-        pytest.skip(f"Triton's interpreter cannot run here: {out.stderr.strip().splitlines()[-1][:200]}")
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_interpreted(CHILD)
 
 
 def test_configs_fit_the_shapes():
