@@ -101,12 +101,14 @@ if triton is not None:
         k_lo, k_hi = _rounded(k_lo, IS_BF16, dtype), _rounded(k_hi, IS_BF16, dtype)
         v_new = tl.load(v_ptr + b * sv_b + kvh * sv_h + tl.arange(0, D))
         row = (b * KVH + kvh).to(tl.int64) * T * D  # this row's KV head in the (slots, KVH, T, D) caches
-        if split == 0:  # one program writes the new key and value; none reads that position (below)
-            tl.store(kc_ptr + row + pos * D + dl, k_lo)
-            tl.store(kc_ptr + row + pos * D + HALF + dl, k_hi)
-            tl.store(vc_ptr + row + pos * D + tl.arange(0, D), v_new.to(dtype))
+        # one program writes the new key and value; none reads that position (below). A position past the cache
+        # (the engine never decodes one) writes nothing and reads only the cache: no access outside it
+        inside = (split == 0) & (pos < T)
+        tl.store(kc_ptr + row + pos * D + dl, k_lo, mask=inside & (dl < HALF))
+        tl.store(kc_ptr + row + pos * D + HALF + dl, k_hi, mask=inside & (dl < HALF))
+        tl.store(vc_ptr + row + pos * D + tl.arange(0, D), v_new.to(dtype), mask=inside & (tl.arange(0, D) < D))
         lo = split * chunk
-        hi = tl.minimum(lo + chunk, pos)  # cached keys before the row's own position
+        hi = tl.minimum(tl.minimum(lo + chunk, pos), T)  # cached keys before the row's own position
         own = (pos >= lo) & (pos < lo + chunk)  # this chunk holds the new key: taken from registers
         qk_scale: tl.constexpr = SCALE * 1.4426950408889634  # exp2 below
         s_new = (tl.sum(q_lo.to(tl.float32) * k_lo.to(tl.float32)[None, :], axis=1)

@@ -83,6 +83,16 @@ for B, H, KVH, D, T, positions, with_rope, chunk, block_t in cases:
     assert out.shape == (B, 1, H, D) and out.dtype == torch.bfloat16
     # the probabilities meet V in bf16, the output is rounded once: a few bf16 ulps of values ~1
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-2, msg=lambda m: f"{case}: {m}")
+# a position past the cache (the engine never decodes one): nothing written, the cache and the new key attended
+B, H, KVH, D, T = 1, 4, 2, 32, 40
+q, k, v = (torch.randn(1, 1, n, D, generator=g).bfloat16() for n in (H, KVH, KVH))
+caches = [torch.randn(1, KVH, T, D, generator=g).bfloat16() for _ in range(2)]
+before = [c.clone() for c in caches]
+out = decode_attention.launch(q, k, v, None, None, caches[0], caches[1], torch.tensor([[T]]), 16, block_t=16)
+assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+ref = cached_attention(q.float(), torch.cat((before[0], k.transpose(1, 2)), 2).float(),
+                       torch.cat((before[1], v.transpose(1, 2)), 2).float(), torch.arange(T + 1), torch.tensor([[T]]))
+torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-2)
 if hasattr(decode_attention, "decode_attention"):  # the registered op picks its split itself
     B, H, KVH, D, T = 1, 4, 1, 32, 600  # split in 5 by chunk_for
     q, k, v = (torch.randn(1, 1, n, D, generator=g).bfloat16() for n in (H, KVH, KVH))
