@@ -17,31 +17,11 @@ from tests.triton_interpreter import run_interpreted
 pytestmark = pytest.mark.unit
 
 CHILD = r"""
-import numpy as np
 import torch
-import triton.language as tl
-from triton.runtime import interpreter
 
-# Two shims for Triton 3.6's interpreter, this test's alone: it converts a scalar (a shape-(1,) array) to a loop
-# bound with int(), which numpy >= 2.4 refuses, and multiplies bf16 tiles (stored as uint16) as integers.
-_patch_tensor = interpreter._patch_lang_tensor
+from tests.triton_interpreter import enable
 
-
-def _patch_lang_tensor(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-def _as_fp32(h):
-    if h.dtype != tl.bfloat16:
-        return h
-    return interpreter.TensorHandle(interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None)
-                                    .view(np.float32), tl.float32)
-
-
-_dot = interpreter.InterpreterBuilder.create_dot
-interpreter._patch_lang_tensor = _patch_lang_tensor
-interpreter.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _dot(self, _as_fp32(a), _as_fp32(b), d, *rest)
+enable()  # the interpreter's gaps: a scalar loop bound, bf16 dots
 
 from mmtrain.model import decode_attention
 from mmtrain.model.kv_cache import cached_attention
