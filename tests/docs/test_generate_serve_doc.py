@@ -34,5 +34,8 @@ def test_generate_serve_runs_from_the_user_guides_outputs(guide_folder, tmp_path
     answers = [json.loads(line) for line in out.splitlines() if line.startswith('{"id"')]
     assert [a["object"] for a in answers] == ["text_completion", "chat.completion"]
     assert answers[1]["choices"][0]["message"]["content"]
-    assert out.count("data: ") > 2 and "data: [DONE]" in out  # the stream's events
+    # the stream's events: its text, then [DONE]; a stream that fell behind takes all its waiting text as one event
+    # (docs/generate-serve.md), and on a loaded 2-core CI machine the whole completion came as one (session 22)
+    assert out.count("data: ") >= 2 and "data: [DONE]" in out
+    assert any(line.startswith("data: {") for line in out.splitlines())
     assert re.search(r"serving '[^']+' on http://127\.0\.0\.1:\d+ ", (work / "serve.log").read_text())
