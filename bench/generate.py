@@ -6,11 +6,12 @@
 The same settings as ../shared/bench/hf_generate_baseline.py (its LlamaConfig: 16 layers, width 2048, 32 heads, 8
 KV heads, FFN 8192, vocabulary 128256, tied embeddings, rope theta 5e5): each batch size is warmed up at the timed
 shapes (compilation and CUDA-graph capture happen there), then one whole generation (prefill + every decode step)
-is timed. tokens_per_s counts new tokens only. Prints one JSON line per setting, then a table. ``--tiny`` shrinks
-the model (a CPU check that the script runs). ``--family deepseek_v3``: DeepSeek-V2-Lite shapes instead (27 MLA
-layers, width 2048, 16 heads, kv_lora_rank 512, 64 routed experts of which 6 per token plus 2 shared, 15.7B
-parameters, 2.7B active with the embeddings; the latent KV cache), random normal weights (std 0.02), so routing
-is random too.
+is timed. tokens_per_s counts new tokens only; the first step (the prefill of every prompt, its tokens read
+back) is also given alone, and the decode steps after it per step. Prints one JSON line per setting, then a
+table. ``--tiny`` shrinks the model (a CPU check that the script runs). ``--family deepseek_v3``:
+DeepSeek-V2-Lite shapes instead (27 MLA layers, width 2048, 16 heads, kv_lora_rank 512, 64 routed experts of
+which 6 per token plus 2 shared, 15.7B parameters, 2.7B active with the embeddings; the latent KV cache), random
+normal weights (std 0.02), so routing is random too.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from mmtrain.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from mmtrain.config.schema import ModelConfig  # noqa: E402
-from mmtrain.inference.engine import COMPILE_MODES, DecodeEngine, generate  # noqa: E402
+from mmtrain.inference.engine import COMPILE_MODES, DecodeEngine, Sequence, generate  # noqa: E402
 from mmtrain.inference.loading import prepare_for_decoding  # noqa: E402
 from mmtrain.inference.sampling import SamplingParams  # noqa: E402
 from mmtrain.models.deepseek_v3.model import DeepseekV3Model  # noqa: E402
@@ -92,14 +93,24 @@ def time_generation(model: torch.nn.Module, batch: int, prompt: int, new: int, c
     warm_s = time.perf_counter() - t0
     if before_timing is not None:
         before_timing()
+    # generate()'s loop, with the first step (every prompt joins: the prefill, whose tokens are read back) timed
+    # apart from the decode steps after it
+    seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
     t0 = time.perf_counter()
-    seqs = generate(engine, prompts, params)
+    for s in seqs:
+        engine.submit(s)
+    engine.step()
+    prefill_s = time.perf_counter() - t0
+    while engine.busy:
+        engine.step()
     _sync(device)
     dt = time.perf_counter() - t0
     n = min(len(s.token_ids) for s in seqs)
     return {"system": "mmtrain-generate", "compile": compile_mode if compile else False, "batch": batch,
             "temperature": temperature, "prompt": prompt, "new_tokens": n,
             "s": round(dt, 3), "tokens_per_s": round(batch * n / dt), "ms_per_step": round(1000 * dt / n, 3),
+            "prefill_ms": round(1000 * prefill_s, 2),
+            "decode_ms_per_step": round(1000 * (dt - prefill_s) / max(n - 1, 1), 3),
             "warmup_s": round(warm_s, 1),
             "peak_mem_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
                              if device.type == "cuda" else None)}
@@ -136,10 +147,11 @@ def main() -> None:
                        "error": repr(exc)[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| system | model | compiled | batch | new tokens/s | ms/step |\n|---|---|---|---|---|---|")
+    print("\n| system | model | compiled | batch | new tokens/s | ms/step | prefill ms | decode ms/step |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| mmtrain | {model.cfg.name} | {r['compile']} | {r['batch']} | {r.get('tokens_per_s', 'error')} "
-              f"| {r.get('ms_per_step', '-')} |")
+              f"| {r.get('ms_per_step', '-')} | {r.get('prefill_ms', '-')} | {r.get('decode_ms_per_step', '-')} |")
 
 
 if __name__ == "__main__":
