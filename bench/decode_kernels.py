@@ -23,7 +23,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mmtrain.inference.sampling import argmax_rows  # noqa: E402
-from mmtrain.inference.split_k import split_k_matmul  # noqa: E402
 
 LINEARS = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
            "head": (128256, 2048)}
@@ -62,6 +61,14 @@ def split_k_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, splits: int) -> torch
     return torch.bmm(x_MK.view(-1, splits, K // splits).transpose(0, 1), w).sum(0)
 
 
+def split_k_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, splits: int) -> torch.Tensor:
+    """As ``split_k_linear`` with fp32 partials (one rounding at the end): the down projection's decode path of
+    sessions 9-22 (``SplitKLinear``, replaced by ``mmtrain.model.gemv`` in session 23)."""
+    (n, k), m = w_NK.shape, x_MK.shape[0]
+    w = w_NK.view(n, splits, k // splits).permute(1, 2, 0)
+    return torch.bmm(x_MK.reshape(m, splits, k // splits).transpose(0, 1), w, out_dtype=torch.float32).sum(0)
+
+
 def linear_rows(reps: int, shapes: dict, m: int = 1, full: bool = True) -> list[tuple[str, str, float, float]]:
     rows = []
     for name, (n, k) in shapes.items():
@@ -70,7 +77,7 @@ def linear_rows(reps: int, shapes: dict, m: int = 1, full: bool = True) -> list[
         variants = {"F.linear": lambda: F.linear(x, w)}
         for s in (2, 4, 8) if full else (8,):
             variants[f"split-K {s}"] = lambda s=s: split_k_linear(x, w, s)
-        variants["split-K 8, fp32 partials (mmtrain)"] = lambda: split_k_matmul(x, w, 8).to(x.dtype)
+        variants["split-K 8, fp32 partials (mmtrain until s22)"] = lambda: split_k_matmul(x, w, 8).to(x.dtype)
         variants["split-K 8, fp32 partials, compiled"] = torch.compile(lambda: split_k_matmul(x, w, 8).to(x.dtype))
         if full:
             compiled = torch.compile(lambda: F.linear(x, w), options={"coordinate_descent_tuning": True})

@@ -16,13 +16,13 @@ from torch import nn
 from mmtrain.convert.checkpoint_io import checkpoint_lora, load_model_weights, read_checkpoint_config
 from mmtrain.config.schema import ModelConfig
 from mmtrain.inference.decoder import UnsupportedModelError, check_decodable
+from mmtrain.inference.decode_linears import use_decode_kernels
 from mmtrain.inference.quantized_loading import (
     is_quantized_folder,
     load_quantized_model,
     quantized_folder_config,
     use_quantized_kernels,
 )
-from mmtrain.inference.split_k import use_split_k
 from mmtrain.model.lora import merge_adapters
 from mmtrain.models.registry import model_family
 from mmtrain.parallel.dims import ParallelMesh
@@ -33,13 +33,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def prepare_for_decoding(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """``model`` on ``device`` in eval mode with its parameters in ``dtype`` (buffers keep their dtype: the RoPE
-    inverse frequencies stay fp32, as in training), its wide linears split for few-token calls
-    (``mmtrain.inference.split_k``: a model prepared here is only decoded)."""
+    inverse frequencies stay fp32, as in training), its linears and SwiGLU MLPs sending few-token calls to the
+    decode kernel (``mmtrain.inference.decode_linears``: a model prepared here is only decoded)."""
     model.to(device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
         p.requires_grad_(False)
-    use_split_k(model)
+    use_decode_kernels(model)
     return model.eval()
 
 

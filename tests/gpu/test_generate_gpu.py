@@ -16,11 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mmtrain.config.schema import ModelConfig
+from mmtrain.inference.decode_linears import use_decode_kernels
 from mmtrain.inference.decoder import decoder_forward, kv_cache_for
 from mmtrain.inference.engine import DecodeEngine, generate
 from mmtrain.inference.loading import prepare_for_decoding
 from mmtrain.inference.sampling import SamplingParams
-from mmtrain.inference.split_k import use_split_k
+from mmtrain.model.mlp import MLP
 from mmtrain.models.deepseek_v3.model import GroupLimitedRouter
 from tests.inference_helpers import tiny_config, tiny_deepseek_config, tiny_model
 
@@ -90,21 +92,33 @@ def test_compiled_decode_equals_eager(dtype, family):
                           f"where the eager model's two tokens are {gaps} (relative to the largest)")
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(2048, 8192), (3072, 2048), (200, 1000)])
 @torch.no_grad()
-def test_split_k_linear_equals_the_linear_on_the_gpu(rows):
-    """The few-token split of a wide linear (mmtrain.inference.split_k), eager and compiled, against F.linear;
-    5 rows take F.linear itself."""
+def test_decode_kernel_linears_equal_the_linear_on_the_gpu(rows, shape):
+    """The few-token decode kernel (mmtrain.model.gemv through mmtrain.inference.decode_linears: split over K, a
+    table config, a default one with a ragged last tile), eager, compiled and replayed from a CUDA graph, against
+    F.linear in fp32; the SwiGLU MLP's gated kernel against the MLP's own forward. Rows past gemv.MAX_ROWS take
+    cuBLAS."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(8192, 2048, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    x = torch.randn(1, rows, 8192, device="cuda", dtype=torch.bfloat16)
+    n, k = shape
+    layer = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(1, rows, k, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     plain = layer(x)
-    assert use_split_k(layer) == 1
-    for y in (layer(x), torch.compile(layer)(x)):
+    assert use_decode_kernels(layer) == 1
+    torch._dynamo.reset()  # each shape compiles its own static step, as the engine's (dynamic=False)
+    graphed = torch.compile(layer, mode="reduce-overhead", dynamic=False)
+    for y in (layer(x), torch.compile(layer, dynamic=False)(x), graphed(x), graphed(x)):
         assert y.shape == plain.shape and y.dtype == plain.dtype
         err, plain_err = float((y.float() - ref).abs().max()), float((plain.float() - ref).abs().max())
         assert err <= 2 * plain_err + 1e-3, (err, plain_err)
+    cfg = ModelConfig(hidden_size=k, ffn_hidden_size=n, activation="swiglu")
+    mlp = MLP(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
+    plain = mlp(x)
+    assert use_decode_kernels(mlp) == 3
+    for y in (mlp(x), torch.compile(mlp, dynamic=False)(x)):
+        torch.testing.assert_close(y, plain, rtol=2e-2, atol=2e-2 * float(plain.abs().max()))
 
 
 def test_sampled_step_is_queued_without_waiting_for_the_gpu():

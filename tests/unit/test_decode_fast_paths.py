@@ -1,6 +1,6 @@
 """The decode step's fast paths equal what they replace: the two-pass argmax (first index of the largest value,
-ties included) and the split-K linear of few-token calls (its math on the CPU; the CUDA path in
-tests/gpu/test_generate_gpu.py)."""
+ties included) and the swap of linears and SwiGLU MLPs for the decode kernel's (what it swaps, and that nothing
+changes on the CPU; the kernel in tests/unit/test_gemv.py, the CUDA path in tests/gpu/test_generate_gpu.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from mmtrain.inference.decode_linears import GemvLinear, GemvMLP, use_decode_kernels
 from mmtrain.inference.sampling import argmax_rows
-from mmtrain.inference.split_k import SplitKLinear, split_count, split_k_matmul, use_split_k
+from mmtrain.model.mlp import MLP
+from mmtrain.model.quantized_linear import QuantizedLinear
 
 
 @pytest.mark.parametrize("vocab", [7, 2048, 3000, 128256])
@@ -24,23 +26,27 @@ def test_two_pass_argmax_is_argmax_with_ties_infinities_and_nans(vocab):
         assert torch.equal(argmax_rows(x), x.argmax(-1))
 
 
-def test_split_counts():
-    assert split_count(8192, 2048) == 8  # Llama-3.2-1B's down projection
-    assert split_count(10944, 2048) == 8  # DeepSeek-V2-Lite's dense MLP: slices of 1368
-    assert split_count(6000, 1000) == 2  # 4 slices of 1500 are not 16-byte rows
-    assert split_count(2048, 3072) == split_count(4096, 4096) == split_count(1024, 128) == 1
-    assert split_count(2048, 576) == 1  # DeepSeek-V2-Lite's kv_down: narrower than anything measured
+def test_the_swap_keeps_the_model_and_its_cpu_calls():
+    """``use_decode_kernels`` swaps plain linears and SwiGLU MLPs of plain linears, and nothing else; the state
+    dict is untouched and CPU calls stay the modules' own."""
+    from mmtrain.config.schema import ModelConfig
 
-
-def test_split_k_matmul_and_the_swap_keep_the_linear():
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(64, 8192, generator=g), torch.randn(3, 8192, generator=g)
-    torch.testing.assert_close(split_k_matmul(x, w, 8), x @ w.T, rtol=1e-4, atol=1e-4)
-    model = nn.Sequential(nn.Linear(8192, 64), nn.Linear(64, 8192), nn.Linear(8192, 2048, bias=False))
+    cfg = ModelConfig(hidden_size=64, ffn_hidden_size=96, activation="swiglu")
+    gelu = ModelConfig(hidden_size=64, ffn_hidden_size=96, activation="gelu")
+    model = nn.Sequential(MLP(cfg), nn.Linear(64, 64), MLP(gelu), nn.LayerNorm(64))
+    for p in model.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    model[0].down = QuantizedLinear.from_values("fp8", torch.zeros(64, 96, dtype=torch.float8_e4m3fn),
+                                                torch.ones(64, 1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 64, generator=g)
     ref = model(x)
-    assert use_split_k(model) == 2
-    assert [type(m) for m in model] == [SplitKLinear, nn.Linear, SplitKLinear] and model[0].splits == 8
+    assert use_decode_kernels(model) == 5  # the SwiGLU MLP, its up, the linear, the GELU MLP's two linears
+    assert [type(m) for m in model] == [GemvMLP, GemvLinear, MLP, nn.LayerNorm]
+    assert type(model[0].up) is GemvLinear and type(model[0].down) is QuantizedLinear
+    assert type(model[2].up) is GemvLinear and type(model[2].down) is GemvLinear
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-    assert torch.equal(model(x), ref)  # on the CPU the calls stay nn.Linear's
+    assert torch.equal(model(x), ref)  # on the CPU the calls stay nn.Linear's and MLP's
+    assert use_decode_kernels(model) == 0  # twice is once
