@@ -68,3 +68,18 @@ def test_configs_fit_the_shapes():
     assert not gemv.supported(gemv.MAX_ROWS + 1, 2048, 2048, bf16)
     assert not gemv.supported(gemv.GATED_MAX_ROWS + 1, 2048, 2048, bf16, True)
     assert not gemv.supported(1, 2048, 2044, bf16) and not gemv.supported(1, 2048, 2048, torch.float16)
+
+
+def test_the_ops_refuse_what_they_cannot_multiply():
+    """Wrong dtypes, a weight of another width, an odd gated weight: one-line errors before any launch."""
+    pytest.importorskip("triton", reason="the decode linear is written in Triton")
+    from mmtrain.model import gemv
+
+    bf16 = torch.bfloat16
+    x, w = torch.zeros(1, 64, dtype=bf16), torch.zeros(32, 64, dtype=bf16)
+    cases = [(gemv.linear, x.float(), w, "gemv takes"), (gemv.linear, x, w.half(), "gemv takes"),
+             (gemv.linear, torch.zeros(1, 48, dtype=bf16), w, "gemv takes"),
+             (gemv.gated_linear, x, torch.zeros(33, 64, dtype=bf16), "is not \\[gate \\| up\\]")]
+    for op, a, b, message in cases:
+        with pytest.raises(ValueError, match=message):
+            op(a, b, None)
