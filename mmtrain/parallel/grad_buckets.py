@@ -5,10 +5,13 @@ Layout (Megatron-Core's design, rewritten small):
 - All trainable parameters of this rank live in one contiguous *param buffer* and their fp32 gradients in a
   *grad buffer* of the same layout, split into buckets in backward order. Each bucket is padded to a multiple
   of the data-parallel size so it splits evenly into per-rank shards.
-- A post-accumulate-grad hook adds each ``p.grad`` into ``p.main_grad`` (fp32) and frees ``p.grad``. During the
-  last micro-batch's backward, a bucket whose parameters are all done is reduced at once (async), overlapping
-  communication with the rest of the backward: an all-reduce, or with the distributed optimizer a
-  reduce-scatter so each rank receives only the shard it updates.
+- A post-accumulate-grad hook takes each ``p.grad`` (and frees ``p.grad``); a bucket's gradients are written into
+  their ``p.main_grad`` (fp32: copied, or added after the step's first micro-batch) together, once all of them
+  are in or when the backward ends (a callback the hook queues on the autograd engine): a few multi-tensor
+  launches a bucket instead of one per parameter, which is host time the GPU waits for (a VLM has 534
+  parameters). During the last micro-batch's backward, a bucket whose parameters are all done is reduced at once
+  (async), overlapping communication with the rest of the backward: an all-reduce, or with the distributed
+  optimizer a reduce-scatter so each rank receives only the shard it updates.
 - Reductions are *sums*; ``finish`` divides by the global loss-token count, which keeps any layout exactly
   equal to one process.
 
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmtrain.parallel.grad_accumulate import write_grad
+from mmtrain.parallel.grad_accumulate import write_grads
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Bucket:
     separate: bool = False  # holds only separate_params: gathered by the attached separate_gather
     pending: set[int] = field(default_factory=set)
     unwritten: set[int] = field(default_factory=set)  # this step's params with no gradient in main_grad yet
+    arrived: list = field(default_factory=list)  # (main_grad, grad, first) of this backward, not written yet
     handle: object = None
     shard_grad: torch.Tensor | None = None  # reduce-scatter output (distributed optimizer)
 
@@ -117,23 +121,44 @@ class GradBuckets:
         for b in self.buckets:
             b.pending = {id(p) for p in b.params}
             b.unwritten = set(b.pending)
+            b.arrived = []
             b.handle = None
         self._next_launch = 0
+        self._write_task = None  # the backward (autograd graph task) whose end writes what arrived
 
     def last_backward(self) -> None:
         """Call before the backward of the step's last micro-batch: ready buckets are reduced from then on."""
         self.sync_now = True
 
-    @torch.no_grad()
     def _on_grad(self, p: nn.Parameter) -> None:
-        b = self.bucket_of[id(p)]
-        write_grad(p.main_grad, p.grad, first=id(p) in b.unwritten)
-        b.unwritten.discard(id(p))
+        key = id(p)
+        b = self.bucket_of[key]
+        b.arrived.append((p.main_grad, p.grad, key in b.unwritten))
+        b.unwritten.discard(key)
         p.grad = None
+        task = torch._C._current_graph_task_id()
+        if task != self._write_task:  # this backward's first gradient: write the rest when it ends
+            self._write_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._write_arrived)
+        if len(b.arrived) == len(b.params):  # the bucket is complete: written now, before its reduction
+            self._write(b)
         if self.sync_now:
-            b.pending.discard(id(p))
+            b.pending.discard(key)
             if not b.pending and self.overlap:
                 self._launch_ready()
+
+    def _write_arrived(self) -> None:
+        """At the end of a backward: write the gradients of the buckets not yet complete (parameters that got
+        no gradient in this micro-batch, e.g. a vision tower's on text-only rows)."""
+        for b in self.buckets:
+            self._write(b)
+
+    @staticmethod
+    @torch.no_grad()
+    def _write(b: Bucket) -> None:
+        if b.arrived:
+            write_grads(b.arrived)
+            b.arrived = []
 
     def _launch_ready(self) -> None:
         """Launch the ready buckets in bucket order, stopping at the first one still waiting for a gradient. Every
@@ -169,6 +194,7 @@ class GradBuckets:
     def _launch(self, b: Bucket) -> None:
         if b.handle is not None:
             return
+        self._write(b)
         self._zero_unwritten(b)
         view = self.grad_buffer[b.start:b.end]
         if self.dp == 1:

@@ -61,13 +61,22 @@ class MixedPrecisionAdamW:
         # (``found_inf``); called through our FusedAdamW, as torch.optim's AdamW imports torch._dynamo
         self.optimizer = FusedAdamW(groups, lr=lr, betas=betas, eps=eps)
         self._grad_divisor: torch.Tensor | None = None
+        # Each piece's gradient and parameter values are views of buffers that live as long as their owners:
+        # made once here, not per step (a VLM has ~530 pieces: a few ms of host time a step, which the GPU
+        # waits for). The gradients stay attached to the masters for the fused kernel.
+        self._piece_grads = [(pc, pc.owner.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
+        for pc, grad in self._piece_grads:
+            pc.master.grad = grad
+        self._values = [pc.owner.param_values(pc.bucket, pc.start, pc.end) for pc in self.pieces]
+        self._masters = [pc.master for pc in self.pieces]
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
     def piece_grads(self) -> list[tuple[_Piece, torch.Tensor]]:
-        return [(pc, pc.owner.reduced_grad(pc.bucket, pc.start, pc.end)) for pc in self.pieces]
+        """(piece, its reduced gradient: a view of its owner's buffer) for every piece."""
+        return self._piece_grads
 
     def divide_grads_at_step(self, divisor: torch.Tensor) -> None:
         """Have the next ``step`` divide the gradients by ``divisor`` (a 0-dim float32 device tensor, e.g. the
@@ -82,14 +91,11 @@ class MixedPrecisionAdamW:
         device tensor, non-zero to leave weights, moments and the step count as they are (a non-finite step,
         decided on the device, so no host sync); the copies and gathers then move unchanged values. A divisor
         from ``divide_grads_at_step`` is applied (and forgotten) here."""
-        for pc, grad in self.piece_grads():
-            pc.master.grad = grad
         divisor, self._grad_divisor = self._grad_divisor, None
         self.optimizer.step(grad_scale=divisor, found_inf=skip.float() if skip is not None else None)
-        for pc in self.pieces:
-            pc.master.grad = None
-            if self.master_weights:
-                pc.owner.param_values(pc.bucket, pc.start, pc.end).copy_(pc.master)
+        if self.master_weights and self.pieces:
+            # one multi-tensor copy (fp32 -> the parameter dtype, rounded as copy_ rounds), not a launch a piece
+            torch._foreach_copy_(self._values, self._masters)
         for owner in self.buckets:
             owner.gather_params()
 
