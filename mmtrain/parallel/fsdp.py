@@ -12,7 +12,8 @@ checkpoint code call) with a different memory layout:
   gradient arrives (a tensor hook) and prefetches the block before it;
 - gradients: each micro-batch, once every parameter of a unit has its gradient, the unit's full-size gradient is
   reduce-scattered (summed, asynchronously, at most two in flight) into the owned fp32 shard, and the full-size
-  gradient and values are freed. ``finish`` waits for all and scales by 1 / tokens as ``GradBuckets`` does;
+  gradient and values are freed. ``finish`` waits for all (and scales by 1 / tokens, unless given None) as
+  ``GradBuckets`` does;
 - the parameters outside blocks (embedding, final norm, output layer, and a tied embedding's copy: the *late*
   bucket, summed over the first/last stage before its reduction) stay whole on every rank, as with the
   distributed optimizer: they are one resident bucket, reduced in ``finish``, all-gathered after the step.
@@ -242,9 +243,9 @@ class FsdpBuckets:
         """Nothing: the fully sharded units are reduced per micro-batch as their gradients arrive (the bucket
         interface's hook for GradBuckets, which launches its waiting reductions here)."""
 
-    def finish(self, num_tokens: float | torch.Tensor) -> None:
+    def finish(self, num_tokens: float | torch.Tensor | None) -> None:
         """Reduce what is left (units some of whose parameters got no gradient, the resident buckets), scale by
-        1 / num_tokens, free every unit."""
+        1 / num_tokens (``None``: the caller divides; ``GradBuckets.finish``), free every unit."""
         for b in self.buckets:
             if b.is_unit:
                 if b.full_grad is not None:
@@ -255,7 +256,8 @@ class FsdpBuckets:
                 dist.reduce_scatter_tensor(b.shard_grad, b.full_grad, group=self.group)
         while self._in_flight:
             self._land_oldest()
-        scale_grads([b.shard_grad for b in self.buckets], num_tokens)
+        if num_tokens is not None:
+            scale_grads([b.shard_grad for b in self.buckets], num_tokens)
 
     # ------------------------------------------------------------------------------------------ shards
     def owned_range(self, b: Bucket) -> tuple[int, int]:

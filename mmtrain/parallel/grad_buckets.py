@@ -12,7 +12,8 @@ Layout (Megatron-Core's design, rewritten small):
   parameters). During the last micro-batch's backward, a bucket whose parameters are all done is reduced at once
   (async), overlapping communication with the rest of the backward: an all-reduce, or with the distributed
   optimizer a reduce-scatter so each rank receives only the shard it updates.
-- Reductions are *sums*; ``finish`` divides by the global loss-token count, which keeps any layout exactly
+- Reductions are *sums*; the global loss-token count divides them after (the training loop has the optimizer's
+  fused AdamW kernel divide, ``finish(None)``: no pass of its own over the gradients), which keeps any layout exactly
   equal to one process.
 
 Parameters whose gradient must first be summed elsewhere (a tied embedding copy across pipeline stages) are put
@@ -205,13 +206,16 @@ class GradBuckets:
             b.handle = dist.all_reduce(view, group=self.group, async_op=True)
 
     @torch.no_grad()
-    def finish(self, num_tokens: float | torch.Tensor) -> None:
-        """Reduce what is left (late buckets included), wait for all, scale by 1 / num_tokens. ``num_tokens`` may
-        be a 0-dim device tensor (the loop's reduced count): the scale then stays on the device, no host sync."""
+    def finish(self, num_tokens: float | torch.Tensor | None) -> None:
+        """Reduce what is left (late buckets included), wait for all, scale by 1 / num_tokens (``None``: leave the
+        sums; the caller divides). ``num_tokens`` may be a 0-dim device tensor: the scale then stays on the
+        device, no host sync."""
         for b in self.buckets:
             self._launch(b)
         for b in self.buckets:
             b.handle.wait()
+        if num_tokens is None:
+            return
         # per bucket (bucket-sized views: one multi-tensor kernel, no index beyond 2**31 elements in it)
         scale_grads([b.shard_grad if self.sharded else self.grad_buffer[b.start:b.end] for b in self.buckets],
                     num_tokens)

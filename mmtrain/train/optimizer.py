@@ -78,12 +78,20 @@ class MixedPrecisionAdamW:
         """(piece, its reduced gradient: a view of its owner's buffer) for every piece."""
         return self._piece_grads
 
-    def divide_grads_at_step(self, divisor: torch.Tensor) -> None:
-        """Have the next ``step`` divide the gradients by ``divisor`` (a 0-dim float32 device tensor, e.g. the
-        clip's ``max(1, norm / max_norm)``) inside the fused AdamW kernel, which also writes the divided values
-        back to the gradients: one pass over them, where a separate in-place multiply first takes two, and no
-        host sync to decide whether it is needed."""
-        self._grad_divisor = divisor.float()
+    def divide_grads_at_step(self, divisor: torch.Tensor, replace: bool = False) -> None:
+        """Have the next ``step`` divide the gradients by ``divisor`` (a 0-dim device tensor: the loss-token
+        count, the clip's ``max(1, norm / max_norm)``; several calls multiply, ``replace`` drops what an earlier
+        call left, e.g. a step that failed before its update) inside the fused AdamW kernel, which also writes
+        the divided values back to the gradients: one pass over them, where a separate in-place multiply first
+        takes two, and no host sync to decide whether it is needed."""
+        divisor = divisor.double()
+        keep = not replace and self._grad_divisor is not None
+        self._grad_divisor = self._grad_divisor * divisor if keep else divisor
+
+    @property
+    def grad_divisor(self) -> torch.Tensor | None:
+        """What the next ``step`` divides the gradients by (float64, 0-dim), or None."""
+        return self._grad_divisor
 
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> None:
@@ -92,6 +100,8 @@ class MixedPrecisionAdamW:
         decided on the device, so no host sync); the copies and gathers then move unchanged values. A divisor
         from ``divide_grads_at_step`` is applied (and forgotten) here."""
         divisor, self._grad_divisor = self._grad_divisor, None
+        if divisor is not None:
+            divisor = divisor.float()
         self.optimizer.step(grad_scale=divisor, found_inf=skip.float() if skip is not None else None)
         if self.master_weights and self.pieces:
             # one multi-tensor copy (fp32 -> the parameter dtype, rounded as copy_ rounds), not a launch a piece
