@@ -11,7 +11,7 @@ DEV=${DEV:-.device}  # where to put them (bench/make_device_dir.sh points it at 
 mkdir -p "$DEV"/whl
 for spec in fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 \
     annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 anyio==4.16.0 sniffio==1.3.1 \
-    h11==0.16.0 httpx==0.28.1 httpcore==1.0.9 idna==3.20 certifi==2026.10.19.post1 click==8.5.1 xxhash==4.1.0 \
+    h11==0.16.0 httptools==0.9.0 httpx==0.28.1 httpcore==1.0.9 idna==3.20 certifi==2026.10.19.post1 click==8.5.1 xxhash==4.1.0 \
     opentelemetry-api==1.45.2 annotated-doc==0.0.7 \
     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pytest-timeout==2.4.0; do
   "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
