@@ -9,6 +9,8 @@
 #   hf     : transformers' generate with a static cache, batch 1 and 32 (.device/hf_generate_baseline.py)
 #   sprof  : bench/serve_profile.py: each server thread's CPU time per new token (where the host time goes)
 #   sprof_before : the same for the PREV tree's server
+#   serve_h11, sprof_h11 : serve and sprof of this tree with the wheels but httptools (uvicorn then parses with
+#            h11, as before session 24): what httptools is worth on the device's host
 #   dprof  : bench/generate_profile.py --batch 1: the decode step's kernels (where the GPU time goes)
 #   vlm    : bench/vlm_h200.py --compile --profile --host-profile (the ~2B VLM, 8x1024, 448 px; the GPU profile
 #            summary and the host's cProfile table to $OUT)
@@ -36,7 +38,11 @@ left() { [ "$SECONDS" -lt "$BUDGET" ] || { echo "### skipped (over BUDGET=$BUDGE
 cap() { local c=$((LIMIT - SECONDS)); [ "$c" -lt "$1" ] && echo "$c" || echo "$1"; }
 tree() {  # directory, seconds, command...: run in that tree with its own code first on the path
   local dir=$1 secs=$2; shift 2
-  (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout -k 5 "$(cap "$secs")" "$@")
+  (cd "$dir" && PYTHONPATH=${SITE:-/tmp/site}:$PWD timeout -k 5 "$(cap "$secs")" "$@")
+}
+h11_site() {  # /tmp/site_h11: the wheels without httptools (TINY: the venv's packages as they are)
+  [ "${TINY:-0}" = 1 ] || [ -d /tmp/site_h11 ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site_h11 $(ls .device/whl/*.whl | grep -v /httptools-) 2>&1 | grep -v "already exists"
 }
 for stage in ${STAGES:-engine serve vlm before hf dprof sprof}; do
   left "$stage" || continue
@@ -50,6 +56,10 @@ for stage in ${STAGES:-engine serve vlm before hf dprof sprof}; do
     hf) timeout -k 5 "$(cap 120)" python3 .device/hf_generate_baseline.py --batch 1 32 --cache static 2>&1 \
           | grep -E '^\{|Error' | tail -3 ;;
     sprof) tree "$here" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} 2>&1 | grep -vE "^\{|INFO:" | tail -40 ;;
+    serve_h11) h11_site; SITE=/tmp/site_h11 tree "$here" 150 python3 bench/serve_load.py --clients 32 "${T[@]}" \
+                 ${SERVE_ARGS:-} 2>&1 | grep -E '^\||^\{|###|Error|error' | tail -"${SERVE_LINES:-4}" ;;
+    sprof_h11) h11_site; SITE=/tmp/site_h11 tree "$here" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} \
+                 2>&1 | grep -vE "^\{|INFO:" | tail -40 ;;
     sprof_before) [ -n "${PREV:-}" ] || { echo "no PREV tree"; continue; }
                   tree "$PREV" 120 python3 bench/serve_profile.py "${T[@]}" ${SPROF_ARGS:-} 2>&1 | grep -vE "^\{|INFO:" | tail -40 ;;
     dprof) tree "$here" 90 python3 bench/generate_profile.py --batch 1 "${T[@]}" 2>&1 | tail -25 ;;
