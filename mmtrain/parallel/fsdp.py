@@ -11,9 +11,9 @@ checkpoint code call) with a different memory layout:
   block's gather is started asynchronously meanwhile (prefetch). Backward gathers again when the block's output
   gradient arrives (a tensor hook) and prefetches the block before it;
 - gradients: each micro-batch, once every parameter of a unit has its gradient, the unit's full-size gradient is
-  reduce-scattered (summed, asynchronously, at most two in flight) into the owned fp32 shard, and the full-size
-  gradient and values are freed. ``finish`` waits for all (and scales by 1 / tokens, unless given None) as
-  ``GradBuckets`` does;
+  made from them in one multi-tensor copy (``_full_grad``), reduce-scattered (summed, asynchronously, at most two
+  in flight) into the owned fp32 shard, and the full-size gradient and values are freed. ``finish`` waits for
+  all (and scales by 1 / tokens, unless given None) as ``GradBuckets`` does;
 - the parameters outside blocks (embedding, final norm, output layer, and a tied embedding's copy: the *late*
   bucket, summed over the first/last stage before its reduction) stay whole on every rank, as with the
   distributed optimizer: they are one resident bucket, reduced in ``finish``, all-gathered after the step.
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmtrain.parallel.grad_accumulate import write_grad, write_grads
 from mmtrain.parallel.grad_buckets import Bucket, scale_grads
 
 
@@ -49,7 +50,7 @@ class _Unit(Bucket):
     is_unit: bool = True
     full_param: torch.Tensor | None = None  # the parameters are views of it; 0 bytes while freed
     shard_param: torch.Tensor | None = None  # this rank's owned values (what the optimizer updates)
-    full_grad: torch.Tensor | None = None  # this micro-batch's full-size gradient (a unit: until reduced)
+    full_grad: torch.Tensor | None = None  # a resident bucket's full-size gradient (a unit's: while reduced)
     gathered: bool = True
     gather_handle: object = None  # an all-gather in flight (a prefetch)
     pos: dict[int, int] = field(default_factory=dict)  # id(param) -> element offset inside the bucket
@@ -201,6 +202,7 @@ class FsdpBuckets:
             if not b.is_unit:
                 b.full_grad.zero_()
             b.pending = {id(p) for p in b.params}
+            b.arrived = []
 
     def last_backward(self) -> None:
         """Units are reduced every micro-batch: nothing changes for the last one."""
@@ -209,13 +211,10 @@ class FsdpBuckets:
     def _on_grad(self, p: nn.Parameter) -> None:
         b = self.bucket_of[id(p)]
         if not b.is_unit:
-            p.main_grad.add_(p.grad)
+            write_grad(p.main_grad, p.grad, first=False)  # on CUDA a vectorised kernel (grad_accumulate)
             p.grad = None
             return
-        if b.full_grad is None:
-            b.full_grad = torch.zeros(b.end - b.start, dtype=self.grad_dtype, device=self.device)
-        pos = b.pos[id(p)]
-        b.full_grad[pos:pos + p.numel()].add_(p.grad.reshape(-1))
+        b.arrived.append((b.pos[id(p)], p.grad.reshape(-1)))
         p.grad = None
         b.pending.discard(id(p))
         if not b.pending:  # the unit's backward is done for this micro-batch
@@ -223,9 +222,28 @@ class FsdpBuckets:
             b.pending = {id(q) for q in b.params}
             self._free(b)
 
+    def _full_grad(self, b: Bucket) -> torch.Tensor:
+        """The unit's full-size gradient from the gradients that arrived: written together (one multi-tensor copy
+        of each parameter's first, ``grad_accumulate.write_grads``) into uninitialized memory, not added one launch
+        a parameter into zeros; what no gradient covers (the padding; parameters that got none) is zeroed."""
+        full = torch.empty(b.end - b.start, dtype=self.grad_dtype, device=self.device)
+        covered, writes = set(), []
+        for pos, grad in b.arrived:
+            writes.append((full[pos:pos + grad.numel()], grad, pos not in covered))
+            covered.add(pos)
+        b.arrived = []
+        used = sum(q.numel() for q in b.params)
+        if len(covered) < len(b.params):  # some parameter got no gradient: zeros under everything first
+            full.zero_()
+        elif used < full.numel():
+            full[used:].zero_()
+        write_grads(writes)
+        return full
+
     def _reduce_unit(self, b: Bucket) -> None:
         """Reduce-scatter the unit's full gradient (async: it overlaps the next blocks' backward); at most two
         are in flight, the oldest is added into its owned shard and its full gradient dropped when a third starts."""
+        b.full_grad = self._full_grad(b)
         out = torch.empty_like(b.shard_grad)
         handle = dist.reduce_scatter_tensor(out, b.full_grad, group=self.group, async_op=True)
         self._in_flight.append((b, out, b.full_grad, handle))
@@ -248,7 +266,7 @@ class FsdpBuckets:
         1 / num_tokens (``None``: the caller divides; ``GradBuckets.finish``), free every unit."""
         for b in self.buckets:
             if b.is_unit:
-                if b.full_grad is not None:
+                if b.arrived:
                     self._reduce_unit(b)
                     b.pending = {id(q) for q in b.params}
                 self._free(b)

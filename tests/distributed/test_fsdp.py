@@ -1,7 +1,9 @@
 """parallel.fsdp (fully sharded data parallelism) trains exactly like one process (fp32, CPU, gloo): losses over
 4 steps (1 of warmup: three full-rate updates compound a gradient difference, as in
-test_gpt_parallel_equivalence.py) and the final parameters; composes with TP, PP and activation recompute; checkpoints resume across the
-FSDP and distributed-optimizer layouts; a block's non-owned parameter storage is not resident after a step."""
+test_gpt_parallel_equivalence.py) and the final parameters; composes with TP, PP and activation recompute;
+checkpoints resume across the FSDP and distributed-optimizer layouts; a block's non-owned parameter storage is not
+resident after a step; a unit's gradients, written together when it completes, equal the added ones (a parameter
+that arrives twice, a unit left incomplete)."""
 
 from __future__ import annotations
 
@@ -185,3 +187,48 @@ def test_frozen_model_sharded_without_gradients():
     for equal, freed, grads, hooks in run_distributed(_frozen, 2):
         assert equal and freed == [0, 0] and grads == [0, 0]
         assert hooks == 4  # the blocks' gather/free hooks only, no gradient hooks
+
+
+def _partial_units(rank: int, world_size: int):
+    """Two micro-batches through one unit of two linears, the first micro-batch reaching only the second linear
+    (so the unit is complete in the second, with that linear's gradient arriving twice), then a micro-batch that
+    reaches only the second linear (the unit left incomplete, reduced by ``finish``). Reduced shards gathered whole,
+    with the unsharded gradients of the same micro-batches."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from mmtrain.parallel.fsdp import FsdpBuckets
+
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 3)
+    unit = nn.ModuleList([first, second])
+    reference = [p.detach().clone().requires_grad_(True) for p in unit.parameters()]
+    group = dist.new_group(list(range(world_size)))
+    owner = FsdpBuckets([list(unit.parameters())], [unit], [], group, torch.float32)
+    x = torch.randn(4, 8) + rank
+
+    def run(micro_batches):
+        owner.reset()
+        for through_first in micro_batches:
+            owner._pre_forward(owner.units, [])(unit, ())  # the unit's module hooks, as its forward would fire
+            h = first(x) if through_first else x
+            second(h).pow(2).sum().backward()
+            rh = x @ reference[0].t() + reference[1] if through_first else x
+            (rh @ reference[2].t() + reference[3]).pow(2).sum().backward()
+        owner.finish(None)
+        b = owner.units[0]
+        whole = torch.empty(b.end - b.start)
+        dist.all_gather_into_tensor(whole, b.shard_grad, group=group)
+        want = torch.cat([(r.grad if r.grad is not None else torch.zeros_like(r)).reshape(-1) for r in reference])
+        dist.all_reduce(want, group=group)
+        for r in reference:
+            r.grad = None
+        return float((whole[:want.numel()] - want).abs().max()), float(whole[want.numel():].abs().sum())
+
+    return run([False, True]), run([False])
+
+
+def test_unit_gradients_written_together_equal_the_added_ones():
+    for (err, pad), (err_incomplete, pad_incomplete) in run_distributed(_partial_units, 2):
+        assert err < 1e-5 and pad == 0.0
+        assert err_incomplete < 1e-5 and pad_incomplete == 0.0
