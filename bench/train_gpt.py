@@ -18,7 +18,8 @@ document, the loss skips EOD inputs); ``train.document_attention=dense`` is the 
 
 With documents, ``doc_attention_fraction`` is the attention work a document mask leaves, Σ len² / S² over the
 timed samples, and ``doc_tflops`` the FLOPs actually done: 6N + that fraction of the causal attention term
-(``model_tflops`` keeps the standard 6N + causal figure, so runs stay comparable; ``doc_mfu`` is honest MFU).
+(``model_tflops`` keeps the standard 6N + causal figure, so runs stay comparable; ``doc_mfu`` is honest MFU);
+``timed_steps_ms_fraction`` pairs each timed step's ms with its own batch's fraction (does the time follow it?).
 ``--losses-csv FILE`` writes step,loss for loss-curve comparisons. ``--profile FILE`` records the last two
 timed steps with torch.profiler (CUDA kernels only) and writes where their time goes (bench/profile_summary.py:
 matmuls, attention, norms/elementwise, optimizer, communication, host gap) as markdown; the tokens/s then come
@@ -148,10 +149,17 @@ def main() -> None:
            "loss": round(result.losses[-1], 4)}
     if a.packed:
         timed = a.warmup * gbs
-        fraction, mean_len = document_attention_fraction(_samples_for(cfg), timed, min(a.steps * gbs, 64), S)
+        samples = _samples_for(cfg)
+        fraction, mean_len = document_attention_fraction(samples, timed, min(a.steps * gbs, 64), S)
         doc_tflops = tps * (per_token - causal_attention * (1.0 - fraction)) / 1e12
         row.update({"mean_doc_tokens": round(mean_len, 1), "doc_attention_fraction": round(fraction, 4),
                     "doc_tflops": round(doc_tflops, 1), "doc_mfu": round(doc_tflops / BF16_CEILING_TFLOPS, 3)})
+        # each timed step's ms beside its own batch's attention fraction (step i reads samples i*gbs..): whether
+        # the packed row's time follows its documents from step to step (issue #32's packed row)
+        first = a.warmup + hosted
+        row["timed_steps_ms_fraction"] = [
+            [round(1000 * t, 1), round(document_attention_fraction(samples, (first + i) * gbs, gbs, S)[0], 4)]
+            for i, t in enumerate(result.step_times[first:len(result.step_times) - profiled])]
     if a.print_losses:
         row["losses"] = result.losses
     if rank == 0 and prof is not None:
