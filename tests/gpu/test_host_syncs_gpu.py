@@ -27,6 +27,10 @@ def mesh():
 
 
 @pytest.mark.parametrize("extra", [["train.precision=bf16"], ["train.precision=bf16", "optim.master_weights=false"],
+                                   # packed documents: FlexAttention's block mask built from each micro-batch's
+                                   # document ids on the device (issue #32's packed row)
+                                   ["train.precision=bf16", "data.reset_position_ids=true",
+                                    "data.reset_attention_mask=true", "data.eod_mask_loss=true"],
                                    ["train.precision=fp8", "fp8.backend=native"],
                                    # MoE (local dispatch, grouped GEMM on 9.0+, sigmoid router with bias balancing)
                                    ["train.precision=bf16", "model.num_experts=4", "model.moe_top_k=2",
