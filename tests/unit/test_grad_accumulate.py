@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
@@ -33,18 +35,19 @@ def test_kernel_equals_torch_copy_and_add_bit_for_bit():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_kernel_compiles_for_the_h200_with_16_byte_accesses():
-    """Compiled for sm_90 offline (tests/triton_sm90.py: no GPU), with ``n`` a multiple of 16 as a launch on a
-    Llama's buffers specializes it: every load and store moves 16 bytes (the adding one loads the fp32 too)."""
-    from mmtrain.parallel.grad_accumulate import _BLOCK, _triton_kernel
-    from tests.triton_sm90 import compile_sm90, global_memory_ops
+def test_its_launches_compile_for_the_h200_with_16_byte_accesses():
+    """``launch``'s own kernel calls, recorded on CPU tensors and compiled for sm_90 offline (tests/triton_sm90.py:
+    no GPU) as a launch on a Llama's buffers specializes them: every load and store moves 16 bytes (the adding
+    one loads the fp32 too)."""
+    from mmtrain.parallel.grad_accumulate import launch
+    from tests.triton_sm90 import captured_launches, compile_launch, global_memory_ops
 
-    kernel, _ = _triton_kernel()
-    loads = {}
-    for add in (False, True):
-        compiled = compile_sm90(kernel, {"dst_ptr": "*fp32", "src_ptr": "*bf16", "n": "i64"},
-                                {"ADD": add, "BLOCK": _BLOCK}, divisible=("n",))
-        ops = global_memory_ops(compiled.asm["ptx"])
-        assert set(ops) == {"ld.global.v4.b32", "st.global.v4.b32"}, (add, ops)
-        loads[add] = ops["ld.global.v4.b32"]
-    assert loads[True] == 3 * loads[False]  # 16 bytes of BF16 a thread, and then 32 of fp32
+    with captured_launches() as launches:
+        for add in (False, True):
+            launch(torch.zeros(8192), torch.zeros(8192, dtype=torch.bfloat16), add=add)
+    loads = []
+    for kernel, args, kwargs in launches:
+        ops = global_memory_ops(compile_launch(kernel, args, kwargs).asm["ptx"])
+        assert set(ops) == {"ld.global.v4.b32", "st.global.v4.b32"}, ops
+        loads.append(ops["ld.global.v4.b32"])
+    assert loads[1] == 3 * loads[0]  # 16 bytes of BF16 a thread, and then 32 of fp32
