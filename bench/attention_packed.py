@@ -3,8 +3,9 @@ with packed documents of 100-1,200 tokens: causal SDPA without a mask (the unmas
 SDPA (the old path), mmtrain's FlexAttention block mask (compiled; the mask build timed separately, it runs
 once per micro-batch for all layers) and ``torch.nn.attention.varlen.varlen_attn`` (cu_seqlens; no GQA: K/V
 are expanded to 32 heads beforehand, outside the timing), and the flex block mask of a sliding window
-(``--window``, Mistral's) intersected with the documents and on its own (one document per row). One table, median
-of ``--iters`` timed calls.
+(``--window``, Mistral's) intersected with the documents and on its own (one document per row); and the same block
+mask run by FlexAttention's FLASH backend (flash-attn-4's CuTe kernels: ``train.document_attention=flex_flash``)
+where flash-attn-4 is installed and the GPU is a Hopper or later. One table, median of ``--iters`` timed calls.
 
     python bench/attention_packed.py [--shapes 4x4096 1x16384 1x32768] [--dtype bf16] [--no-dense] [--window 512]
 """
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmtrain.model.attention import FlexDocuments, dense_document_mask  # noqa: E402
+from mmtrain.utils.optional import flash_available  # noqa: E402
 
 
 def _doc_ids(B: int, S: int, seed: int = 0) -> torch.Tensor:
@@ -65,11 +67,16 @@ def main() -> None:
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     H, KV, D = a.heads, a.kv_heads, a.head_dim
-    print(f"| shape | causal SDPA, no mask | dense-mask SDPA | flex block mask | flex mask build | varlen_attn "
-          f"| flex window {a.window} ∩ documents | flex window {a.window}, one document "
+    print(f"| shape | causal SDPA, no mask | dense-mask SDPA | flex block mask | flex FLASH backend | flex mask build "
+          f"| varlen_attn | flex window {a.window} ∩ documents | flex window {a.window}, one document "
           f"| attention left by the documents |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     flex = FlexDocuments()
+    flash = None
+    if dev.type != "cuda" or torch.cuda.get_device_capability()[0] < 9 or not flash_available():
+        print("(flex FLASH backend not measured: it needs flash-attn-4 and a Hopper or later GPU)")
+    else:
+        flash = FlexDocuments(backend="FLASH")
     for shape in a.shapes:
         B, S = (int(x) for x in shape.split("x"))
         ids = _doc_ids(B, S).to(dev)
@@ -91,6 +98,12 @@ def main() -> None:
         block_mask = flex.mask(ids, ids, 0)
         flexed = (_time(step(lambda: flex.attend(q, k, v, block_mask, None)), a.iters, sync)
                   if dev.type == "cuda" else float("nan"))  # CPU flex has no backward
+        flashed = float("nan")
+        if flash is not None:
+            try:
+                flashed = _time(step(lambda: flash.attend(q, k, v, block_mask, None)), a.iters, sync)
+            except Exception as exc:  # noqa: BLE001 - an experimental backend: say why the cell is empty
+                print(f"(flex FLASH backend failed at {shape}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
         windowed = {}
         for name, row_ids in (("documents", ids), ("one document", torch.zeros_like(ids))):
             window_mask = flex.mask(row_ids, row_ids, 0, a.window)
@@ -112,7 +125,8 @@ def main() -> None:
             print(f"(varlen_attn not measured: {type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
         counts = torch.stack([torch.bincount(row, minlength=S) for row in ids.cpu()]).double()
         left = float((counts ** 2).sum() / (B * S * S))
-        print(f"| {shape} | {causal:.2f} ms | {dense:.2f} ms | {flexed:.2f} ms | {build:.2f} ms | {varlen:.2f} ms "
+        print(f"| {shape} | {causal:.2f} ms | {dense:.2f} ms | {flexed:.2f} ms | {flashed:.2f} ms | {build:.2f} ms "
+              f"| {varlen:.2f} ms "
               f"| {windowed['documents']:.2f} ms | {windowed['one document']:.2f} ms | {left:.3f} |", flush=True)
 
 

@@ -5,6 +5,8 @@
 #   bf16    : Llama-3.2-1B shapes, 4x4096                                 (+ HF transformers anchor: hf)
 #   fp8     : same, FP8 native delayed, fast backward, FP8 head
 #   packed  : same as bf16 with packed documents (reset positions/attention, EOD loss mask)
+#   packed_flash : same as packed with train.document_attention=flex_flash (FlexAttention's FLASH backend:
+#             flash-attn-4 in /tmp/fa4site from bench/flash_device.sh's two calls)
 #   moe     : configs/models/deepseek-v2-lite-4l.yaml, 2x4096
 #   moe_gbs : same, 8 micro-batches of 2x4096 per step (train.global_batch_size=16: the optimizer amortized)
 #   vlm     : bench/vlm_h200.py --compile (the ~2B VLM, 8x1024, 448 px)
@@ -34,7 +36,7 @@ train() {  # label, extra args...  (a label prev_* runs the PREV tree's bench, w
   case $label in prev_*) [ -n "${PREV:-}" ] || { echo "no PREV tree"; return; }; dir=$here/$PREV; prof=() ;; esac
   echo "### $label ($SECONDS s)"
   local out
-  out=$(cd "$dir" && PYTHONPATH=$PWD timeout -k 5 "$(cap "$CAP")" python3 bench/train_gpt.py --data "$here/$DATA" \
+  out=$(cd "$dir" && PYTHONPATH=$PWD${EXTRA_PATH:+:$EXTRA_PATH} timeout -k 5 "$(cap "$CAP")" python3 bench/train_gpt.py --data "$here/$DATA" \
         --label "$label" "${prof[@]}" "$@" 2>&1 | tee "/tmp/$label.log" | grep -E '^\{' | tail -1)
   [ -n "$out" ] || tail -6 "/tmp/$label.log"
   echo "$out"
@@ -46,6 +48,8 @@ for stage in ${STAGES:-bf16 fp8 packed moe}; do
     bf16|prev_bf16) train $stage --batch 4 --seq 4096 train.compile=true ${EXTRA:-} ;;
     fp8|prev_fp8) train $stage --batch 4 --seq 4096 train.compile=true $FP8 ${EXTRA:-} ;;
     packed|prev_packed) train $stage --batch 4 --seq 4096 --packed train.compile=true ${EXTRA:-} ;;
+    packed_flash) EXTRA_PATH=$(bash bench/flash_device.sh path) train $stage --batch 4 --seq 4096 --packed \
+                    train.compile=true train.document_attention=flex_flash ${EXTRA:-} ;;
     moe) train moe --model configs/models/deepseek-v2-lite-4l.yaml --batch 2 --seq 4096 train.compile=true \
            ${EXTRA_MOE:-} ;;
     moe_gbs|prev_moe_gbs) train $stage --model configs/models/deepseek-v2-lite-4l.yaml --batch 2 --seq 4096 --steps 6 \

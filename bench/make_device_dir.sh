@@ -27,6 +27,8 @@
 #            (fp8_h200.py --mcore, h200x2_ep.sh; both also need TE: ../shared/te/README.md)
 #   prep     bench/fetch_prep_wheels.sh: Megatron-LM exports (needs MEGATRON_MIRROR) and av, webdataset, ... into
 #            .device/whl/ (bench/prep_device.sh; ~50 MB)
+#   flash    bench/fetch_flash_wheels.sh -> .device/fa4-1/, .device/fa4-2/ (flash-attn-4 and the CuTe DSL in two
+#            pieces, one call each: bench/flash_device.sh; train.document_attention=flex_flash)
 # A part whose outputs are complete (files there, and the stamp in them naming the same inputs: fetch scripts,
 # REV, corpus size, vocabulary) is skipped; --force rebuilds the named parts. A part is built in
 # .device/.tmp-<part>.<pid> and renamed into place a folder at a time (a replaced folder is removed only after), so
@@ -54,8 +56,8 @@ while [ $# -gt 0 ]; do
 done
 for p in $PARTS; do
   case $p in
-    data|wheels|anchors|prev|before|mcore|prep) ;;
-    *) echo "unknown part '$p' (data wheels anchors prev before mcore prep)"; exit 2 ;;
+    data|wheels|anchors|prev|before|mcore|prep|flash) ;;
+    *) echo "unknown part '$p' (data wheels anchors prev before mcore prep flash)"; exit 2 ;;
   esac
 done
 want() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -160,6 +162,23 @@ if want prep; then
     echo "$prep_stamp" > "$t/megatron-lm/.stamp"
     mv "$t/megatron-lm-head.tar.gz" "$DEV/megatron-lm-head.tar.gz"
     put_dir "$t/megatron-lm" "$DEV/megatron-lm"
+    rm -rf "$t"
+  fi
+fi
+
+# ---- flash (optional): bench/fetch_flash_wheels.sh ------------------------------------------------------------------
+if want flash; then
+  flash_stamp="$(sha256sum bench/fetch_flash_wheels.sh | cut -c1-16)"
+  if stamp_ok "$DEV/fa4-2" "$flash_stamp" && [ -f "$DEV/fa4-1/libs.part0" ] && [ -f "$DEV/fa4-2/libs.sha256" ]; then
+    say "flash: complete, skipped"
+  else
+    say "flash: bench/fetch_flash_wheels.sh"
+    t=$(tmpdir flash)
+    DEV=$t bash bench/fetch_flash_wheels.sh > "$t/fetch.log" 2>&1 \
+      || { tail -15 "$t/fetch.log"; echo "bench/fetch_flash_wheels.sh failed (log above)"; exit 1; }
+    echo "$flash_stamp" > "$t/fa4-2/.stamp"
+    put_dir "$t/fa4-1" "$DEV/fa4-1"
+    put_dir "$t/fa4-2" "$DEV/fa4-2"
     rm -rf "$t"
   fi
 fi

@@ -156,10 +156,11 @@ class TrainConfig:
                         "also the rollouts' decode step (CUDA graphs on a GPU).")
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = doc(
         "auto", "scaled_dot_product_attention kernel on GPU; auto lets PyTorch choose.")
-    document_attention: Literal["auto", "flex", "dense"] = doc(
+    document_attention: Literal["auto", "flex", "flex_flash", "dense"] = doc(
         "auto", "Kernel of document-masked attention (data.reset_attention_mask, VLM packing): flex = FlexAttention "
-                "block masks (GPU), dense = an S x S mask for SDPA (the reference; slow, large); auto = flex on GPU, "
-                "dense on the CPU, where FlexAttention has no backward.")
+                "block masks (GPU), flex_flash = the same masks run by flash-attn-4's CuTe kernels (FlexAttention's "
+                "FLASH backend; Hopper/Blackwell, the flash extra), dense = an S x S mask for SDPA (the reference; "
+                "slow, large); auto = flex on GPU, dense on the CPU, where FlexAttention has no backward.")
     seed: int = doc(42, "Seed of the weight initialization and dropout.", ge=0, le=2**63 - 1)
     eval_every: int = doc(0, "Evaluate on the valid split every N steps; 0 disables.", ge=0)
     eval_steps: int = doc(4, "Global batches per evaluation (the same samples whatever the parallel layout).", ge=1)

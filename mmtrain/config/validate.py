@@ -14,6 +14,7 @@ from mmtrain.config.loader import ConfigError
 from mmtrain.config.ranges import check_ranges
 from mmtrain.config.schema import GPTRunConfig, ModelConfig
 from mmtrain.models.families import family_names, unknown_family_message
+from mmtrain.utils.optional import FLASH_PACKAGE, flash_available
 
 
 def validate_gpt_config(cfg: GPTRunConfig, world_size: int | None = None) -> None:
@@ -82,9 +83,12 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
         raise ConfigError("train.objective=dpo does not support parallel.cp > 1 yet (sequence log-probs would be "
                           "split over the context ranks); use tp/pp/dp")
     _validate_distill(cfg, mk)
-    if t.document_attention == "flex" and t.device == "cpu":
-        raise ConfigError("train.document_attention=flex needs a GPU (FlexAttention has no backward on the CPU in "
-                          "this torch); use auto or dense")
+    if t.document_attention in ("flex", "flex_flash") and t.device == "cpu":
+        raise ConfigError(f"train.document_attention={t.document_attention} needs a GPU (FlexAttention has no "
+                          "backward on the CPU in this torch); use auto or dense")
+    if t.document_attention == "flex_flash" and not flash_available():
+        raise ConfigError(f"train.document_attention=flex_flash needs {FLASH_PACKAGE} (flash_attn.cute): "
+                          "pip install 'mmtrain[flash]', or use flex")
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
     if t.precision == "fp8" and not shape.supports_fp8:

@@ -21,6 +21,10 @@ Document and window masks have two kernels:
   sequences and windows cost less than causal attention.
 - ``DenseDocuments``: the same mask as a bool (B, 1, Sq, Sk) tensor for SDPA. Only for the CPU, where
   FlexAttention has no backward (torch 2.11), and as the reference the tests compare with.
+- ``FlexDocuments(backend="FLASH")`` (``"flex_flash"``): the same block mask run by flash-attn-4's CuTe kernels
+  (FlexAttention's experimental FLASH backend, forward and backward; Hopper and Blackwell; the ``flash`` extra),
+  where the Triton flex kernel measured ~2.8x slower per visited block than cuDNN's causal kernel at head dim 64
+  (session 12: backward 18.1 ms at a block share of 0.20 against cuDNN's 31.9 ms for all of them).
 ``CausalAttention(documents="auto")`` picks flex on CUDA tensors and dense on CPU ones. Without documents and
 without a window, sinks or softcap, plain causal attention stays SDPA's causal kernel (flash / cuDNN).
 ``prepare(None, window=W)`` cannot know the sequence length, so that mask is built at each call from the
@@ -41,6 +45,8 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from mmtrain.utils.optional import FLASH_PACKAGE, flash_available
 
 FLEX_BLOCK = 128  # FlexAttention's default tile; the block mask is built at this granularity
 
@@ -222,12 +228,16 @@ def _block_mask(q_ids_BQ, kv_ids_BK, q_offset: int, block: int, window: int | No
 class FlexDocuments:
     """Document / window masks as FlexAttention block masks. Outside a compiled region the kernel is this
     object's own compiled ``flex_attention`` (eager flex would materialize the scores); inside one, dynamo
-    inlines it into the block's graph."""
+    inlines it into the block's graph. ``backend``: FlexAttention's ``"TRITON"`` kernels or ``"FLASH"``
+    (flash-attn-4's CuTe kernels for the same block mask, mask_mod and score_mod)."""
 
-    name = "flex"
-
-    def __init__(self, block: int = FLEX_BLOCK) -> None:
+    def __init__(self, block: int = FLEX_BLOCK, backend: str = "TRITON") -> None:
+        if backend not in ("TRITON", "FLASH"):
+            raise ValueError(f"FlexAttention backend must be 'TRITON' or 'FLASH', got {backend!r}")
         self.block = block
+        self.name = "flex" if backend == "TRITON" else "flex_flash"
+        # the default (None) for Triton: its kernels and configs exactly as before the FLASH option existed
+        self.kernel_options = None if backend == "TRITON" else {"BACKEND": backend}
         self._compiled = None
 
     def mask(self, q_ids_BQ: torch.Tensor, kv_ids_BK: torch.Tensor, q_offset: int, window: int | None = None):
@@ -248,12 +258,14 @@ class FlexDocuments:
             def score_mod(score, b, h, q_idx, kv_idx):
                 return cap * torch.tanh(score / cap)
         gqa = q.shape[1] != k.shape[1]
+        options = self.kernel_options
         if sinks_H is None:
-            return self._kernel(q)(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa)
+            return self._kernel(q)(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa,
+                                   kernel_options=options)
         from torch.nn.attention.flex_attention import AuxRequest
 
         out, aux = self._kernel(q)(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa,
-                                   return_aux=AuxRequest(lse=True))
+                                   return_aux=AuxRequest(lse=True), kernel_options=options)
         return apply_sinks(out, aux.lse, sinks_H)
 
     def _kernel(self, q):
@@ -271,19 +283,37 @@ class FlexDocuments:
         from torch.nn.attention.flex_attention import AuxRequest
 
         out, aux = self._kernel(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                          return_aux=AuxRequest(lse=True))
+                                   return_aux=AuxRequest(lse=True), kernel_options=self.kernel_options)
         return out, aux.lse
 
 
 def document_kernel(name: str, device: torch.device):
-    """``"flex"``, ``"dense"``, or ``"auto"``: flex on CUDA, dense where flex has no backward (CPU)."""
+    """``"flex"``, ``"flex_flash"``, ``"dense"``, or ``"auto"``: flex on CUDA, dense where flex has no backward
+    (CPU). ``"flex_flash"`` needs flash-attn-4 and a Hopper or Blackwell GPU (its CuTe kernels')."""
     if name == "auto":
         name = "flex" if device.type == "cuda" else "dense"
     if name == "flex":
         return FlexDocuments()
+    if name == "flex_flash":
+        check_flash(device)
+        return FlexDocuments(backend="FLASH")
     if name == "dense":
         return DenseDocuments()
-    raise ValueError(f"document attention kernel must be 'auto', 'flex' or 'dense', got {name!r}")
+    raise ValueError(f"document attention kernel must be 'auto', 'flex', 'flex_flash' or 'dense', got {name!r}")
+
+
+def check_flash(device: torch.device) -> None:
+    """One-line refusals of ``flex_flash`` where its kernels cannot run: not CUDA, no flash-attn-4, a GPU older
+    than Hopper (flash-attn-4's CuTe kernels are written for compute capability 9.0 and later)."""
+    what = "document attention flex_flash (FlexAttention's FLASH backend)"
+    if device.type != "cuda":
+        raise ValueError(f"{what} runs on CUDA GPUs only, not {device.type}; use flex or dense")
+    if not flash_available():
+        raise ValueError(f"{what} needs {FLASH_PACKAGE}: pip install 'mmtrain[flash]' (or use flex)")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ValueError(f"{what} needs a Hopper or Blackwell GPU (compute capability >= 9.0), this one is "
+                         f"{major}.{minor}; use flex")
 
 
 # ------------------------------------------------------------------------------------------ strategies

@@ -287,6 +287,52 @@ def test_flex_on_a_cpu_run_is_a_config_error():
         validate_gpt_config(cfg, 1)
 
 
+def test_flex_flash_refusals_name_the_key_and_the_package(monkeypatch):
+    """``flex_flash`` (FlexAttention's FLASH backend, flash-attn-4's kernels): on the CPU, and without
+    flash-attn-4, a config error naming the key before anything starts; the kernel object refuses the CPU too."""
+    import mmtrain.config.validate as validate
+    from mmtrain.config import ConfigError, validate_gpt_config
+    from mmtrain.model import attention
+
+    cfg = load_config(GPTRunConfig, None, ["data.mock=true", "train.device=cpu",
+                                           "train.document_attention=flex_flash"])
+    with pytest.raises(ConfigError, match="train.document_attention=flex_flash needs a GPU"):
+        validate_gpt_config(cfg, 1)
+    monkeypatch.setattr(validate, "flash_available", lambda: False)
+    cfg = load_config(GPTRunConfig, None, ["data.mock=true", "train.device=cuda",
+                                           "train.document_attention=flex_flash"])
+    with pytest.raises(ConfigError, match=r"flex_flash needs flash-attn-4 .*pip install 'mmtrain\[flash\]'"):
+        validate_gpt_config(cfg, 1)
+    with pytest.raises(ValueError, match="runs on CUDA GPUs only, not cpu"):
+        attention.document_kernel("flex_flash", torch.device("cpu"))
+    with pytest.raises(ValueError, match="backend must be 'TRITON' or 'FLASH'"):
+        attention.FlexDocuments(backend="flash")
+
+
+def test_flex_flash_asks_flex_attention_for_the_flash_backend(monkeypatch):
+    """Every flex call of the FLASH kernel object passes ``kernel_options={"BACKEND": "FLASH"}`` (plain, with
+    sinks, with the log-sum-exp); the Triton one passes none, as before the option existed."""
+    from mmtrain.model.attention import FlexDocuments
+
+    seen = []
+
+    def fake_flex(q, k, v, **kwargs):
+        seen.append(kwargs.get("kernel_options", "missing"))
+        out = torch.zeros_like(q)
+        return (out, type("Aux", (), {"lse": torch.zeros(q.shape[:3])})()) if "return_aux" in kwargs else out
+
+    q = k = v = torch.zeros(1, 2, 128, 16)
+    for backend, expected in (("FLASH", {"BACKEND": "FLASH"}), ("TRITON", None)):
+        kernel = FlexDocuments(backend=backend)
+        monkeypatch.setattr(kernel, "_kernel", lambda q: fake_flex)
+        seen.clear()
+        kernel.attend(q, k, v, None, None)
+        kernel.attend(q, k, v, None, None, sinks_H=torch.zeros(2))
+        kernel.attend_with_lse(q, k, v, None, None)
+        assert seen == [expected] * 3, backend
+        assert kernel.name == ("flex_flash" if backend == "FLASH" else "flex")
+
+
 @pytest.mark.parametrize("S,K,q_offset,window", [(1000, 1000, 0, None), (1000, 1000, 0, 300), (256, 512, 256, None)])
 def test_block_mask_backward_side_equals_flex_own_transpose(S, K, q_offset, window):
     """The block mask's query-block lists (what flex's backward walks), built from the transposed keep matrices,
