@@ -5,7 +5,9 @@ once per micro-batch for all layers) and ``torch.nn.attention.varlen.varlen_attn
 are expanded to 32 heads beforehand, outside the timing), and the flex block mask of a sliding window
 (``--window``, Mistral's) intersected with the documents and on its own (one document per row); and the same block
 mask run by FlexAttention's FLASH backend (flash-attn-4's CuTe kernels: ``train.document_attention=flex_flash``)
-where flash-attn-4 is installed and the GPU is a Hopper or later. One table, median of ``--iters`` timed calls.
+where flash-attn-4 is installed and the GPU is a Hopper or later, and that backend's plain causal attention (the
+causal block mask, no documents) beside SDPA's causal kernel (cuDNN's or flash's, the unpacked rows' attention).
+One table, median of ``--iters`` timed calls.
 
     python bench/attention_packed.py [--shapes 4x4096 1x16384 1x32768] [--dtype bf16] [--no-dense] [--window 512]
 """
@@ -67,10 +69,10 @@ def main() -> None:
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     H, KV, D = a.heads, a.kv_heads, a.head_dim
-    print(f"| shape | causal SDPA, no mask | dense-mask SDPA | flex block mask | flex FLASH backend | flex mask build "
-          f"| varlen_attn | flex window {a.window} ∩ documents | flex window {a.window}, one document "
-          f"| attention left by the documents |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| shape | causal SDPA, no mask | flex FLASH causal, no mask | dense-mask SDPA | flex block mask "
+          f"| flex FLASH backend | flex mask build | varlen_attn | flex window {a.window} ∩ documents "
+          f"| flex window {a.window}, one document | attention left by the documents |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     flex = FlexDocuments()
     flash = None
     if dev.type != "cuda" or torch.cuda.get_device_capability()[0] < 9 or not flash_available():
@@ -98,10 +100,12 @@ def main() -> None:
         block_mask = flex.mask(ids, ids, 0)
         flexed = (_time(step(lambda: flex.attend(q, k, v, block_mask, None)), a.iters, sync)
                   if dev.type == "cuda" else float("nan"))  # CPU flex has no backward
-        flashed = float("nan")
+        flashed = flash_causal = float("nan")
         if flash is not None:
             try:
                 flashed = _time(step(lambda: flash.attend(q, k, v, block_mask, None)), a.iters, sync)
+                causal_mask = flash.causal_mask(S, S, 0, None, dev)
+                flash_causal = _time(step(lambda: flash.attend(q, k, v, causal_mask, None)), a.iters, sync)
             except Exception as exc:  # noqa: BLE001 - an experimental backend: say why the cell is empty
                 print(f"(flex FLASH backend failed at {shape}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
         windowed = {}
@@ -125,7 +129,8 @@ def main() -> None:
             print(f"(varlen_attn not measured: {type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
         counts = torch.stack([torch.bincount(row, minlength=S) for row in ids.cpu()]).double()
         left = float((counts ** 2).sum() / (B * S * S))
-        print(f"| {shape} | {causal:.2f} ms | {dense:.2f} ms | {flexed:.2f} ms | {flashed:.2f} ms | {build:.2f} ms "
+        print(f"| {shape} | {causal:.2f} ms | {flash_causal:.2f} ms | {dense:.2f} ms | {flexed:.2f} ms "
+              f"| {flashed:.2f} ms | {build:.2f} ms "
               f"| {varlen:.2f} ms "
               f"| {windowed['documents']:.2f} ms | {windowed['one document']:.2f} ms | {left:.3f} |", flush=True)
 
