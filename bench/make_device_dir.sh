@@ -87,6 +87,10 @@ put_file() {  # put_file SRC DEST: copy unless the same bytes are there (copy be
   t="$(dirname "$2")/.tmp-$(basename "$2").$$"  # a dot name: no *.whl glob on the device takes it
   cp "$1" "$t" && mv "$t" "$2"
 }
+run_fetch() {  # run_fetch PART SCRIPT: bench/SCRIPT with DEV=$t, a fresh .device/.tmp-PART; its log's end on failure
+  t=$(tmpdir "$1")
+  DEV=$t bash "bench/$2" > "$t/fetch.log" 2>&1 || { tail -15 "$t/fetch.log"; echo "bench/$2 failed (log above)"; exit 1; }
+}
 stamp_ok() { [ "$FORCE" = 0 ] && [ -f "$1/.stamp" ] && [ "$(cat "$1/.stamp")" = "$2" ]; }
 say() { printf '### %s (at %ss)\n' "$*" $((SECONDS - T0)); }
 
@@ -153,9 +157,7 @@ if want prep; then
     say "prep: complete, skipped"
   else
     say "prep: bench/fetch_prep_wheels.sh"
-    t=$(tmpdir prep)
-    DEV=$t bash bench/fetch_prep_wheels.sh > "$t/fetch.log" 2>&1 \
-      || { tail -15 "$t/fetch.log"; echo "bench/fetch_prep_wheels.sh failed (log above)"; exit 1; }
+    run_fetch prep fetch_prep_wheels.sh
     mkdir -p "$DEV/whl"
     (cd "$t/whl" && ls) > "$t/megatron-lm/.wheels"
     for w in "$t"/whl/*.whl; do put_file "$w" "$DEV/whl/$(basename "$w")"; done
@@ -173,9 +175,7 @@ if want flash; then
     say "flash: complete, skipped"
   else
     say "flash: bench/fetch_flash_wheels.sh"
-    t=$(tmpdir flash)
-    DEV=$t bash bench/fetch_flash_wheels.sh > "$t/fetch.log" 2>&1 \
-      || { tail -15 "$t/fetch.log"; echo "bench/fetch_flash_wheels.sh failed (log above)"; exit 1; }
+    run_fetch flash fetch_flash_wheels.sh
     echo "$flash_stamp" > "$t/fa4-2/.stamp"
     put_dir "$t/fa4-1" "$DEV/fa4-1"
     put_dir "$t/fa4-2" "$DEV/fa4-2"
