@@ -73,6 +73,12 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb=true needs the wandb package: pip install 'mmtrain[wandb]' (or set "
                           "logging.wandb=false)")
+    if t.document_attention in ("flex", "flex_flash") and t.device == "cpu":
+        raise ConfigError(f"train.document_attention={t.document_attention} needs a GPU (FlexAttention has no "
+                          "backward on the CPU in this torch); use auto or dense")
+    if t.document_attention == "flex_flash" and not flash_available():
+        raise ConfigError(f"train.document_attention=flex_flash needs {FLASH_PACKAGE} (flash_attn.cute): "
+                          "pip install 'mmtrain[flash]', or use flex")
     _validate_data(d)
     if (t.objective == "dpo") != (d.type == "preference"):
         raise ConfigError(f"train.objective={t.objective} with data.type={d.type}: DPO trains on preference pairs "
@@ -83,12 +89,6 @@ def check_language_run(cfg: GPTRunConfig, world_size: int | None = None, model_k
         raise ConfigError("train.objective=dpo does not support parallel.cp > 1 yet (sequence log-probs would be "
                           "split over the context ranks); use tp/pp/dp")
     _validate_distill(cfg, mk)
-    if t.document_attention in ("flex", "flex_flash") and t.device == "cpu":
-        raise ConfigError(f"train.document_attention={t.document_attention} needs a GPU (FlexAttention has no "
-                          "backward on the CPU in this torch); use auto or dense")
-    if t.document_attention == "flex_flash" and not flash_available():
-        raise ConfigError(f"train.document_attention=flex_flash needs {FLASH_PACKAGE} (flash_attn.cute): "
-                          "pip install 'mmtrain[flash]', or use flex")
     if t.precision == "fp8" and t.device == "cpu":
         raise ConfigError("train.precision=fp8 needs a Hopper/Blackwell GPU; on the CPU use bf16 or fp32")
     if t.precision == "fp8" and not shape.supports_fp8:

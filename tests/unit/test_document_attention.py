@@ -353,3 +353,14 @@ def test_block_mask_backward_side_equals_flex_own_transpose(S, K, q_offset, wind
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
                  "full_q_num_blocks", "full_q_indices"):
         assert getattr(mask, name).is_contiguous(), name
+
+
+def test_a_vlm_run_refuses_flex_on_the_cpu_too():
+    """The document kernel's checks are the language run's, so a VLM run (its packing uses the same kernel) gets
+    them before anything starts."""
+    from mmtrain.config import ConfigError, VLMRunConfig, validate_vlm_config
+
+    cfg = load_config(VLMRunConfig, None, ["data.mock=true", "train.device=cpu",
+                                           "train.document_attention=flex_flash"])
+    with pytest.raises(ConfigError, match="train.document_attention=flex_flash needs a GPU"):
+        validate_vlm_config(cfg, 1)
