@@ -364,3 +364,17 @@ def test_a_vlm_run_refuses_flex_on_the_cpu_too():
                                            "train.document_attention=flex_flash"])
     with pytest.raises(ConfigError, match="train.document_attention=flex_flash needs a GPU"):
         validate_vlm_config(cfg, 1)
+
+
+def test_flash_is_unavailable_when_an_older_flash_attn_cannot_load(monkeypatch, tmp_path):
+    """A ``flash_attn`` package (flash-attn 2) whose ``__init__`` fails to load its extension: not available,
+    no traceback (the config check runs before anything starts)."""
+    import sys
+
+    from mmtrain.utils.optional import flash_available
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("raise OSError('libcudart.so.12: cannot open')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert flash_available() is False
