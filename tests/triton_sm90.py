@@ -23,10 +23,10 @@ TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 
 def compile_sm90(fn, signature: dict[str, str], constexprs: dict, divisible: tuple[str, ...] = (),
-                 num_warps: int = 4, num_stages: int | None = None):
+                 num_warps: int = 4, **options):
     """The compiled kernel of ``fn`` (a ``triton.jit`` function) for sm_90: ``signature`` maps each runtime
-    argument to its Triton type ("*fp32", "i32", ...), ``constexprs`` the compile-time ones; ``num_stages``
-    None: Triton's default."""
+    argument to its Triton type ("*fp32", "i32", ...), ``constexprs`` the compile-time ones; ``options``: more
+    of Triton's compile options (``num_stages``, ``num_ctas``, ...)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,8 +35,7 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, divisible: tup
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
     try:
-        options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
     except RuntimeError as e:  # no ptxas / CUDA backend in this Triton: nothing to check here
         if "ptxas" in str(e).lower() or "backend" in str(e).lower():
             pytest.skip(f"Triton cannot compile for sm_90 here: {str(e).splitlines()[0][:120]}")
@@ -71,13 +70,9 @@ def captured_launches():
 def compile_launch(kernel, args: tuple, kwargs: dict):
     """``compile_sm90`` of one recorded launch: tensors as aligned pointers of their dtype, ints of 1 as
     constants and multiples of 16 as divisible (Triton's specializations), constexprs by the kernel's own marks,
-    ``num_warps`` and ``num_stages`` from the launch (any other keyword is no argument of the kernel: an error)."""
-    kwargs = dict(kwargs)
-    num_warps, num_stages = kwargs.pop("num_warps", 4), kwargs.pop("num_stages", None)
-    unknown = set(kwargs) - set(kernel.arg_names)
-    if unknown:
-        raise TypeError(f"{kernel.__name__}: launch options this helper does not pass on: {sorted(unknown)}")
-    values = dict(zip(kernel.arg_names, args)) | kwargs
+    the launch's other keywords (``num_warps``, ``num_stages``, ``num_ctas``, ...) as compile options."""
+    values = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names}
+    options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
     constexpr_names = {kernel.arg_names[i] for i in kernel.constexprs}
     signature, constexprs, divisible = {}, {}, []
     for name in kernel.arg_names:
@@ -96,4 +91,4 @@ def compile_launch(kernel, args: tuple, kwargs: dict):
             signature[name] = "fp32"
         else:
             raise TypeError(f"{kernel.__name__}: argument {name} of type {type(value).__name__}")
-    return compile_sm90(kernel, signature, constexprs, tuple(divisible), num_warps, num_stages)
+    return compile_sm90(kernel, signature, constexprs, tuple(divisible), **options)
